@@ -1,0 +1,84 @@
+"""``python -m xspec model=... spec=... platform=... key=value ...``
+
+Hydra's usual features work (``--help``, ``--cfg job``, ``-m`` multirun). Every
+override set is composed and validated up front, so a user error (unknown option, bad
+value, missing path, bad checkpoint, prompt too long) prints a short message and exits
+with code 2, never a Python traceback.
+"""
+
+from __future__ import annotations
+
+import itertools
+import sys
+
+import hydra
+from omegaconf import DictConfig
+
+from xspec.compose import compose_run, typed
+from xspec.config import RunConfig, register_configs
+from xspec.errors import UserError
+
+USER_ERROR = 2
+
+
+def _fail(e: UserError) -> int:
+    print(f"xspec: error: {e}", file=sys.stderr)
+    return USER_ERROR
+
+
+def _override_sets(args: list[str]) -> list[list[str]]:
+    """Every combination a (multi)run will compose, for the up-front check."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    overrides = [a for a in args if not a.startswith("-")]
+    try:
+        parsed = OverridesParser.create().parse_overrides(overrides)
+    except Exception as e:  # hydra raises OverrideParseException with a clear text
+        raise UserError(f"cannot parse overrides: {e}") from None
+    choices = []
+    for text, o in zip(overrides, parsed):
+        key = text.split("=", 1)[0]
+        values = (
+            list(o.sweep_string_iterator())
+            if o.is_sweep_override()
+            else [text.split("=", 1)[1] if "=" in text else ""]
+        )
+        choices.append([f"{key}={v}" if "=" in text else text for v in values])
+    return [list(c) for c in itertools.product(*choices)]
+
+
+def run(cfg: RunConfig) -> None:
+    """The main job: generate for the workload's prompts and report timings and acceptance."""
+    from xspec.build import build
+    from xspec.engine.report import run_workload
+
+    run_workload(build(cfg), cfg.workload, cfg.sampling)
+
+
+@hydra.main(config_path="conf", config_name="config", version_base="1.3")
+def _hydra_entry(cfg: DictConfig) -> None:
+    try:
+        run(typed(cfg))
+    except UserError as e:
+        sys.exit(_fail(e))
+
+
+def main() -> None:
+    args = sys.argv[1:]
+    info_only = any(
+        a in ("--help", "-h", "--hydra-help", "--info", "-i")
+        or a.startswith(("--cfg", "-c", "--shell"))
+        for a in args
+    )
+    if not info_only:
+        try:
+            for overrides in _override_sets(args):
+                compose_run(overrides)
+        except UserError as e:
+            sys.exit(_fail(e))
+    register_configs()
+    _hydra_entry()
+
+
+if __name__ == "__main__":
+    main()

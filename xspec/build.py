@@ -1,0 +1,80 @@
+"""The one place that turns names into objects and checks that they fit together.
+
+Order matters: everything that can be checked cheaply (config values, registry names,
+platform limits, the drafter's checkpoint) is checked and reported together before
+any weights or caches are allocated.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from xspec.config import RunConfig, validate
+from xspec.engine.engine import Engine
+from xspec.errors import ConfigError
+from xspec.models.base import CapturePoint, TargetModel
+from xspec.platforms import get_platform
+from xspec.platforms.base import Platform
+from xspec.registry import models, spec_methods
+from xspec.tokenizer import Tokenizer, load_tokenizer
+from xspec.workers.drafter import Drafter
+
+# Rows a decoding state can roll back when the method's gamma is not set explicitly.
+DEFAULT_MAX_ROLLBACK = 8
+
+
+@dataclass
+class Built:
+    cfg: RunConfig
+    platform: Platform
+    target: TargetModel
+    drafter: Drafter
+    capture: list[CapturePoint]
+    tokenizer: Tokenizer
+    engine: Engine
+
+
+def build(cfg: RunConfig) -> Built:
+    validate(cfg)
+    platform = get_platform(cfg.platform)
+    gamma = cfg.spec.num_speculative_tokens
+    problems = platform.validate(dtype=cfg.model.dtype.value, num_speculative_tokens=gamma or 1)
+    make_drafter: Any = spec_methods.get(cfg.spec.method)
+    preflight = getattr(make_drafter, "preflight", None)
+    if preflight is not None:  # drafter checkpoint checks, before the target is loaded
+        problems += preflight(cfg.spec, cfg.model)
+    if problems:
+        raise ConfigError("this run cannot be built:", problems=problems)
+
+    torch.set_grad_enabled(False)
+    max_rollback = max(gamma or 0, DEFAULT_MAX_ROLLBACK)
+    target: TargetModel = models.get(cfg.model.arch)(
+        cfg.model, device=platform.device(), max_rollback=max_rollback
+    )
+    drafter: Drafter = make_drafter(cfg.spec, target=target, model_cfg=cfg.model, platform=platform)
+    if drafter.gamma > max_rollback:
+        raise ConfigError(
+            f"spec.num_speculative_tokens: the drafter proposes {drafter.gamma} tokens but the caches "
+            f"were sized for {max_rollback}; set spec.num_speculative_tokens={drafter.gamma} explicitly"
+        )
+    capture = [platform.capture_point(layer_id) for layer_id in drafter.capture_layer_ids]
+    tokenizer = _tokenizer(target)
+    engine = Engine(
+        target, drafter, capture, eos_id=tokenizer.eos_id, synchronize=platform.synchronize
+    )
+    return Built(cfg, platform, target, drafter, capture, tokenizer, engine)
+
+
+def _tokenizer(target: TargetModel) -> Tokenizer:
+    args = getattr(target, "args", None)
+    ckpt = getattr(target, "checkpoint_dir", None)
+    return load_tokenizer(
+        Path(ckpt) if ckpt else None,
+        target.vocab_size,
+        getattr(args, "bos_token_id", None),
+        getattr(args, "eos_token_id", None),
+    )

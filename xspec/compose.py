@@ -1,0 +1,91 @@
+"""Compose a run config from overrides, exactly as the CLI does, with user-facing errors.
+
+Hydra and OmegaConf report problems with their own exception types; this module turns
+every one of them into a :class:`~xspec.errors.ConfigError` whose message names the key
+and, for group options, lists the allowed values.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+from hydra import compose, initialize_config_module
+from hydra.errors import HydraException
+from omegaconf import DictConfig, OmegaConf
+from omegaconf.errors import OmegaConfBaseException
+
+from xspec.config import RunConfig, register_configs, to_typed
+from xspec.errors import ConfigError
+
+CONFIG_MODULE = "xspec.conf"
+
+
+def overrides_from(
+    model: str | None = None,
+    spec: str | None = None,
+    platform: str | None = None,
+    overrides: Mapping[str, Any] | Iterable[str] | None = None,
+) -> list[str]:
+    """Python-API arguments as Hydra override strings."""
+    out = [f"{k}={v}" for k, v in (("model", model), ("spec", spec), ("platform", platform)) if v]
+    if isinstance(overrides, Mapping):
+        out += [f"{k}={_value(v)}" for k, v in overrides.items()]
+    elif overrides is not None:
+        out += list(overrides)
+    return out
+
+
+def _value(v: Any) -> str:
+    if v is None:
+        return "null"
+    if isinstance(v, bool):
+        return str(v).lower()
+    if isinstance(v, list | tuple):
+        return "[" + ",".join(_value(x) for x in v) + "]"
+    if isinstance(v, str) and any(c in v for c in " ,=[]{}'\"\\:"):
+        return "'" + v.replace("\\", "\\\\").replace("'", "\\'") + "'"
+    return str(v)
+
+
+def user_message(e: BaseException) -> str:
+    """The first useful lines of a Hydra/OmegaConf error, without stack noise."""
+    msg = str(e).strip()
+    lines = [
+        ln
+        for ln in msg.splitlines()
+        if ln.strip() and not ln.startswith(("    object_type", "    reference_type"))
+    ]
+    return "\n".join(lines[:14])
+
+
+def compose_raw(overrides: list[str]) -> DictConfig:
+    register_configs()
+    try:
+        with initialize_config_module(config_module=CONFIG_MODULE, version_base="1.3"):
+            return compose(config_name="config", overrides=overrides)
+    except (HydraException, OmegaConfBaseException, ValueError) as e:
+        raise ConfigError(user_message(e)) from None
+
+
+def compose_run(overrides: list[str]) -> RunConfig:
+    """Composed and typed run config (raises ConfigError on any user mistake)."""
+    return typed(compose_raw(overrides))
+
+
+def typed(cfg: DictConfig) -> RunConfig:
+    try:
+        return to_typed(cfg)
+    except OmegaConfBaseException as e:
+        raise ConfigError(user_message(e) + _hint(e)) from None
+
+
+def _hint(e: OmegaConfBaseException) -> str:
+    key = getattr(e, "full_key", None)
+    if type(e).__name__ == "MissingMandatoryValue" and key:
+        return f"\nset it on the command line, e.g. {key}=..."
+    return ""
+
+
+def to_yaml(cfg: RunConfig) -> str:
+    return OmegaConf.to_yaml(OmegaConf.structured(cfg))

@@ -1,0 +1,172 @@
+"""Typed configuration schemas, registered in Hydra's ConfigStore.
+
+One ``kw_only`` dataclass per config group; choices are str Enums (OmegaConf 2.3
+rejects ``Literal``); required values are ``MISSING``. The YAML files under
+``xspec/conf/`` hold values only and select plugins by *name* (registry keys), never
+by import path.
+
+``to_typed`` is the single conversion point from a composed ``DictConfig`` to these
+dataclasses. It refuses keys that the schema would silently drop, and ``validate``
+collects *every* problem of a run config into one :class:`ConfigError` before anything
+heavy (weights, caches, devices) is touched.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field, fields, is_dataclass
+from typing import Any
+
+from hydra.core.config_store import ConfigStore
+from omegaconf import MISSING, DictConfig, OmegaConf
+
+from xspec.errors import ConfigError
+
+
+class DType(str, enum.Enum):
+    float32 = "float32"
+    bfloat16 = "bfloat16"
+    float16 = "float16"
+
+
+class NativeSas(str, enum.Enum):
+    """DSv4 draft-window sparse attention mode (NPU only; see DESIGN.md section 6)."""
+
+    auto = "auto"
+    on = "on"
+    off = "off"
+
+
+@dataclass(kw_only=True)
+class ModelConfig:
+    """``model=<preset>``: which architecture, which checkpoint."""
+
+    arch: str = MISSING  # models registry key: qwen3 | deepseek_v4 | <plugin>
+    path: str | None = None  # checkpoint directory; null = the built-in ``preset``
+    preset: str | None = None  # built-in tiny checkpoint generated on first use
+    dtype: DType = DType.float32
+    max_context: int | None = None  # null = the model's limit (capped to keep caches small)
+
+
+@dataclass(kw_only=True)
+class SpecConfig:
+    """``spec=<method>``: the speculative method and its options."""
+
+    method: str = MISSING  # spec_methods registry key: none | mtp | oracle | wrong | <plugin>
+    # gamma; null = the method's / checkpoint's trained default (MTP: 1)
+    num_speculative_tokens: int | None = None
+    draft_path: str | None = None  # null = the target directory (drafter stored with the target)
+
+
+@dataclass(kw_only=True)
+class PlatformConfig:
+    """``platform=<name>``: where it runs."""
+
+    name: str = MISSING  # platforms registry key: auto | cpu | cuda | npu | <plugin>
+    device_index: int = 0
+    native_sas: NativeSas = NativeSas.auto
+
+
+@dataclass(kw_only=True)
+class SamplingConfig:
+    temperature: float = 0.0  # 0 = greedy
+    top_k: int = 0  # 0 = off
+    top_p: float = 1.0  # 1 = off
+    seed: int | None = 0  # per-request seeds are seed + request index; null = nondeterministic
+
+
+@dataclass(kw_only=True)
+class WorkloadConfig:
+    """What the CLI's main job generates."""
+
+    prompts: list[str] = field(default_factory=list)  # text prompts, cycled over requests
+    num_requests: int = 4
+    concurrency: int = 4  # requests decoded together (continuous batching)
+    max_new_tokens: int = 32
+    ignore_eos: bool = False
+    print_outputs: bool = True
+
+
+@dataclass(kw_only=True)
+class RunConfig:
+    model: ModelConfig = MISSING
+    spec: SpecConfig = MISSING
+    platform: PlatformConfig = MISSING
+    workload: WorkloadConfig = MISSING
+    sampling: SamplingConfig = field(default_factory=SamplingConfig)
+
+
+_GROUPS: dict[str, type] = {
+    "model": ModelConfig,
+    "spec": SpecConfig,
+    "platform": PlatformConfig,
+    "workload": WorkloadConfig,
+    "sampling": SamplingConfig,
+}
+
+
+def register_configs() -> None:
+    """Register the schemas; YAML options extend them with ``defaults: [<group>_schema]``."""
+    cs = ConfigStore.instance()
+    cs.store(name="run_schema", node=RunConfig)
+    for group, schema in _GROUPS.items():
+        cs.store(group=group, name=f"{group}_schema", node=schema)
+
+
+def _dropped_keys(raw: Any, typed: Any, prefix: str) -> list[str]:
+    """Keys present in the composed config that the dataclass has no field for."""
+    if not (isinstance(raw, dict) and is_dataclass(typed)):
+        return []
+    names = {f.name for f in fields(typed)}
+    out = [f"{prefix}{k}" for k in raw if k not in names]
+    for k in names & raw.keys():
+        out += _dropped_keys(raw[k], getattr(typed, k), f"{prefix}{k}.")
+    return out
+
+
+def to_typed(cfg: DictConfig) -> RunConfig:
+    """The one conversion from a composed config to the typed :class:`RunConfig`."""
+    raw = OmegaConf.to_container(cfg, resolve=True)
+    raw.pop("hydra", None)  # type: ignore[union-attr]
+    merged = OmegaConf.merge(OmegaConf.structured(RunConfig), raw)
+    typed = OmegaConf.to_object(merged)
+    assert isinstance(typed, RunConfig)
+    dropped = _dropped_keys(raw, typed, "")
+    if dropped:
+        raise ConfigError("unknown config keys (they would be ignored):", problems=dropped)
+    return typed
+
+
+def validate(cfg: RunConfig) -> None:
+    """Every config-level problem at once (registry names, ranges)."""
+    from xspec.registry import models, platforms, spec_methods
+
+    problems: list[str] = []
+    for key, reg, value in (
+        ("model.arch", models, cfg.model.arch),
+        ("spec.method", spec_methods, cfg.spec.method),
+        ("platform.name", platforms, cfg.platform.name),
+    ):
+        if value not in reg:
+            problems.append(f"{key}: unknown {reg.kind} {value!r}; known: {', '.join(reg.names())}")
+    gamma = cfg.spec.num_speculative_tokens
+    if gamma is not None and gamma < 1:
+        problems.append(f"spec.num_speculative_tokens must be >= 1 (got {gamma})")
+    w = cfg.workload
+    for key, value in (
+        ("workload.num_requests", w.num_requests),
+        ("workload.concurrency", w.concurrency),
+        ("workload.max_new_tokens", w.max_new_tokens),
+    ):
+        if value < 1:
+            problems.append(f"{key} must be >= 1 (got {value})")
+    if cfg.model.max_context is not None and cfg.model.max_context < 2:
+        problems.append(f"model.max_context must be >= 2 (got {cfg.model.max_context})")
+    s = cfg.sampling
+    from xspec.sampling import SamplingParams
+
+    problems += SamplingParams(
+        temperature=s.temperature, top_k=s.top_k, top_p=s.top_p, seed=s.seed
+    ).problems()
+    if problems:
+        raise ConfigError("invalid configuration:", problems=problems)

@@ -1,0 +1,156 @@
+"""Requests in, generations out: admission, continuous batching, timing.
+
+The engine owns no model math. It checks each request, admits up to ``concurrency``
+sequences at a time (a finished sequence frees its slot for a waiting one between two
+decode steps), and runs :func:`xspec.workers.step.prefill` / ``decode_step``.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+from xspec.errors import RequestError
+from xspec.metrics import SpecDecodeMetrics
+from xspec.models.base import CapturePoint, TargetModel
+from xspec.sampling import SamplingParams, make_generator
+from xspec.workers.drafter import Drafter
+from xspec.workers.step import Sequence as RunningSeq
+from xspec.workers.step import decode_step, prefill
+
+
+@dataclass
+class Request:
+    prompt_ids: list[int]
+    max_new_tokens: int
+    params: SamplingParams
+    ignore_eos: bool = False
+
+
+@dataclass
+class Generation:
+    """One request's result. Times are seconds from the start of ``Engine.run``."""
+
+    prompt_ids: list[int]
+    token_ids: list[int]  # generated ids only
+    ttft_s: float  # time to first token
+    latency_s: float  # time to the last token
+    num_steps: int  # decode steps this request took part in
+    text: str = ""
+
+    @property
+    def tpot_s(self) -> float:
+        """Time per output token after the first."""
+        n = len(self.token_ids) - 1
+        return (self.latency_s - self.ttft_s) / n if n > 0 else 0.0
+
+
+class Engine:
+    def __init__(
+        self,
+        target: TargetModel,
+        drafter: Drafter,
+        capture: list[CapturePoint],
+        *,
+        eos_id: int | None,
+        synchronize: Callable[[], None] = lambda: None,
+        prefill_chunk: int = 2048,
+    ) -> None:
+        self.target, self.drafter, self.capture = target, drafter, capture
+        self.eos_id = eos_id
+        self.synchronize = synchronize
+        self.prefill_chunk = prefill_chunk
+        self.metrics = SpecDecodeMetrics()
+
+    def check(self, req: Request, where: str) -> None:
+        """A clear error for a request that can never run."""
+        n, vocab = len(req.prompt_ids), self.target.vocab_size
+        if n == 0:
+            raise RequestError(f"{where}: empty prompt; give at least one token")
+        bad = [t for t in req.prompt_ids if not 0 <= t < vocab]
+        if bad:
+            raise RequestError(f"{where}: token ids outside the vocabulary [0, {vocab}): {bad[:8]}")
+        if req.max_new_tokens < 1:
+            raise RequestError(f"{where}: max_new_tokens must be >= 1 (got {req.max_new_tokens})")
+        need = n + req.max_new_tokens + self.drafter.gamma
+        if need > self.target.max_context:
+            raise RequestError(
+                f"{where}: prompt of {n} tokens + max_new_tokens {req.max_new_tokens} (+ {self.drafter.gamma} "
+                f"draft rows) exceeds the model context of {self.target.max_context} tokens; shorten the "
+                f"prompt, lower max_new_tokens, or raise model.max_context"
+            )
+        if problems := req.params.problems():
+            raise RequestError(f"{where}: " + "; ".join(problems))
+
+    def run(self, requests: Sequence[Request], concurrency: int) -> list[Generation]:
+        for i, r in enumerate(requests):
+            self.check(r, f"request {i}")
+        waiting = deque(range(len(requests)))
+        running: dict[int, RunningSeq] = {}
+        out: dict[int, Generation] = {}
+        steps = dict.fromkeys(range(len(requests)), 0)
+        t0 = time.perf_counter()
+
+        def elapsed() -> float:
+            self.synchronize()
+            return time.perf_counter() - t0
+
+        while waiting or running:
+            admitted = [
+                waiting.popleft() for _ in range(min(len(waiting), concurrency - len(running)))
+            ]
+            if admitted:
+                seqs = [self._start(requests[i]) for i in admitted]
+                prefill(self.target, self.drafter, seqs, self.capture, self.prefill_chunk)
+                now = elapsed()
+                for i, s in zip(admitted, seqs):
+                    out[i] = Generation(requests[i].prompt_ids, [], now, now, 0)
+                    running[i] = s
+            else:
+                ids = list(running)
+                decode_step(
+                    self.target, self.drafter, [running[i] for i in ids], self.capture, self.metrics
+                )
+                now = elapsed()
+                for i in ids:
+                    steps[i] += 1
+            for i in list(running):
+                if self._take(requests[i], running[i], out[i], now):
+                    del running[i]
+        for i, g in out.items():
+            g.num_steps = steps[i]
+        return [out[i] for i in range(len(requests))]
+
+    def _start(self, req: Request) -> RunningSeq:
+        return RunningSeq(
+            token_ids=list(req.prompt_ids),
+            target_state=self.target.new_state(),
+            draft_state=self.drafter.new_state(),
+            params=req.params,
+            generator=make_generator(req.params),
+        )
+
+    def _take(self, req: Request, seq: RunningSeq, gen: Generation, now: float) -> bool:
+        """Append the step's committed tokens; True when the request is finished."""
+        for t in seq.new_tokens:
+            gen.token_ids.append(t)
+            gen.latency_s = now
+            if len(gen.token_ids) >= req.max_new_tokens or (
+                t == self.eos_id and not req.ignore_eos
+            ):
+                return True
+        return False
+
+
+def seeded(params: SamplingParams, index: int) -> SamplingParams:
+    """Per-request seed: ``seed + index`` (reproducible, distinct streams)."""
+    if params.seed is None:
+        return params
+    return SamplingParams(
+        temperature=params.temperature,
+        top_k=params.top_k,
+        top_p=params.top_p,
+        seed=params.seed + index,
+    )

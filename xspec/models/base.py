@@ -1,0 +1,103 @@
+"""The contract every target (and draft) model implements.
+
+A model runs a *ragged batch*: several sequences, each contributing some rows (new
+tokens) appended at the end of its own decoding state. Rows are flattened into one
+token dimension ``T`` (the "TND" layout engines use), ``seq_lens`` says how many rows
+each sequence contributes, and the positions of sequence ``i``'s rows are
+``states[i].num_tokens, ..., states[i].num_tokens + seq_lens[i] - 1``.
+
+After ``forward`` each state has advanced by its row count. ``truncate(state, n)``
+rolls a state back to its first ``n`` tokens *exactly*: continuing afterwards gives
+the same results as if the dropped rows had never been scored. Speculative
+verification relies on that (score gamma+1 rows, keep the accepted prefix).
+
+Hidden-state capture: ``capture`` is a list of :class:`CapturePoint` (already mapped
+by the platform from checkpoint layer ids, see ``Platform.capture_point``); the model
+returns the hidden state at each point, concatenated in list order, as
+``aux_hidden [T, K*d]``. Core code never adds +1 to a layer id itself.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+from typing import Any, Protocol, runtime_checkable
+
+import torch
+
+
+class CaptureSite(str, enum.Enum):
+    """Where, relative to a decoder layer, a hidden state is read."""
+
+    INPUT = "input"  # the residual entering layer ``layer`` (== output of layer-1)
+    OUTPUT = "output"  # the residual leaving layer ``layer``
+
+
+@dataclass(frozen=True)
+class CapturePoint:
+    """A runtime capture location: decoder layer index + site.
+
+    ``layer`` may equal ``num_layers`` with site INPUT: the final residual before
+    the head (the output of the last layer).
+    """
+
+    layer: int
+    site: CaptureSite
+
+
+@dataclass
+class ForwardBatch:
+    """One ragged batch of rows to score. Shapes: ``input_ids [T]`` (int64)."""
+
+    input_ids: torch.Tensor  # [T]
+    seq_lens: list[int]  # rows per sequence, sum == T
+    states: list[Any]  # one model-specific decoding state per sequence
+    capture: list[CapturePoint] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        if len(self.seq_lens) != len(self.states):
+            raise ValueError("seq_lens and states must have one entry per sequence")
+        if sum(self.seq_lens) != self.input_ids.shape[0]:
+            raise ValueError(
+                f"seq_lens sum to {sum(self.seq_lens)}, input_ids has {self.input_ids.shape[0]} rows"
+            )
+
+    def positions(self) -> torch.Tensor:
+        """Absolute position of every row: ``[T]`` int64."""
+        parts = [
+            torch.arange(s.num_tokens, s.num_tokens + n, dtype=torch.long)
+            for s, n in zip(self.states, self.seq_lens)
+        ]
+        return torch.cat(parts) if parts else torch.empty(0, dtype=torch.long)
+
+
+@dataclass
+class ModelOutput:
+    logits: torch.Tensor  # [T, vocab] float32
+    hidden: (
+        torch.Tensor
+    )  # [T, ...] pre-head hidden: DSv4 [T, hc, d] (before hc_head); Qwen3 [T, d] (before norm)
+    aux_hidden: torch.Tensor | None = None  # [T, K*d] at the requested capture points, else None
+
+
+@runtime_checkable
+class DecodeState(Protocol):
+    """Per-sequence decoding state (KV caches, compressor state...)."""
+
+    num_tokens: int  # tokens currently held (== position of the next row)
+
+
+@runtime_checkable
+class TargetModel(Protocol):
+    """What the engine needs from a target model."""
+
+    vocab_size: int
+    hidden_size: int
+    num_layers: int
+    max_context: int  # longest sequence (prompt + generated) a state can hold
+
+    def new_state(self) -> DecodeState: ...
+
+    def forward(self, batch: ForwardBatch) -> ModelOutput: ...
+
+    def truncate(self, state: DecodeState, num_tokens: int) -> None: ...

@@ -1,0 +1,33 @@
+"""``spec=none``: no drafter; every step scores one row per sequence."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from xspec.errors import ConfigError
+from xspec.workers.drafter import CommittedRows, DraftProposal, DraftRequest
+
+
+class NoDrafter:
+    """The baseline: gamma = 0, so the speculative step reduces to plain decoding."""
+
+    gamma = 0
+    capture_layer_ids: list[int] = []
+
+    def __init__(self, cfg: Any, **_: Any) -> None:
+        if cfg.num_speculative_tokens not in (None, 0):
+            raise ConfigError(
+                f"spec.num_speculative_tokens={cfg.num_speculative_tokens} has no effect with spec=none; "
+                "pick a drafter (spec=mtp) or drop the override"
+            )
+
+    def new_state(self) -> None:
+        return None
+
+    def observe(self, states: list[Any], rows: list[CommittedRows]) -> None:
+        pass
+
+    def propose(self, states: list[Any], requests: list[DraftRequest]) -> DraftProposal:
+        return DraftProposal(tokens=torch.empty(len(requests), 0, dtype=torch.long))

@@ -1,0 +1,65 @@
+"""What a speculative method (drafter) provides to the speculative step.
+
+A drafter keeps its own per-sequence state. The step talks to it twice per decode step:
+
+* ``propose``: gamma draft tokens per sequence (and their full draft distributions q
+  when the drafts were sampled), starting after the anchor (the last committed token,
+  not yet seen by the target). Any speculative rows it appends to its own state while
+  drafting it must roll back itself before returning.
+* ``observe``: the context committed since the last call. For every target row that
+  was kept (the prompt after prefill; anchor + accepted drafts after a verify step) it
+  gets the row's input token, the *next* token (the one at position + 1, the last of
+  which is the new anchor), and the target's hidden rows (pre-head hidden, and the aux
+  hidden captured at ``capture_layer_ids`` when the drafter asked for any).
+
+Checkpoint layer ids in ``capture_layer_ids`` are raw: the platform maps them to capture
+points; drafters never add +1 themselves.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Protocol, runtime_checkable
+
+import torch
+
+from xspec.sampling import SamplingParams
+
+
+@dataclass
+class DraftProposal:
+    tokens: torch.Tensor  # [B, gamma] int64
+    probs: torch.Tensor | None = (
+        None  # [B, gamma, V] float32 full q; None = deterministic drafts (one-hot q)
+    )
+
+
+@dataclass
+class CommittedRows:
+    """One sequence's newly committed target rows (positions start .. start+k-1)."""
+
+    input_ids: torch.Tensor  # [k] tokens the target consumed at these positions
+    next_ids: torch.Tensor  # [k] token at position + 1 (next_ids[-1] is the new anchor)
+    hidden: torch.Tensor  # [k, ...] target pre-head hidden (DSv4: [k, hc, d])
+    aux_hidden: torch.Tensor | None  # [k, K*d] at the drafter's capture layers, in order
+
+
+@dataclass
+class DraftRequest:
+    """What ``propose`` needs to know about one running sequence."""
+
+    anchor: int  # last committed token; the target has not seen it yet
+    params: SamplingParams
+    generator: torch.Generator | None  # the request's own generator (None: greedy)
+
+
+@runtime_checkable
+class Drafter(Protocol):
+    gamma: int  # draft tokens per step; 0 = no speculation
+    capture_layer_ids: list[int]  # raw checkpoint layer ids of the aux hidden it consumes
+
+    def new_state(self) -> Any: ...
+
+    def observe(self, states: list[Any], rows: list[CommittedRows]) -> None: ...
+
+    def propose(self, states: list[Any], requests: list[DraftRequest]) -> DraftProposal: ...

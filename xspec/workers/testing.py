@@ -1,0 +1,55 @@
+"""Drafters that test the speculative machinery (``spec=oracle``, ``spec=wrong``).
+
+Both run the target model itself on a private decoding state: the oracle proposes the
+target's own greedy continuation (acceptance 1.0 under greedy decoding), the wrong
+drafter proposes a token one id off the target's greedy choice at every position
+(acceptance 0). Either way the committed output must equal the baseline's.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from xspec.models.base import DecodeState, ForwardBatch, TargetModel
+from xspec.workers.drafter import CommittedRows, DraftProposal, DraftRequest
+
+DEFAULT_GAMMA = 3
+
+
+class OracleDrafter:
+    offset = 0  # added to the target's greedy token (mod vocab)
+
+    def __init__(self, cfg: Any, *, target: TargetModel, **_: Any) -> None:
+        self.target = target
+        self.gamma = cfg.num_speculative_tokens or DEFAULT_GAMMA
+        self.capture_layer_ids: list[int] = []
+
+    def new_state(self) -> DecodeState:
+        return self.target.new_state()
+
+    def observe(self, states: list[Any], rows: list[CommittedRows]) -> None:
+        # Mirror the committed context into the private state.
+        ids = torch.cat([r.input_ids for r in rows])
+        self.target.forward(ForwardBatch(ids, [len(r.input_ids) for r in rows], states))
+
+    @torch.no_grad()
+    def propose(self, states: list[Any], requests: list[DraftRequest]) -> DraftProposal:
+        start = [s.num_tokens for s in states]
+        tok = torch.tensor([r.anchor for r in requests], dtype=torch.long)  # [B]
+        drafts = []
+        for _ in range(self.gamma):
+            logits = self.target.forward(
+                ForwardBatch(tok, [1] * len(states), states)
+            ).logits  # [B, V]
+            greedy = logits.argmax(-1)
+            drafts.append((greedy + self.offset) % logits.shape[-1])
+            tok = greedy  # follow the target's own continuation
+        for s, n in zip(states, start):
+            self.target.truncate(s, n)
+        return DraftProposal(tokens=torch.stack(drafts, 1))  # [B, gamma]
+
+
+class WrongDrafter(OracleDrafter):
+    offset = 1
