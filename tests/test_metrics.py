@@ -1,0 +1,152 @@
+"""Spec-decode metrics from hand-built committed output matrices (xspec/metrics.py)."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+from prometheus_client.parser import text_string_to_metric_families
+
+from xspec.metrics import SpecDecodeMetrics
+
+NAMES = [
+    "xspec_spec_decode_num_drafts_total",
+    "xspec_spec_decode_num_draft_tokens_total",
+    "xspec_spec_decode_num_accepted_tokens_total",
+    "xspec_spec_decode_num_committed_tokens_total",
+    "xspec_spec_decode_num_accepted_tokens_per_pos_total",
+    "xspec_spec_decode_mean_tokens_per_step",
+]
+
+
+def _scrape(metrics: SpecDecodeMetrics) -> dict[tuple[str, str], float]:
+    """Parse the exposition text back: {(sample name, position label or ""): value}."""
+    out = {}
+    for family in text_string_to_metric_families(metrics.exposition()):
+        for s in family.samples:
+            out[(s.name, s.labels.get("position", ""))] = s.value
+    return out
+
+
+def test_xllm_reference_case() -> None:
+    # xLLM SpeculativeOutputMetricsTest: gamma 5, one row accepts 2, one accepts all.
+    m = SpecDecodeMetrics()
+    m.observe_step(
+        torch.tensor([[10, 11, 12, -1, -1, -1], [20, 21, 22, 23, 24, 25]]), torch.tensor([5, 5])
+    )
+    r = m.report()
+    assert r.num_committed_tokens == 9
+    assert r.accepted_per_position == [2, 2, 1, 1, 1]
+    assert (r.num_drafts, r.num_draft_tokens, r.num_accepted_tokens) == (2, 10, 7)
+    assert (
+        r.acceptance_rate == 0.7 and r.mean_accepted_length == 3.5 and r.mean_tokens_per_step == 4.5
+    )
+    assert r.survival == [1.0, 1.0, 0.5, 0.5, 0.5]
+    assert (r.full_block_fraction, r.zero_accept_fraction) == (0.5, 0.0)
+
+
+def test_rejected_first_draft_correction_is_not_accepted() -> None:
+    m = SpecDecodeMetrics()
+    # Row 0 rejected its first draft: only the correction token, 0 accepted.
+    m.observe_step(torch.tensor([[7, -1, -1]]), torch.tensor([2]))
+    r = m.report()
+    assert (r.num_accepted_tokens, r.num_committed_tokens) == (0, 1)
+    assert r.accepted_per_position == [0, 0]
+    assert (r.zero_accept_fraction, r.full_block_fraction, r.acceptance_rate) == (1.0, 0.0, 0.0)
+    assert _scrape(m)[("xspec_spec_decode_num_accepted_tokens_total", "")] == 0.0
+
+
+def test_full_acceptance_and_baseline_rows() -> None:
+    m = SpecDecodeMetrics()
+    # Row 0 full block (3 drafts + bonus), row 1 baseline (no drafts), row 2 partial,
+    # row 3 carried only one draft and accepted it (a full block of its own width).
+    out = torch.tensor([[1, 2, 3, 4], [5, -1, -1, -1], [6, 7, -1, -1], [8, 9, -1, -1]])
+    m.observe_step(out, torch.tensor([3, 0, 3, 1]))
+    r = m.report()
+    assert (r.num_steps, r.num_row_steps, r.num_drafts, r.num_draft_tokens) == (1, 4, 3, 7)
+    assert (r.num_accepted_tokens, r.num_committed_tokens) == (5, 9)
+    assert r.accepted_per_position == [3, 1, 1]
+    assert (r.num_full_blocks, r.num_zero_accepts) == (2, 0)
+    assert r.mean_tokens_per_step == 9 / 4 and r.mean_accepted_length == 5 / 3
+    assert r.survival == [1.0, 1 / 3, 1 / 3]
+
+
+def test_baseline_only_has_no_drafts_and_no_nan() -> None:
+    m = SpecDecodeMetrics()
+    for _ in range(3):
+        m.observe_step(torch.tensor([[4], [5]]), torch.tensor([0, 0]))
+    r = m.report()
+    assert (r.num_drafts, r.num_draft_tokens, r.num_accepted_tokens) == (0, 0, 0)
+    assert r.num_committed_tokens == 6
+    assert r.mean_tokens_per_step == 1.0
+    assert (r.acceptance_rate, r.mean_accepted_length, r.full_block_fraction) == (0.0, 0.0, 0.0)
+    assert r.accepted_per_position == [] and r.survival == []
+    assert "mean tokens per step" in r.format()
+
+
+def test_invariants_over_random_steps() -> None:
+    gen = torch.Generator().manual_seed(0)
+    m = SpecDecodeMetrics()
+    for step in range(20):
+        gamma = 1 + step % 4
+        drafted = torch.randint(0, gamma + 1, (5,), generator=gen)  # [B]
+        accepted = (torch.rand(5, generator=gen) * (drafted + 1)).long()  # [B] <= drafted
+        out = torch.full((5, gamma + 1), -1)
+        out[torch.arange(gamma + 1)[None, :] <= accepted[:, None]] = 3
+        m.observe_step(out, drafted)
+    r = m.report()
+    pos = r.accepted_per_position
+    assert all(a >= b for a, b in itertools.pairwise(pos)), (
+        f"per-position not non-increasing: {pos}"
+    )
+    assert r.num_committed_tokens == r.num_accepted_tokens + r.num_row_steps
+    assert sum(pos) == r.num_accepted_tokens
+    assert pos[0] == r.num_drafts - r.num_zero_accepts
+
+
+def test_exposition_contains_names_and_values() -> None:
+    m = SpecDecodeMetrics()
+    m.observe_step(torch.tensor([[1, 2, -1], [3, -1, -1]]), torch.tensor([2, 0]))
+    text = m.exposition()
+    for name in NAMES:
+        assert name in text, name
+    got = _scrape(m)
+    assert got[("xspec_spec_decode_num_drafts_total", "")] == 1.0
+    assert got[("xspec_spec_decode_num_draft_tokens_total", "")] == 2.0
+    assert got[("xspec_spec_decode_num_accepted_tokens_total", "")] == 1.0
+    assert got[("xspec_spec_decode_num_committed_tokens_total", "")] == 3.0
+    assert got[("xspec_spec_decode_num_accepted_tokens_per_pos_total", "0")] == 1.0
+    assert got[("xspec_spec_decode_num_accepted_tokens_per_pos_total", "1")] == 0.0
+    assert got[("xspec_spec_decode_mean_tokens_per_step", "")] == 1.5
+
+
+def test_two_instances_do_not_collide() -> None:
+    a, b = SpecDecodeMetrics(), SpecDecodeMetrics()
+    a.observe_step(torch.tensor([[1, 2]]), torch.tensor([1]))
+    assert a.registry is not b.registry
+    assert _scrape(a)[("xspec_spec_decode_num_committed_tokens_total", "")] == 2.0
+    assert _scrape(b)[("xspec_spec_decode_num_committed_tokens_total", "")] == 0.0
+    assert b.report().num_steps == 0
+
+
+def test_format_is_an_aligned_table() -> None:
+    m = SpecDecodeMetrics()
+    m.observe_step(torch.tensor([[1, 2, -1]]), torch.tensor([2]))
+    lines = m.report().format().splitlines()
+    assert lines[0].startswith("decode steps") and lines[-1].startswith("survival[1]")
+    value_cols = {len(line) - len(line.split("  ", 1)[1].lstrip()) for line in lines}
+    assert len(value_cols) == 1, f"values not aligned:\n{m.report().format()}"
+
+
+@pytest.mark.parametrize(
+    ("out", "drafted", "match"),
+    [
+        ([[1, -1, 2]], [2], "left-aligned"),  # a token after the padding
+        ([[-1, -1]], [1], "1..drafts\\+1"),  # nothing committed
+        ([[1, 2, 3]], [1], "1..drafts\\+1"),  # more accepted than drafted
+    ],
+)
+def test_bad_matrices_raise(out: list[list[int]], drafted: list[int], match: str) -> None:
+    with pytest.raises(ValueError, match=match):
+        SpecDecodeMetrics().observe_step(torch.tensor(out), torch.tensor(drafted))

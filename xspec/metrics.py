@@ -1,0 +1,213 @@
+"""Speculative-decoding metrics: Prometheus counters and the acceptance report.
+
+Every method, the no-spec baseline included, records a decode step the same way: from
+the committed output matrix the verifier returned (``[B, gamma+1]``, -1 padded) and the
+number of draft tokens each row carried. Deriving everything from what was committed
+avoids the per-method bookkeeping bugs peers have (a correction token counted as an
+accepted draft, per-position counters never updated for one method).
+
+Semantics follow vLLM's ``vllm:spec_decode_*`` counters:
+
+- ``num_drafts``: verify rows that carried >= 1 draft token;
+- ``num_draft_tokens``: draft tokens sent to verification;
+- ``num_accepted_tokens``: accepted draft tokens = committed - 1 per row (the
+  correction/bonus token is never counted, rejected or not);
+- ``num_committed_tokens``: every committed token (accepted + 1 per row);
+- ``num_accepted_tokens_per_pos{position=k}``: rows whose accepted prefix has >= k+1
+  tokens, so ``per_pos[k] / num_drafts`` is the survival probability through k;
+- gauge ``mean_tokens_per_step``: committed tokens / row-steps so far.
+
+A baseline row (0 draft tokens) commits one token: it adds to committed tokens and
+row-steps, never to drafts.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import prometheus_client
+import torch
+from prometheus_client import CollectorRegistry, Counter, Gauge
+from torch import Tensor
+
+__all__ = ["AcceptanceReport", "SpecDecodeMetrics"]
+
+_PREFIX = "xspec_spec_decode"
+
+
+def _ratio(num: float, den: float) -> float:
+    """num / den, defined as 0.0 when nothing was drafted (den == 0): no NaN in reports."""
+    return num / den if den else 0.0
+
+
+@dataclass(frozen=True)
+class AcceptanceReport:
+    """Totals and derived rates. Rates over drafts are 0.0 when there were no drafts."""
+
+    num_steps: int  # observe_step calls (decode steps)
+    num_row_steps: int  # verify rows over all steps (requests x steps)
+    num_drafts: int  # rows that carried >= 1 draft token
+    num_draft_tokens: int
+    num_accepted_tokens: int  # bonus/correction excluded
+    num_committed_tokens: int  # accepted + 1 per row
+    num_full_blocks: int  # rows with drafts that accepted all of them
+    num_zero_accepts: int  # rows with drafts that accepted none
+    accepted_per_position: list[int]  # [k] rows whose accepted prefix has >= k+1 tokens
+    acceptance_rate: float  # accepted / draft tokens
+    mean_accepted_length: float  # accepted / drafts (bonus excluded; vLLM's "length" is this + 1)
+    mean_tokens_per_step: float  # committed / row-steps: tokens per request per step
+    survival: list[float]  # accepted_per_position[k] / drafts
+    full_block_fraction: float  # full blocks / drafts
+    zero_accept_fraction: float  # zero accepts / drafts
+
+    def format(self) -> str:
+        """A small aligned two-column table (names as in xllm_dspark.md section 7)."""
+        rows: list[tuple[str, str]] = [
+            ("decode steps", str(self.num_steps)),
+            ("verify rows", str(self.num_row_steps)),
+            ("drafts (rows with drafts)", str(self.num_drafts)),
+            ("draft tokens", str(self.num_draft_tokens)),
+            ("accepted tokens", str(self.num_accepted_tokens)),
+            ("committed tokens", str(self.num_committed_tokens)),
+            ("acceptance rate", f"{self.acceptance_rate:.4f}"),
+            ("mean accepted length", f"{self.mean_accepted_length:.4f}"),
+            ("mean tokens per step", f"{self.mean_tokens_per_step:.4f}"),
+            ("full-block fraction", f"{self.full_block_fraction:.4f}"),
+            ("zero-accept fraction", f"{self.zero_accept_fraction:.4f}"),
+        ]
+        rows += [
+            (f"survival[{k}]", f"{s:.4f}  ({c})")
+            for k, (s, c) in enumerate(zip(self.survival, self.accepted_per_position))
+        ]
+        width = max(len(name) for name, _ in rows)
+        return "\n".join(f"{name:<{width}}  {value}" for name, value in rows)
+
+
+class SpecDecodeMetrics:
+    """Counters for one engine. Owns its registry unless one is given, so several
+    engines (or tests) in one process never collide on metric names."""
+
+    def __init__(self, registry: CollectorRegistry | None = None) -> None:
+        self.registry = CollectorRegistry() if registry is None else registry
+        reg = self.registry
+        # prometheus_client appends "_total" to counter names in the exposition.
+        self._drafts = Counter(
+            f"{_PREFIX}_num_drafts", "Verify rows with >= 1 draft token", registry=reg
+        )
+        self._draft_tokens = Counter(
+            f"{_PREFIX}_num_draft_tokens", "Draft tokens verified", registry=reg
+        )
+        self._accepted = Counter(
+            f"{_PREFIX}_num_accepted_tokens", "Accepted draft tokens (bonus excluded)", registry=reg
+        )
+        self._committed = Counter(
+            f"{_PREFIX}_num_committed_tokens",
+            "Committed tokens (accepted + 1 per row)",
+            registry=reg,
+        )
+        self._per_pos = Counter(
+            f"{_PREFIX}_num_accepted_tokens_per_pos",
+            "Rows whose accepted prefix has >= position+1 tokens",
+            ["position"],
+            registry=reg,
+        )
+        self._tokens_per_step = Gauge(
+            f"{_PREFIX}_mean_tokens_per_step",
+            "Committed tokens per verify row so far",
+            registry=reg,
+        )
+        # Python totals mirror the counters: the report reads these, not the registry.
+        self._steps = 0
+        self._row_steps = 0
+        self._num_drafts = 0
+        self._num_draft_tokens = 0
+        self._num_accepted = 0
+        self._num_committed = 0
+        self._num_full = 0
+        self._num_zero = 0
+        self._per_position: list[int] = []
+
+    def observe_step(self, output_tokens: Tensor, num_draft_tokens: Tensor) -> None:
+        """Record one decode step.
+
+        output_tokens: [B, gamma+1] int64, committed tokens per row then -1 padding
+        num_draft_tokens: [B] int64, draft tokens each row carried (0 = baseline row)
+        """
+        committed, drafted = _check_step(output_tokens, num_draft_tokens)  # [B], [B]
+        accepted = committed - 1  # [B] the last committed token is the correction/bonus
+        has_drafts = drafted > 0  # [B]
+        gamma = output_tokens.shape[1] - 1
+        positions = torch.arange(gamma)  # [gamma]
+        per_pos = (accepted[:, None] > positions[None, :]).sum(dim=0).tolist()  # [gamma]
+
+        self._steps += 1
+        self._row_steps += int(committed.shape[0])
+        self._num_drafts += int(has_drafts.sum())
+        self._num_draft_tokens += int(drafted.sum())
+        self._num_accepted += int(accepted.sum())
+        self._num_committed += int(committed.sum())
+        self._num_full += int((has_drafts & (accepted == drafted)).sum())
+        self._num_zero += int((has_drafts & (accepted == 0)).sum())
+        self._per_position += [0] * (gamma - len(self._per_position))
+        for k, count in enumerate(per_pos):
+            self._per_position[k] += count
+            self._per_pos.labels(position=str(k)).inc(count)
+
+        self._drafts.inc(int(has_drafts.sum()))
+        self._draft_tokens.inc(int(drafted.sum()))
+        self._accepted.inc(int(accepted.sum()))
+        self._committed.inc(int(committed.sum()))
+        self._tokens_per_step.set(_ratio(self._num_committed, self._row_steps))
+
+    def report(self) -> AcceptanceReport:
+        drafts = self._num_drafts
+        return AcceptanceReport(
+            num_steps=self._steps,
+            num_row_steps=self._row_steps,
+            num_drafts=drafts,
+            num_draft_tokens=self._num_draft_tokens,
+            num_accepted_tokens=self._num_accepted,
+            num_committed_tokens=self._num_committed,
+            num_full_blocks=self._num_full,
+            num_zero_accepts=self._num_zero,
+            accepted_per_position=list(self._per_position),
+            acceptance_rate=_ratio(self._num_accepted, self._num_draft_tokens),
+            mean_accepted_length=_ratio(self._num_accepted, drafts),
+            mean_tokens_per_step=_ratio(self._num_committed, self._row_steps),
+            survival=[_ratio(c, drafts) for c in self._per_position],
+            full_block_fraction=_ratio(self._num_full, drafts),
+            zero_accept_fraction=_ratio(self._num_zero, drafts),
+        )
+
+    def exposition(self) -> str:
+        """The registry in Prometheus text format."""
+        return prometheus_client.generate_latest(self.registry).decode("utf-8")
+
+
+def _check_step(output_tokens: Tensor, num_draft_tokens: Tensor) -> tuple[Tensor, Tensor]:
+    """Validate one step's matrix; return (committed [B], drafted [B]) int64 on the CPU.
+
+    Catches caller bugs early (ValueError): a row must commit 1..drafts+1 tokens as a
+    prefix, i.e. no token after the first -1.
+    """
+    if output_tokens.dim() != 2 or output_tokens.shape[1] < 1:
+        raise ValueError(f"output_tokens must be [B, gamma+1], got {tuple(output_tokens.shape)}")
+    out = output_tokens.detach().to("cpu", torch.long)  # [B, gamma+1]
+    drafted = num_draft_tokens.detach().to("cpu", torch.long).reshape(-1)  # [B]
+    if drafted.shape[0] != out.shape[0]:
+        raise ValueError(
+            f"num_draft_tokens has {drafted.shape[0]} rows, output_tokens {out.shape[0]}"
+        )
+    valid = out >= 0  # [B, gamma+1]
+    committed = valid.sum(dim=-1)  # [B]
+    prefix = torch.arange(out.shape[1])[None, :] < committed[:, None]  # [B, gamma+1]
+    bad_rows = (
+        (valid != prefix).any(dim=-1) | (committed < 1) | (committed > drafted + 1)
+    ).nonzero()
+    if bad_rows.numel():
+        row = int(bad_rows[0, 0])
+        raise ValueError(
+            f"output_tokens row {row} = {out[row].tolist()} with {int(drafted[row])} drafts: a row "
+            "must commit 1..drafts+1 tokens, left-aligned, then -1 padding"
+        )
+    return committed, drafted

@@ -1,0 +1,140 @@
+"""Qwen3 / Qwen3-MoE target models (registry key ``qwen3``).
+
+Importing this package is light: only the torch-free config schema is imported here;
+torch, safetensors and the model code load when ``load_model`` runs (or when
+``Qwen3Model`` / ``Qwen3State`` are first accessed).
+
+Checkpoint tensors are the Hugging Face names, mapped one to one onto the module.
+Tolerated extras (skipped): ``lm_head.weight`` when ``tie_word_embeddings`` is true
+(transformers ties it to the embedding and ignores the stored copy too), and
+``*.rotary_emb.inv_freq`` buffers some old exports saved (recomputed from the config).
+Any other unexpected tensor is an error: it usually means a wrong directory or an
+unsupported variant (e.g. a quantised export), which loading silently would hide.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from xspec.errors import CheckpointError, ConfigError
+from xspec.models.qwen3.args import Qwen3Args
+
+if TYPE_CHECKING:
+    import torch
+
+    from xspec.models.loading import Checkpoint
+    from xspec.models.qwen3.model import Qwen3Model, Qwen3State
+
+__all__ = ["PRESETS", "Qwen3Args", "Qwen3Model", "Qwen3State", "checkpoint_key", "load_model"]
+
+PRESETS = {"tiny": False, "moe_tiny": True}  # model.preset -> is MoE
+_DTYPES = ("float32", "bfloat16", "float16")
+_FLOAT_CODES = {"F32", "F16", "BF16", "F64"}
+
+
+def __getattr__(name: str) -> Any:  # lazy: keep `import xspec.models.qwen3` torch-free
+    if name in ("Qwen3Model", "Qwen3State"):
+        from xspec.models.qwen3 import model
+
+        return getattr(model, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def load_model(cfg: Any, *, device: torch.device, max_rollback: int) -> Qwen3Model:
+    """Build the model described by the ``model`` config section and load its weights.
+
+    ``cfg``: ``path`` (checkpoint dir; wins over ``preset``), ``preset`` ("tiny" or
+    "moe_tiny", generated on first use), ``dtype`` (enum whose value is float32 /
+    bfloat16 / float16), ``max_context`` (None = max_position_embeddings).
+    ``max_rollback``: every layer is full attention, so any rollback is exact and
+    free; the value is only checked.
+
+    Everything is validated (config.json, tensor names / shapes / dtypes from the
+    safetensors headers) before a parameter is allocated; weights then stream in one
+    tensor at a time.
+    """
+    import torch
+
+    from xspec.models.loading import Checkpoint, load_params
+    from xspec.models.qwen3.model import Qwen3Model
+
+    if max_rollback < 0:
+        raise ValueError(f"max_rollback must be >= 0, got {max_rollback}")
+    dtype = getattr(torch, _dtype_name(cfg.dtype))
+    ckpt = Checkpoint(_checkpoint_path(cfg))
+    args = Qwen3Args.from_config(ckpt.config, ckpt.path / "config.json")
+    check_tensors(args, ckpt)
+    model = Qwen3Model(args, dtype=dtype, device=device, max_context=cfg.max_context)
+    load_params(model, ckpt, lambda name: checkpoint_key(name, args))
+    model.checkpoint_dir = ckpt.path  # tokenizer.json, drafters stored beside the target
+    return model.eval()
+
+
+def checkpoint_key(name: str, args: Qwen3Args) -> str | None:
+    """Module state_dict key for checkpoint tensor ``name`` (identity), None = skip."""
+    if name == "lm_head.weight" and args.tie_word_embeddings:
+        return None
+    if name.endswith("rotary_emb.inv_freq"):
+        return None
+    return name
+
+
+def check_tensors(args: Qwen3Args, ckpt: Checkpoint) -> None:
+    """Headers only: every expected tensor present with its shape and a float dtype, nothing
+    unexpected. One CheckpointError lists every problem with tensor name and shard file."""
+    from xspec.models.qwen3.model import Qwen3Model
+
+    expected = {k: list(v.shape) for k, v in Qwen3Model(args, device="meta").state_dict().items()}
+    problems: list[str] = []
+    for name in sorted(ckpt.names()):
+        key = checkpoint_key(name, args)
+        if key is None:
+            continue
+        shape, code = ckpt.meta(name)
+        where = f"{name!r} in {ckpt.file_of(name).name}"
+        if key not in expected:
+            problems.append(f"unexpected tensor {where}: not part of this {args.model_type} model")
+        elif shape != expected[key]:
+            problems.append(f"tensor {where} has shape {shape}, expected {expected[key]}")
+        elif code not in _FLOAT_CODES:
+            problems.append(
+                f"tensor {where} is {code}; only floating-point (F32/BF16/F16) Qwen3 checkpoints "
+                "are supported (dequantise it first)"
+            )
+    present = set(ckpt.names())
+    problems += [
+        f"missing tensor {key!r} (shape {shape})"
+        for key, shape in expected.items()
+        if key not in present
+    ]
+    if problems:
+        raise CheckpointError(
+            f"checkpoint {ckpt.path} does not match its config.json "
+            f"({args.model_type}, {args.num_hidden_layers} layers; {len(problems)} problem(s))",
+            problems=problems,
+        )
+
+
+def _checkpoint_path(cfg: Any) -> Path:
+    if cfg.path:
+        return Path(cfg.path)
+    if cfg.preset is None:
+        raise CheckpointError(
+            "no Qwen3 checkpoint given: set model.path=/dir/with/config.json (a Hugging Face "
+            f"layout directory) or pick a built-in preset (model.preset: {', '.join(PRESETS)})"
+        )
+    if cfg.preset not in PRESETS:
+        raise ConfigError(
+            f"model.preset={cfg.preset!r} is not a Qwen3 preset; known: {', '.join(PRESETS)}"
+        )
+    from xspec.models.qwen3.tiny import tiny_dir
+
+    return tiny_dir(PRESETS[cfg.preset])
+
+
+def _dtype_name(value: Any) -> str:
+    name = getattr(value, "value", value)
+    if name not in _DTYPES:
+        raise ConfigError(f"model.dtype={name!r} is not supported; use one of {', '.join(_DTYPES)}")
+    return str(name)

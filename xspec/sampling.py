@@ -1,0 +1,258 @@
+"""Per-request sampling: parameters, logits processing, seeded draws.
+
+One processing function, :func:`logits_to_probs`, turns raw logits into the
+distribution a request samples from. Speculative decoding applies it *identically* to
+the target's and the draft's logits, so the rejection sampler compares p and q in the
+same processed space (temperature, top-k, top-p), which is what makes it exact.
+
+Randomness: every random request owns a ``torch.Generator`` (:func:`make_generator`),
+seeded from its ``SamplingParams.seed``. Greedy requests have no generator and never
+consume randomness, so a greedy request's output never depends on its batch mates.
+Draws use inverse-CDF sampling with one uniform per token (``inverse_cdf``), so the
+number of uniforms a request consumes depends only on its own trajectory.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from xspec.errors import RequestError
+
+__all__ = [
+    "SamplingParams",
+    "draw_uniforms",
+    "inverse_cdf",
+    "logits_to_probs",
+    "make_generator",
+    "sample",
+]
+
+_MAX_SEED = 2**64 - 1  # torch.Generator.manual_seed accepts unsigned 64-bit seeds
+_GREEDY_BELOW = 1e-5  # temperatures below this are treated as 0 (greedy)
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How one request samples. The defaults are greedy decoding."""
+
+    temperature: float = 0.0  # 0 (or < 1e-5) = greedy
+    top_k: int = 0  # 0 = off
+    top_p: float = 1.0  # 1 = off
+    seed: int | None = None  # per-request seed; None = nondeterministic
+
+    def problems(self) -> list[str]:
+        """Every invalid field, as messages naming the key and the fix; empty if valid."""
+        out: list[str] = []
+        t, k, p, s = self.temperature, self.top_k, self.top_p, self.seed
+        if not isinstance(t, (int, float)) or not math.isfinite(t) or t < 0:
+            out.append(
+                f"sampling.temperature must be a finite number >= 0 (got {t!r}); use 0 for greedy"
+            )
+        if isinstance(k, bool) or not isinstance(k, int) or k < 0:
+            out.append(
+                f"sampling.top_k must be an integer >= 0 (got {k!r}); use 0 to disable top-k"
+            )
+        if not isinstance(p, (int, float)) or not (0.0 < p <= 1.0):
+            out.append(f"sampling.top_p must be in (0, 1] (got {p!r}); use 1.0 to disable top-p")
+        if s is not None and (
+            isinstance(s, bool) or not isinstance(s, int) or not 0 <= s <= _MAX_SEED
+        ):
+            out.append(f"sampling.seed must be null or an integer in [0, 2**64) (got {s!r})")
+        return out
+
+    @property
+    def greedy(self) -> bool:
+        # Like vLLM, temperatures below 1e-5 are greedy: logits / 1e-30 overflows to inf
+        # and the softmax would be NaN.
+        return self.temperature < _GREEDY_BELOW
+
+
+def make_generator(
+    params: SamplingParams, device: torch.device | str = "cpu"
+) -> torch.Generator | None:
+    """The request's private generator: seeded from ``params.seed``; None for greedy."""
+    if params.greedy:
+        return None
+    gen = torch.Generator(device=device)
+    if params.seed is None:
+        gen.seed()  # fresh nondeterministic seed, as the user asked for
+    else:
+        gen.manual_seed(params.seed)
+    return gen
+
+
+def _check_params(params: Sequence[SamplingParams], num_rows: int) -> None:
+    if len(params) != num_rows:
+        raise ValueError(
+            f"logits_to_probs: {num_rows} logits rows but {len(params)} SamplingParams"
+        )
+    problems = [f"row {i}: {msg}" for i, sp in enumerate(params) for msg in sp.problems()]
+    if problems:
+        raise RequestError("invalid sampling parameters:", problems=problems)
+
+
+def logits_to_probs(logits: Tensor, params: Sequence[SamplingParams]) -> Tensor:
+    """Process logits into sampling distributions, one ``SamplingParams`` per row.
+
+    logits: [N, V] any float dtype -> probs: [N, V] float32, each row sums to 1.
+
+    Greedy rows: one-hot at the argmax (ties -> lowest index). Other rows: divide by
+    temperature, keep the top-k (exactly k tokens; ties at the boundary keep the lowest
+    indices), keep the smallest top-p nucleus of what remains (mass >= top_p, at least
+    one token), softmax. Applied unchanged to target and draft logits.
+    """
+    if logits.dim() != 2:
+        raise ValueError(f"logits_to_probs expects logits [N, V], got shape {tuple(logits.shape)}")
+    num_rows, vocab = logits.shape
+    _check_params(params, num_rows)
+    logits = logits.float()  # [N, V]
+    device = logits.device
+
+    # Greedy rows: torch.argmax returns the first maximal index, i.e. ties -> lowest index.
+    # (Computed for every row; random rows are overwritten below.)
+    probs = torch.zeros_like(logits)  # [N, V]
+    probs.scatter_(1, logits.argmax(dim=-1, keepdim=True), 1.0)
+    if all(sp.greedy for sp in params):
+        return probs
+
+    # Random rows only: temperature, then top-k, then top-p, then softmax.
+    rand_rows = [i for i, sp in enumerate(params) if not sp.greedy]
+    rand_params = [params[i] for i in rand_rows]
+    idx = torch.tensor(rand_rows, device=device)  # [M]
+    temps = torch.tensor([sp.temperature for sp in rand_params], device=device)  # [M]
+    scaled = logits[idx] / temps[:, None]  # [M, V]
+
+    k_rows = [j for j, sp in enumerate(rand_params) if 0 < sp.top_k < vocab]
+    if k_rows:
+        sub = torch.tensor(k_rows, device=device)
+        k = torch.tensor([rand_params[j].top_k for j in k_rows], device=device)  # [Mk]
+        keep = _top_k_mask(scaled[sub], k)  # [Mk, V]
+        scaled[sub] = scaled[sub].masked_fill(~keep, float("-inf"))
+
+    # Rows with top_p == 1 skip this: float cumsums can reach 1.0 early and drop a tail.
+    p_rows = [j for j, sp in enumerate(rand_params) if sp.top_p < 1.0]
+    if p_rows:
+        sub = torch.tensor(p_rows, device=device)
+        top_p = torch.tensor([rand_params[j].top_p for j in p_rows], device=device)  # [Mp]
+        # Tokens top-k removed are -inf and rank last, so the best max(k) candidates
+        # hold every kept token; only rows without top-k need a full-vocabulary sort.
+        cap = max(
+            rand_params[j].top_k if 0 < rand_params[j].top_k < vocab else vocab for j in p_rows
+        )
+        keep = _top_p_mask(scaled[sub], top_p, cap)  # [Mp, V]
+        scaled[sub] = scaled[sub].masked_fill(~keep, float("-inf"))
+
+    probs[idx] = scaled.softmax(dim=-1)
+    return probs
+
+
+def _ranked(scores: Tensor, cap: int) -> tuple[Tensor, Tensor]:
+    """The ``cap`` best entries of each row, by value descending then index ascending.
+
+    scores [M, V] -> (values [M, cap], token ids [M, cap]). Ties must be ordered by
+    index so the same logits always give the same top-k/top-p sets; torch.topk does not
+    promise an order among ties, hence the re-sort of its (small) result.
+    """
+    if cap >= scores.shape[-1]:
+        return scores.sort(dim=-1, descending=True, stable=True)
+    values, ids = scores.topk(cap, dim=-1)  # [M, cap], tie order unspecified
+    ids, perm = ids.sort(dim=-1)  # index ascending ...
+    values, perm2 = values.gather(1, perm).sort(dim=-1, descending=True, stable=True)
+    return values, ids.gather(1, perm2)  # ... then value descending, stable keeps index order
+
+
+def _top_k_mask(scores: Tensor, k: Tensor) -> Tensor:
+    """Exactly ``k[i]`` best tokens per row, ties at the boundary to the lowest indices.
+
+    scores [M, V], k [M] int64 in [1, V) -> keep [M, V] bool.
+    """
+    kth = scores.topk(int(k.max()), dim=-1).values.gather(1, (k - 1)[:, None])  # [M, 1]
+    above = scores > kth  # [M, V] certainly kept
+    tied = scores == kth  # [M, V] kept in index order while room is left
+    room = k[:, None] - above.sum(dim=-1, keepdim=True)  # [M, 1] >= 1
+    return above | (tied & (tied.cumsum(dim=-1) <= room))
+
+
+def _top_p_mask(scores: Tensor, top_p: Tensor, cap: int) -> Tensor:
+    """Smallest set of best tokens whose mass reaches ``top_p`` (always >= 1 token).
+
+    scores [M, V] (-inf = removed), top_p [M] in (0, 1), cap >= kept tokens per row
+    -> keep [M, V] bool.
+    """
+    values, ids = _ranked(scores, cap)  # [M, cap] each
+    ranked_probs = values.softmax(dim=-1)  # [M, cap]: every kept token is among the cap best
+    mass_before = ranked_probs.cumsum(dim=-1) - ranked_probs  # [M, cap] mass of better tokens
+    # Keep a token iff the tokens ranked above it hold < top_p; rank 0 always stays.
+    nucleus = mass_before < top_p[:, None]
+    nucleus[:, 0] = True
+    return torch.zeros_like(scores, dtype=torch.bool).scatter_(1, ids, nucleus)
+
+
+def draw_uniforms(
+    generators: Sequence[torch.Generator | None], counts: Sequence[int], device: torch.device
+) -> Tensor:
+    """Draw ``counts[i]`` uniforms in [0, 1) from ``generators[i]`` for every row i.
+
+    Returns u: [N, max(counts)] float32 on ``device``; row i holds its draws in columns
+    ``0..counts[i]-1`` (the rest is 0). Rows with a None generator must have count 0.
+    Rows that share one generator object draw in a single call, in row order: that is
+    how the statistical tests get 1e5 samples in one batch. A request with its own
+    generator consumes exactly ``counts[i]`` values, whatever its batch mates do.
+    """
+    width = max(counts, default=0)
+    u = torch.zeros(len(counts), width, device=device)  # [N, W]
+    groups: dict[int, tuple[torch.Generator, list[int]]] = {}
+    for i, (gen, n) in enumerate(zip(generators, counts)):
+        if gen is None:
+            if n:
+                raise ValueError(f"row {i} has no generator (greedy) but needs {n} random draws")
+            continue
+        groups.setdefault(id(gen), (gen, []))[1].append(i)
+    for gen, rows in groups.values():
+        rows_t = torch.tensor(rows, device=device)  # [M]
+        n_t = torch.tensor([counts[i] for i in rows], device=device)  # [M]
+        flat = torch.rand(int(n_t.sum()), generator=gen, device=gen.device).to(device)  # [sum n]
+        mask = torch.arange(width, device=device)[None, :] < n_t[:, None]  # [M, W]
+        block = torch.zeros(len(rows), width, device=device)
+        block[mask] = flat  # row-major fill: row r gets its n_r draws in order
+        u[rows_t] = block
+    return u
+
+
+def inverse_cdf(probs: Tensor, u: Tensor) -> Tensor:
+    """Token whose CDF interval holds ``u * total``: probs [M, V] >= 0, u [M] -> [M] int64.
+
+    A zero-probability token has an empty interval, so it is never returned. Rows need
+    not be normalised (the residual distributions of verify are not).
+    """
+    cdf = probs.float().cumsum(dim=-1)  # [M, V]
+    target = u.float() * cdf[:, -1]  # [M], strictly below the row total since u < 1
+    idx = torch.searchsorted(cdf, target[:, None], right=True).squeeze(-1)  # first cdf > target
+    return idx.clamp_(max=probs.shape[-1] - 1)
+
+
+def sample(probs: Tensor, generators: Sequence[torch.Generator | None]) -> Tensor:
+    """Draw one token per row: probs [N, V] -> tokens [N] int64.
+
+    Rows whose generator is None are greedy: their probs must be one-hot (as
+    :func:`logits_to_probs` makes them) and they take the argmax without consuming
+    randomness. Other rows draw one uniform from their own generator.
+    """
+    if probs.dim() != 2 or len(generators) != probs.shape[0]:
+        raise ValueError(
+            f"sample expects probs [N, V] and N generators, got {tuple(probs.shape)} and {len(generators)}"
+        )
+    is_greedy = torch.tensor([g is None for g in generators], dtype=torch.bool, device=probs.device)
+    if bool((is_greedy & (probs.amax(dim=-1) != 1.0)).any()):
+        raise ValueError("sample: a row without generator (greedy) has probs that are not one-hot")
+    counts = [0 if g is None else 1 for g in generators]
+    u = draw_uniforms(generators, counts, probs.device)  # [N, 0 or 1]
+    tokens = probs.argmax(dim=-1)  # [N]
+    if u.shape[1]:
+        tokens = torch.where(is_greedy, tokens, inverse_cdf(probs, u[:, 0]))
+    return tokens

@@ -1,0 +1,1 @@
+"""Speculative decode steps (baseline, MTP, DSpark/DFlash) and the shared verifier."""
