@@ -126,7 +126,7 @@ def _dropped_keys(raw: Any, typed: Any, prefix: str) -> list[str]:
 
 def to_typed(cfg: DictConfig) -> RunConfig:
     """The one conversion from a composed config to the typed :class:`RunConfig`."""
-    raw = OmegaConf.to_container(cfg, resolve=True)
+    raw = OmegaConf.to_container(cfg, resolve=True, throw_on_missing=True)
     raw.pop("hydra", None)  # type: ignore[union-attr]
     merged = OmegaConf.merge(OmegaConf.structured(RunConfig), raw)
     typed = OmegaConf.to_object(merged)
@@ -160,6 +160,10 @@ def validate(cfg: RunConfig) -> None:
     ):
         if value < 1:
             problems.append(f"{key} must be >= 1 (got {value})")
+    if cfg.model.path is None and cfg.model.preset is None:
+        problems.append(
+            "model.path is required (this model has no built-in preset): set model.path=/dir/of/checkpoint"
+        )
     if cfg.model.max_context is not None and cfg.model.max_context < 2:
         problems.append(f"model.max_context must be >= 2 (got {cfg.model.max_context})")
     s = cfg.sampling

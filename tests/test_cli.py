@@ -1,0 +1,79 @@
+"""The CLI: Hydra features work; user errors exit 2 with a short message and no traceback."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def run_cli(*args: str, cache: Path) -> subprocess.CompletedProcess[str]:
+    env = {**os.environ, "XSPEC_CACHE_DIR": str(cache), "PYTHONPATH": str(ROOT)}
+    return subprocess.run(
+        [sys.executable, "-m", "xspec", *args],
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=ROOT,
+        timeout=300,
+    )
+
+
+@pytest.fixture(scope="module")
+def cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("xspec_cache")
+
+
+@pytest.mark.parametrize(
+    ("args", "needles"),
+    [
+        (["model=nope"], ["model/nope", "qwen3_tiny", "dsv4_tiny"]),
+        (["workload.max_new_tokens=many"], ["workload.max_new_tokens"]),
+        (["+unknown.key=1"], ["unknown"]),
+        (["model=dsv4_flash"], ["model.path"]),
+        (["model=qwen3", "model.path=/does/not/exist"], ["/does/not/exist"]),
+        (["platform=npu"], ["torch_npu"]),
+        (["platform=cpu", "platform.native_sas=on"], ["native_sas"]),
+        (["workload.prompts=[]"], ["workload.prompts"]),
+    ],
+)
+def test_user_errors_exit_2(args: list[str], needles: list[str], cache: Path) -> None:
+    r = run_cli(*args, cache=cache)
+    assert r.returncode == 2, r.stderr + r.stdout
+    assert "Traceback" not in r.stderr
+    for n in needles:
+        assert n in r.stderr, r.stderr
+
+
+def test_help_and_cfg(cache: Path) -> None:
+    r = run_cli("--help", cache=cache)
+    assert r.returncode == 0 and "model" in r.stdout and "spec" in r.stdout
+    r = run_cli("--cfg", "job", "model=qwen3_tiny", cache=cache)
+    assert r.returncode == 0 and "arch: qwen3" in r.stdout
+
+
+def test_runs_and_reports_timings(cache: Path) -> None:
+    r = run_cli(
+        "model=qwen3_tiny", "spec=none", "platform=auto", "workload.max_new_tokens=8", cache=cache
+    )
+    assert r.returncode == 0, r.stderr
+    assert "TTFT" in r.stdout and "TPOT" in r.stdout and "tok/s" in r.stdout
+    assert "platform=cpu" in r.stdout  # auto picks the CPU here
+
+
+def test_multirun(cache: Path) -> None:
+    r = run_cli(
+        "-m",
+        "spec=none,oracle",
+        "workload.max_new_tokens=4",
+        "workload.num_requests=1",
+        cache=cache,
+    )
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.count("TTFT") == 2
+    assert "acceptance" in r.stdout.lower()

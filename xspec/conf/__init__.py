@@ -1,0 +1,1 @@
+"""Hydra configuration (YAML values only; schemas live in xspec/config.py)."""
