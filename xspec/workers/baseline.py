@@ -13,10 +13,9 @@ from xspec.workers.drafter import CommittedRows, DraftProposal, DraftRequest
 class NoDrafter:
     """The baseline: gamma = 0, so the speculative step reduces to plain decoding."""
 
-    gamma = 0
-    capture_layer_ids: list[int] = []
-
     def __init__(self, cfg: Any, **_: Any) -> None:
+        self.gamma = 0
+        self.capture_layer_ids: list[int] = []
         if cfg.num_speculative_tokens not in (None, 0):
             raise ConfigError(
                 f"spec.num_speculative_tokens={cfg.num_speculative_tokens} has no effect with spec=none; "
