@@ -65,7 +65,9 @@ class LLM:
     ) -> list[Generation]:
         """One :class:`Generation` per prompt, in order. Request ``i`` samples with
         seed ``seed + i`` (reproducible; ``seed=None`` for fresh randomness)."""
-        items = [prompts] if isinstance(prompts, str) or _is_ids(prompts) else list(prompts)
+        items: list[Prompt] = (
+            [prompts] if isinstance(prompts, str) or _is_ids(prompts) else list(prompts)
+        )  # type: ignore[arg-type,list-item]
         params = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed)
         requests = [
             Request(self._ids(p, i), max_new_tokens, seeded(params, i), ignore_eos)

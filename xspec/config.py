@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field, fields, is_dataclass
+from importlib import resources
 from typing import Any
 
 from hydra.core.config_store import ConfigStore
@@ -106,11 +107,26 @@ _GROUPS: dict[str, type] = {
 
 
 def register_configs() -> None:
-    """Register the schemas; YAML options extend them with ``defaults: [<group>_schema]``."""
+    """Register the schemas; YAML options extend them with ``defaults: [<group>_schema]``.
+
+    Out-of-tree platforms and spec methods (entry points) have no YAML file in xspec;
+    each gets a generated group option, so ``platform=<plugin name>`` selects it like a
+    built-in. Listing registry names reads package metadata only (nothing is imported).
+    """
+    from xspec.registry import platforms, spec_methods
+
     cs = ConfigStore.instance()
     cs.store(name="run_schema", node=RunConfig)
     for group, schema in _GROUPS.items():
         cs.store(group=group, name=f"{group}_schema", node=schema)
+    conf = resources.files("xspec.conf")
+    for group, reg, make in (
+        ("platform", platforms, lambda n: PlatformConfig(name=n)),
+        ("spec", spec_methods, lambda n: SpecConfig(method=n)),
+    ):
+        for name in reg.names():
+            if not conf.joinpath(group).joinpath(f"{name}.yaml").is_file():
+                cs.store(group=group, name=name, node=make(name))
 
 
 def _dropped_keys(raw: Any, typed: Any, prefix: str) -> list[str]:
@@ -127,7 +143,8 @@ def _dropped_keys(raw: Any, typed: Any, prefix: str) -> list[str]:
 def to_typed(cfg: DictConfig) -> RunConfig:
     """The one conversion from a composed config to the typed :class:`RunConfig`."""
     raw = OmegaConf.to_container(cfg, resolve=True, throw_on_missing=True)
-    raw.pop("hydra", None)  # type: ignore[union-attr]
+    assert isinstance(raw, dict)
+    raw.pop("hydra", None)
     merged = OmegaConf.merge(OmegaConf.structured(RunConfig), raw)
     typed = OmegaConf.to_object(merged)
     assert isinstance(typed, RunConfig)
@@ -142,13 +159,13 @@ def validate(cfg: RunConfig) -> None:
     from xspec.registry import models, platforms, spec_methods
 
     problems: list[str] = []
-    for key, reg, value in (
+    for key, reg, name in (
         ("model.arch", models, cfg.model.arch),
         ("spec.method", spec_methods, cfg.spec.method),
         ("platform.name", platforms, cfg.platform.name),
     ):
-        if value not in reg:
-            problems.append(f"{key}: unknown {reg.kind} {value!r}; known: {', '.join(reg.names())}")
+        if name not in reg:
+            problems.append(f"{key}: unknown {reg.kind} {name!r}; known: {', '.join(reg.names())}")
     gamma = cfg.spec.num_speculative_tokens
     if gamma is not None and gamma < 1:
         problems.append(f"spec.num_speculative_tokens must be >= 1 (got {gamma})")

@@ -1,0 +1,114 @@
+"""CPU platform: conformance, auto resolution, and the base-class contract checks."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.platforms.conformance import NativeSas, PlatformCfg, PlatformConformance
+from xspec.errors import ConfigError, PlatformError
+from xspec.models.base import CapturePoint, CaptureSite
+from xspec.platforms import get_platform
+from xspec.platforms.auto import AutoPlatform
+from xspec.platforms.base import Capabilities, Platform
+from xspec.platforms.cpu import CpuPlatform, host_memory_available
+from xspec.platforms.cuda import CudaPlatform
+from xspec.platforms.npu.platform import NpuPlatform
+
+
+class TestCpuConformance(PlatformConformance):
+    def make_platform(self, native_sas: str = "auto") -> Platform:
+        return CpuPlatform(PlatformCfg(name="cpu", native_sas=NativeSas(native_sas)))
+
+
+def test_cpu_answers() -> None:
+    platform = get_platform(PlatformCfg(name="cpu"))
+    assert isinstance(platform, CpuPlatform)
+    assert platform.device() == torch.device("cpu")
+    assert platform.capture_point(3) == CapturePoint(layer=3, site=CaptureSite.OUTPUT)
+    assert platform.capabilities == Capabilities()  # the conservative defaults
+    assert platform.distributed_backend() == "gloo"
+
+
+def test_native_sas_on_rejected_on_cpu() -> None:
+    platform = CpuPlatform(PlatformCfg(name="cpu", native_sas=NativeSas.on))
+    problems = platform.validate(dtype="float32", num_speculative_tokens=3)
+    assert len(problems) == 1, problems
+    assert "platform.native_sas=on" in problems[0] and "platform=cpu" in problems[0]
+
+
+def test_host_memory_within_meminfo() -> None:
+    meminfo = Path("/proc/meminfo")
+    if not meminfo.exists():
+        pytest.skip("no /proc/meminfo on this OS")
+    total_kb = next(
+        int(line.split()[1])
+        for line in meminfo.read_text().splitlines()
+        if line.startswith("MemTotal:")
+    )
+    free = host_memory_available()
+    assert 0 < free <= total_kb * 1024
+
+
+def test_auto_resolves_to_cpu_here() -> None:
+    if NpuPlatform.unavailable_reason() is None or CudaPlatform.unavailable_reason() is None:
+        pytest.skip("an accelerator is usable here; auto would (correctly) pick it")
+    assert AutoPlatform.resolve() is CpuPlatform
+    platform = get_platform(PlatformCfg(name="auto", native_sas=NativeSas.off))
+    assert type(platform) is CpuPlatform
+    assert platform.native_sas == "off"
+
+
+def test_auto_is_not_instantiable() -> None:
+    with pytest.raises(TypeError):
+        AutoPlatform(PlatformCfg(name="auto"))  # type: ignore[abstract]
+
+
+def test_get_platform_unknown_name_lists_known() -> None:
+    with pytest.raises(ConfigError, match=r"unknown platform 'cpux'; known: auto, cpu, cuda, npu"):
+        get_platform(PlatformCfg(name="cpux"))
+
+
+def test_get_platform_with_real_config_schema() -> None:
+    config = pytest.importorskip("xspec.config")
+    platform = get_platform(config.PlatformConfig(name="cpu"))
+    assert isinstance(platform, CpuPlatform) and platform.native_sas == "auto"
+
+
+def test_bad_config_values_name_the_key() -> None:
+    with pytest.raises(ConfigError, match=r"platform\.native_sas='maybe'"):
+        CpuPlatform(PlatformCfg(name="cpu", native_sas="maybe"))  # type: ignore[arg-type]
+    with pytest.raises(ConfigError, match=r"platform\.device_index=-1"):
+        CpuPlatform(PlatformCfg(name="cpu", device_index=-1))
+
+
+def test_unavailable_platform_raises_its_reason() -> None:
+    class Missing(CpuPlatform):
+        name = "missing"
+
+        @classmethod
+        def unavailable_reason(cls) -> str | None:
+            return "needs the frobnicator: pip install frob"
+
+    with pytest.raises(PlatformError, match=r"platform=missing cannot run here: needs the frob"):
+        Missing(PlatformCfg(name="missing"))
+
+
+def test_hook_with_wrong_signature_fails_at_class_definition() -> None:
+    with pytest.raises(TypeError, match=r"capture_point has parameters"):
+
+        class Renamed(CpuPlatform):
+            name = "renamed"
+
+            def capture_point(self, layer: int) -> CapturePoint:
+                return CapturePoint(layer=layer, site=CaptureSite.OUTPUT)
+
+    with pytest.raises(TypeError, match=r"validate has parameters"):
+
+        class Positional(CpuPlatform):
+            name = "positional"
+
+            def validate(self, dtype: str, num_speculative_tokens: int) -> list[str]:
+                return []

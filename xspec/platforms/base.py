@@ -1,0 +1,257 @@
+"""The platform contract: what core code may ask about the hardware, before building anything.
+
+A platform plugin answers questions instead of being asked to honour decisions:
+
+- ``capabilities``: a frozen :class:`Capabilities`, computed once when the platform is
+  constructed and read by ``build`` before any weights or caches exist;
+- ``capture_point(L)``: where the runtime reads the hidden state a checkpoint means by
+  "output of layer L" (core code parses layer ids raw; only the platform maps them);
+- ``validate(...)``: every limit it cannot serve, as a list of messages naming the key;
+- ``sas_mode()``: which sparse-attention window layout the draft uses (native/compat);
+- small device services: ``device()``, ``distributed_backend()``, ``memory_available()``,
+  ``synchronize()``, ``manual_seed()``.
+
+Importing a platform module never touches a device and never imports optional device
+packages (``torch_npu``): detection happens in :meth:`Platform.unavailable_reason`
+(cheap, no imports) and device work in ``__init__`` or later.
+"""
+
+from __future__ import annotations
+
+import abc
+import enum
+import inspect
+from dataclasses import dataclass, field
+from typing import Any, ClassVar, Protocol
+
+import torch
+
+from xspec.errors import ConfigError, PlatformError
+from xspec.models.base import CapturePoint, CaptureSite
+
+NATIVE_SAS_VALUES = ("auto", "on", "off")
+
+
+class PlatformSettings(Protocol):
+    """The platform config section a platform is built from (duck-typed).
+
+    ``native_sas`` is a str-valued Enum (``auto|on|off``); platforms compare ``.value``.
+    """
+
+    @property
+    def name(self) -> str: ...
+
+    @property
+    def device_index(self) -> int: ...
+
+    @property
+    def native_sas(self) -> Any: ...
+
+
+class SasMode(str, enum.Enum):
+    """Which key window the DSv4 draft's sliding-window attention sees (DESIGN.md section 6).
+
+    NATIVE: context positions ``[p - window, p)`` plus the whole draft block, given to the
+    kernel as explicit ``ori_sparse_indices``. COMPAT: the last ``window`` positions ending
+    at the block end (loses gamma context positions; every kernel supports it).
+    """
+
+    NATIVE = "native"
+    COMPAT = "compat"
+
+    def ori_win_left(self, window: int, gamma: int) -> int:
+        """Left extent of the sparse-attention window the kernel is tiled for.
+
+        native: ``window + gamma - 1`` (the block's keys sit beyond the window);
+        compat, or a native block of width 0: ``window - 1``.
+        """
+        if window < 1 or gamma < 0:
+            raise ValueError(
+                f"ori_win_left needs window >= 1 and gamma >= 0, got {window}, {gamma}"
+            )
+        if self is SasMode.NATIVE and gamma > 0:
+            return window + gamma - 1
+        return window - 1
+
+
+@dataclass(frozen=True)
+class Capabilities:
+    """What a platform can serve. Defaults are the conservative answer.
+
+    Core reads these once, at build time, and picks a code path the platform can serve.
+    """
+
+    # SAS kernel with explicit ori_sparse_indices (native DSpark window layout).
+    native_sparse_attention: bool = False
+    # Non-causal attention inside a draft block; the reference torch attention has it everywhere.
+    non_causal_block_attention: bool = True
+    graph_capture: bool = False
+    int8_matmul: bool = False
+    dtypes: frozenset[str] = field(
+        default_factory=lambda: frozenset({"float32", "bfloat16", "float16"})
+    )
+    max_speculative_tokens: int = 16
+    distributed_backend: str = "gloo"
+
+
+def native_sas_setting(cfg: PlatformSettings) -> str:
+    """``cfg.native_sas`` as one of ``auto|on|off`` (accepts the Enum or its plain value)."""
+    raw = cfg.native_sas
+    value = getattr(raw, "value", raw)
+    if value not in NATIVE_SAS_VALUES:
+        raise ConfigError(
+            f"platform.native_sas={value!r} is not a valid choice; use one of {', '.join(NATIVE_SAS_VALUES)}"
+        )
+    return str(value)
+
+
+class Platform(abc.ABC):
+    """Base class of every platform plugin (built-in or registered via ``xspec.platforms``).
+
+    A subclass sets ``name`` (its registry key) and ``description``, implements
+    ``device``, ``memory_available`` and ``synchronize``, and overrides the policy hooks
+    it needs (``unavailable_reason``, ``_build_capabilities``, ``capture_point``,
+    ``sas_mode``, ``validate``). Overriding a hook with a different signature is a
+    ``TypeError`` at class definition, so a renamed parameter fails loudly.
+    """
+
+    name: ClassVar[str]
+    description: ClassVar[str] = ""
+    # True only where `platform.native_sas=on` can be honoured (a native SAS operator).
+    supports_native_sas_option: ClassVar[bool] = False
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        _check_overrides(cls)
+
+    @classmethod
+    def unavailable_reason(cls) -> str | None:
+        """Why this platform cannot run here (what is missing, how to install it), or None.
+
+        Must be cheap: no imports of optional packages, no device initialisation.
+        """
+        return None
+
+    @classmethod
+    def create(cls, cfg: PlatformSettings) -> Platform:
+        """Build the platform for ``cfg``; resolvers (``auto``) return another platform."""
+        return cls(cfg)
+
+    def __init__(self, cfg: PlatformSettings) -> None:
+        reason = type(self).unavailable_reason()
+        if reason is not None:
+            raise PlatformError(f"platform={self.name} cannot run here: {reason}")
+        if cfg.device_index < 0:
+            raise ConfigError(f"platform.device_index={cfg.device_index} must be >= 0")
+        self.device_index = cfg.device_index
+        self.native_sas = native_sas_setting(cfg)
+        self._capabilities = self._build_capabilities()
+
+    def _build_capabilities(self) -> Capabilities:
+        """Called once from ``__init__``; the result is frozen for the platform's lifetime."""
+        return Capabilities()
+
+    @property
+    def capabilities(self) -> Capabilities:
+        return self._capabilities
+
+    @abc.abstractmethod
+    def device(self) -> torch.device:
+        """The torch device tensors of this run live on."""
+
+    @abc.abstractmethod
+    def memory_available(self) -> int:
+        """Bytes the memory planner may budget on ``device()`` right now."""
+
+    @abc.abstractmethod
+    def synchronize(self) -> None:
+        """Wait for all queued work on ``device()`` (for timing)."""
+
+    def capture_point(self, checkpoint_layer_id: int) -> CapturePoint:
+        """Where to read the hidden state the checkpoint calls "output of layer L".
+
+        Default: the output of layer L itself (hooks can run after a layer).
+        """
+        check_layer_id(checkpoint_layer_id)
+        return CapturePoint(layer=checkpoint_layer_id, site=CaptureSite.OUTPUT)
+
+    def sas_mode(self, operator_accepts_ori_sparse_indices: bool | None = None) -> SasMode:
+        """The draft window layout. Default platforms run the compatibility layout."""
+        return SasMode.COMPAT
+
+    def validate(self, *, dtype: str, num_speculative_tokens: int) -> list[str]:
+        """Every limit of this platform the run would exceed, as messages naming the key."""
+        caps = self.capabilities
+        problems: list[str] = []
+        if dtype not in caps.dtypes:
+            problems.append(
+                f"model.dtype={dtype!r} is not supported on platform={self.name}; "
+                f"use one of {', '.join(sorted(caps.dtypes))}"
+            )
+        if num_speculative_tokens < 0:
+            problems.append(f"spec.num_speculative_tokens={num_speculative_tokens} must be >= 0")
+        elif num_speculative_tokens > caps.max_speculative_tokens:
+            problems.append(
+                f"spec.num_speculative_tokens={num_speculative_tokens} exceeds platform={self.name}'s "
+                f"limit of {caps.max_speculative_tokens}; lower it"
+            )
+        if self.native_sas == "on" and not self.supports_native_sas_option:
+            problems.append(
+                f"platform.native_sas=on is only supported on NPU platforms with a native sparse "
+                f"attention operator, not on platform={self.name}; set platform.native_sas=auto or off"
+            )
+        return problems
+
+    def distributed_backend(self) -> str:
+        """torch.distributed backend for DP/EP collectives (gloo, nccl, hccl...)."""
+        return self.capabilities.distributed_backend
+
+    def manual_seed(self, seed: int) -> None:
+        """Seed torch's global generators (CPU and every registered device backend)."""
+        torch.manual_seed(seed)
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(name={self.name!r}, device_index={self.device_index})"
+
+
+def check_layer_id(checkpoint_layer_id: int) -> None:
+    """Refuse a negative checkpoint layer id (shared by every ``capture_point``)."""
+    if checkpoint_layer_id < 0:
+        raise ConfigError(
+            f"target layer id {checkpoint_layer_id} is negative; checkpoint layer ids "
+            "(e.g. dspark_target_layer_ids) count decoder layers from 0"
+        )
+
+
+# Hooks a subclass may override; their parameter lists must match the base's.
+_HOOKS = (
+    "unavailable_reason",
+    "create",
+    "device",
+    "memory_available",
+    "synchronize",
+    "capture_point",
+    "sas_mode",
+    "validate",
+    "distributed_backend",
+    "manual_seed",
+)
+
+
+def _check_overrides(cls: type) -> None:
+    """Refuse, at class definition, an override whose parameters differ from the base hook."""
+    for hook in _HOOKS:
+        if hook not in vars(cls):
+            continue
+        base_params = _params(getattr(Platform, hook))
+        sub_params = _params(getattr(cls, hook))
+        if sub_params != base_params:
+            raise TypeError(
+                f"{cls.__qualname__}.{hook} has parameters {sub_params}, but Platform.{hook} "
+                f"declares {base_params}; keep the base signature so core code can call it"
+            )
+
+
+def _params(func: Any) -> list[tuple[str, Any]]:
+    sig = inspect.signature(func)
+    return [(p.name, p.kind) for p in sig.parameters.values() if p.name not in ("self", "cls")]

@@ -1,0 +1,83 @@
+"""The CPU platform: fp32-deterministic reference for every parity test."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import torch
+
+from xspec.platforms.base import Platform
+
+# cgroup v2 reports "max" when unlimited; v1 reports a huge number (PAGE_COUNTER_MAX).
+_CGROUP_UNLIMITED = 1 << 60
+
+
+class CpuPlatform(Platform):
+    """Runs everything on the host CPU with the reference torch kernels."""
+
+    name = "cpu"
+    description = "host CPU, reference torch kernels, gloo collectives"
+
+    def device(self) -> torch.device:
+        return torch.device("cpu")
+
+    def memory_available(self) -> int:
+        return host_memory_available()
+
+    def synchronize(self) -> None:
+        # CPU ops run synchronously; nothing is queued.
+        return None
+
+
+def host_memory_available() -> int:
+    """Bytes of host memory this process may still use.
+
+    The smaller of the machine's available memory (psutil if installed, else
+    /proc/meminfo MemAvailable) and the container's cgroup headroom: inside a container
+    MemAvailable describes the whole host, not our limit.
+    """
+    available = _machine_available()
+    headroom = _cgroup_headroom()
+    return available if headroom is None else min(available, headroom)
+
+
+def _machine_available() -> int:
+    try:
+        import psutil  # optional; more portable than /proc
+
+        return int(psutil.virtual_memory().available)
+    except ImportError:
+        pass
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024  # the file reports kB
+    except OSError:
+        pass
+    # Last resort (non-Linux without psutil): free physical pages.
+    return int(os.sysconf("SC_AVPHYS_PAGES")) * int(os.sysconf("SC_PAGE_SIZE"))
+
+
+def _cgroup_headroom() -> int | None:
+    """limit - usage of this process's memory cgroup, or None when unlimited/unknown."""
+    candidates = (
+        (Path("/sys/fs/cgroup/memory.max"), Path("/sys/fs/cgroup/memory.current")),  # v2
+        (
+            Path("/sys/fs/cgroup/memory/memory.limit_in_bytes"),  # v1
+            Path("/sys/fs/cgroup/memory/memory.usage_in_bytes"),
+        ),
+    )
+    for limit_file, usage_file in candidates:
+        try:
+            limit_text = limit_file.read_text().strip()
+            usage = int(usage_file.read_text().strip())
+        except (OSError, ValueError):
+            continue
+        if limit_text == "max":
+            return None
+        limit = int(limit_text)
+        if limit >= _CGROUP_UNLIMITED:
+            return None
+        return max(limit - usage, 0)
+    return None

@@ -1,0 +1,56 @@
+"""The CUDA platform: one NVIDIA GPU per process, nccl collectives."""
+
+from __future__ import annotations
+
+import torch
+
+from xspec.platforms.base import Capabilities, Platform
+
+
+class CudaPlatform(Platform):
+    """Runs on ``cuda:<device_index>`` with the reference torch kernels."""
+
+    name = "cuda"
+    description = "NVIDIA GPU via torch.cuda, reference torch kernels, nccl collectives"
+
+    @classmethod
+    def unavailable_reason(cls) -> str | None:
+        # is_available() asks the driver for a device count; it creates no CUDA context.
+        if not torch.backends.cuda.is_built():
+            return (
+                f"this torch build ({torch.__version__}) has no CUDA support: "
+                "install a CUDA build of torch (see pytorch.org/get-started)"
+            )
+        if not torch.cuda.is_available():
+            return "no CUDA device visible (torch.cuda.is_available() is False)"
+        return None
+
+    def _build_capabilities(self) -> Capabilities:
+        dtypes = {"float32", "float16"}
+        # Pre-Ampere GPUs (compute capability < 8) have no native bfloat16 matmul. An
+        # out-of-range device_index is reported by validate(), not raised here.
+        if self.device_index < torch.cuda.device_count():
+            major, _minor = torch.cuda.get_device_capability(self.device_index)
+            if major >= 8:
+                dtypes.add("bfloat16")
+        return Capabilities(dtypes=frozenset(dtypes), distributed_backend="nccl")
+
+    def device(self) -> torch.device:
+        return torch.device("cuda", self.device_index)
+
+    def validate(self, *, dtype: str, num_speculative_tokens: int) -> list[str]:
+        problems = super().validate(dtype=dtype, num_speculative_tokens=num_speculative_tokens)
+        count = torch.cuda.device_count()
+        if self.device_index >= count:
+            problems.append(
+                f"platform.device_index={self.device_index} but only {count} CUDA device(s) "
+                f"are visible; use 0..{count - 1} or adjust CUDA_VISIBLE_DEVICES"
+            )
+        return problems
+
+    def memory_available(self) -> int:
+        free, _total = torch.cuda.mem_get_info(self.device())
+        return int(free)
+
+    def synchronize(self) -> None:
+        torch.cuda.synchronize(self.device())

@@ -1,0 +1,57 @@
+"""The NPU plugin's policy on the CPU device.
+
+:class:`NpuPolicyCpuPlatform` runs the NPU plugin's policy (capture +1 mapping, SAS mode
+selection, validation) on the CPU device; for tests and for comparing capture
+conventions. It is a real subclass of :class:`NpuPlatform` that replaces only the
+device half (device, memory, synchronisation, operator probe), so ``platform=npu_emulated``
+next to ``platform=cpu`` shows that capturing at the input of L+1 yields the same hidden
+states as capturing at the output of L.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import torch
+
+from xspec.platforms.base import Capabilities, PlatformSettings
+from xspec.platforms.cpu import host_memory_available
+from xspec.platforms.npu.platform import NpuPlatform
+
+
+class NpuPolicyCpuPlatform(NpuPlatform):
+    """NPU policy, CPU device. Needs neither torch_npu nor CANN."""
+
+    name = "npu_emulated"
+    description = "NPU plugin policy (capture +1, SAS mode selection, validation) on the CPU"
+
+    def __init__(
+        self, cfg: PlatformSettings, *, operator_accepts_ori_sparse_indices: bool = True
+    ) -> None:
+        # Stands in for the operator probe. Default True: the reference torch attention
+        # reproduces explicit index sets, so native SAS is servable on the CPU.
+        self._operator_accepts = operator_accepts_ori_sparse_indices
+        super().__init__(cfg)
+
+    @classmethod
+    def unavailable_reason(cls) -> str | None:
+        return None
+
+    def _build_capabilities(self) -> Capabilities:
+        # Keep the NPU's policy answers; device-bound ones follow the CPU it really runs on.
+        return replace(super()._build_capabilities(), int8_matmul=False, distributed_backend="gloo")
+
+    def _probe_sparse_attention_operator(self) -> bool:
+        return self._operator_accepts
+
+    def _device_problems(self) -> list[str]:
+        return []
+
+    def device(self) -> torch.device:
+        return torch.device("cpu")
+
+    def memory_available(self) -> int:
+        return host_memory_available()
+
+    def synchronize(self) -> None:
+        return None

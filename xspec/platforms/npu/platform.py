@@ -1,0 +1,172 @@
+"""Ascend NPU platform (torch_npu + CANN).
+
+Two halves, kept apart on purpose:
+
+- policy (no torch_npu): the capture mapping (hooks fire *before* a layer, so the output
+  of checkpoint layer L is read at the input of L+1), SAS mode selection from
+  ``platform.native_sas``, validation and capabilities. :mod:`.emulated` reuses it on the
+  CPU, so CPU tests exercise exactly this code.
+- device (torch_npu, imported lazily inside methods): device handle, memory query,
+  synchronisation, and the probe of the installed sparse-attention operator.
+"""
+
+from __future__ import annotations
+
+import os
+from functools import cached_property
+from types import ModuleType
+
+import torch
+from lightning_utilities.core.imports import package_available
+
+from xspec.errors import PlatformError
+from xspec.models.base import CapturePoint, CaptureSite
+from xspec.platforms.base import Capabilities, Platform, SasMode, check_layer_id
+
+# Set by CANN's set_env.sh; torch_npu cannot load its kernels without them.
+_CANN_ENV_VARS = ("ASCEND_HOME_PATH", "ASCEND_TOOLKIT_HOME")
+# The shared-KV sparse attention (SAS) operator and the argument native mode needs.
+_SAS_OPERATORS = ("npu_sparse_attn_sharedkv", "sparse_attn_sharedkv")
+_NATIVE_SAS_ARGUMENT = "ori_sparse_indices"
+_INSTALL_HINT = (
+    "platform=npu needs torch_npu and Ascend CANN: pip install 'xspec[npu]' on a machine "
+    "with CANN installed, then source <CANN install dir>/set_env.sh"
+)
+
+
+def select_sas_mode(native_sas: str, operator_accepts: bool) -> SasMode:
+    """The SAS mode table (pure policy).
+
+    ==========  ==================  =========================================
+    native_sas  operator accepts    mode
+    ==========  ==================  =========================================
+    off         either              COMPAT
+    auto        yes / no            NATIVE / COMPAT (runtime fallback)
+    on          yes / no            NATIVE / PlatformError (required)
+    ==========  ==================  =========================================
+    """
+    if native_sas == "off":
+        return SasMode.COMPAT
+    if operator_accepts:
+        return SasMode.NATIVE
+    if native_sas == "on":
+        raise PlatformError(_operator_rejects_message())
+    return SasMode.COMPAT
+
+
+def _operator_rejects_message() -> str:
+    return (
+        f"platform.native_sas=on but the installed sparse attention operator does not accept "
+        f"{_NATIVE_SAS_ARGUMENT}; upgrade torch_npu/CANN or set platform.native_sas=auto or off"
+    )
+
+
+class NpuPlatform(Platform):
+    """Ascend NPU: +1 capture mapping, native SAS where the operator allows, hccl."""
+
+    name = "npu"
+    description = "Ascend NPU via torch_npu + CANN: native sparse attention, int8 matmul, hccl"
+    supports_native_sas_option = True
+
+    @classmethod
+    def unavailable_reason(cls) -> str | None:
+        # find_spec only: importing torch_npu where CANN is missing can break torch itself.
+        missing = []
+        if not package_available("torch_npu"):
+            missing.append("torch_npu is not installed")
+        if not any(os.environ.get(var) for var in _CANN_ENV_VARS):
+            missing.append(f"Ascend CANN is not set up ({' / '.join(_CANN_ENV_VARS)} unset)")
+        if missing:
+            return f"{'; '.join(missing)}. {_INSTALL_HINT}"
+        return None
+
+    # ---- policy: no torch_npu below this line until the device section ----
+
+    @cached_property
+    def operator_accepts_ori_sparse_indices(self) -> bool:
+        """Whether the installed SAS operator takes explicit ``ori_sparse_indices`` (probed once)."""
+        return self._probe_sparse_attention_operator()
+
+    def _build_capabilities(self) -> Capabilities:
+        native = self.native_sas != "off" and self.operator_accepts_ori_sparse_indices
+        return Capabilities(
+            native_sparse_attention=native,
+            int8_matmul=True,
+            distributed_backend="hccl",
+        )
+
+    def capture_point(self, checkpoint_layer_id: int) -> CapturePoint:
+        # Capture hooks run at the top of each layer: "output of L" == "input of L+1".
+        check_layer_id(checkpoint_layer_id)
+        return CapturePoint(layer=checkpoint_layer_id + 1, site=CaptureSite.INPUT)
+
+    def sas_mode(self, operator_accepts_ori_sparse_indices: bool | None = None) -> SasMode:
+        """SAS mode for ``platform.native_sas`` (see :func:`select_sas_mode`).
+
+        With no argument, uses the probed operator. The attention backend passes
+        ``False`` after the operator rejected explicit indices at run time, which under
+        ``auto`` falls back to COMPAT and under ``on`` raises.
+        """
+        accepts = operator_accepts_ori_sparse_indices
+        if accepts is None:
+            accepts = self.operator_accepts_ori_sparse_indices
+        return select_sas_mode(self.native_sas, accepts)
+
+    def validate(self, *, dtype: str, num_speculative_tokens: int) -> list[str]:
+        problems = super().validate(dtype=dtype, num_speculative_tokens=num_speculative_tokens)
+        if self.native_sas == "on" and not self.operator_accepts_ori_sparse_indices:
+            problems.append(_operator_rejects_message())
+        problems.extend(self._device_problems())
+        return problems
+
+    # ---- device: everything that needs torch_npu ----
+
+    def _probe_sparse_attention_operator(self) -> bool:
+        """Does the SAS operator's schema declare ``ori_sparse_indices``?
+
+        Reads the registered schema instead of calling the operator: some older operators
+        abort during tiling (not a Python error) when given explicit indices, so a trial
+        call is unsafe. Unverified against every CANN release; ``native_sas=off`` is the
+        escape hatch.
+        """
+        _import_torch_npu()
+        for op_name in _SAS_OPERATORS:
+            try:
+                packet = getattr(torch.ops.npu, op_name)
+            except (AttributeError, RuntimeError):
+                continue
+            for overload in packet.overloads():
+                schema = getattr(packet, overload)._schema
+                if any(arg.name == _NATIVE_SAS_ARGUMENT for arg in schema.arguments):
+                    return True
+        return False
+
+    def _device_problems(self) -> list[str]:
+        torch_npu = _import_torch_npu()
+        count = int(torch_npu.npu.device_count())
+        if self.device_index >= count:
+            return [
+                f"platform.device_index={self.device_index} but only {count} NPU(s) are visible; "
+                f"use 0..{count - 1} or adjust ASCEND_RT_VISIBLE_DEVICES"
+            ]
+        return []
+
+    def device(self) -> torch.device:
+        _import_torch_npu()  # registers the "npu" device type with torch
+        return torch.device("npu", self.device_index)
+
+    def memory_available(self) -> int:
+        free, _total = _import_torch_npu().npu.mem_get_info(self.device())
+        return int(free)
+
+    def synchronize(self) -> None:
+        _import_torch_npu().npu.synchronize(self.device())
+
+
+def _import_torch_npu() -> ModuleType:
+    """Import torch_npu on first use (only ever called from NpuPlatform's device methods)."""
+    try:
+        import torch_npu
+    except ImportError as exc:
+        raise PlatformError(f"cannot import torch_npu ({exc}). {_INSTALL_HINT}") from exc
+    return torch_npu
