@@ -77,3 +77,4 @@ def test_multirun(cache: Path) -> None:
     assert r.returncode == 0, r.stderr
     assert r.stdout.count("TTFT") == 2
     assert "acceptance" in r.stdout.lower()
+    assert "TPOT vs first" in r.stdout  # the side-by-side table

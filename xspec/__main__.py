@@ -47,18 +47,27 @@ def _override_sets(args: list[str]) -> list[list[str]]:
     return [list(c) for c in itertools.product(*choices)]
 
 
-def run(cfg: RunConfig) -> None:
+_SUMMARIES: list = []  # one RunSummary per job of this process (multirun)
+
+
+def run(cfg: RunConfig, choices: dict[str, str] | None = None) -> None:
     """The main job: generate for the workload's prompts and report timings and acceptance."""
     from xspec.build import build
-    from xspec.engine.report import run_workload
+    from xspec.engine.report import run_workload, summarize
 
-    run_workload(build(cfg), cfg.workload, cfg.sampling)
+    built = build(cfg)
+    gens = run_workload(built, cfg.workload, cfg.sampling)
+    model = (choices or {}).get("model", cfg.model.arch)
+    label = f"model={model} spec={cfg.spec.method} gamma={built.drafter.gamma}"
+    _SUMMARIES.append(summarize(label, built, gens))
 
 
 @hydra.main(config_path="conf", config_name="config", version_base="1.3")
 def _hydra_entry(cfg: DictConfig) -> None:
+    from hydra.core.hydra_config import HydraConfig
+
     try:
-        run(typed(cfg))
+        run(typed(cfg), dict(HydraConfig.get().runtime.choices))
     except UserError as e:
         sys.exit(_fail(e))
 
@@ -78,6 +87,10 @@ def main() -> None:
             sys.exit(_fail(e))
     register_configs()
     _hydra_entry()
+    if len(_SUMMARIES) > 1:  # a multirun: the jobs side by side
+        from xspec.engine.report import comparison_table
+
+        print("\n" + comparison_table(_SUMMARIES))
 
 
 if __name__ == "__main__":

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import statistics
 import sys
+from dataclasses import dataclass
 from typing import TextIO
 
 from xspec.build import Built
@@ -11,6 +12,50 @@ from xspec.config import SamplingConfig, WorkloadConfig
 from xspec.engine.engine import Generation, Request, seeded
 from xspec.errors import ConfigError
 from xspec.sampling import SamplingParams
+
+
+@dataclass(frozen=True)
+class RunSummary:
+    """One run's headline numbers (a row of the multirun comparison table)."""
+
+    label: str
+    output_tokens: int
+    wall_s: float
+    ttft_ms: float
+    tpot_ms: float
+    acceptance: float | None
+    tokens_per_step: float
+
+    @property
+    def throughput(self) -> float:
+        return self.output_tokens / self.wall_s
+
+
+def summarize(label: str, built: Built, gens: list[Generation]) -> RunSummary:
+    rep = built.engine.metrics.report()
+    return RunSummary(
+        label=label,
+        output_tokens=sum(len(g.token_ids) for g in gens),
+        wall_s=max(g.latency_s for g in gens),
+        ttft_ms=statistics.mean(g.ttft_s for g in gens) * 1e3,
+        tpot_ms=statistics.mean(g.tpot_s for g in gens) * 1e3,
+        acceptance=rep.acceptance_rate if built.drafter.gamma > 0 else None,
+        tokens_per_step=rep.mean_tokens_per_step,
+    )
+
+
+def comparison_table(rows: list[RunSummary]) -> str:
+    """Runs side by side; ratios relative to the first run (measured in the same process)."""
+    head = f"{'run':<40} {'tok/s':>8} {'TTFT ms':>8} {'TPOT ms':>8} {'accept':>7} {'tok/step':>8} {'TPOT vs first':>13}"
+    lines = [head, "-" * len(head)]
+    for r in rows:
+        acc = f"{r.acceptance:.3f}" if r.acceptance is not None else "-"
+        ratio = r.tpot_ms / rows[0].tpot_ms if rows[0].tpot_ms else float("nan")
+        lines.append(
+            f"{r.label:<40} {r.throughput:>8.1f} {r.ttft_ms:>8.1f} {r.tpot_ms:>8.2f} {acc:>7} "
+            f"{r.tokens_per_step:>8.3f} {ratio:>13.3f}"
+        )
+    return "\n".join(lines)
 
 
 def run_workload(
