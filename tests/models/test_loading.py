@@ -1,0 +1,299 @@
+"""Generic checkpoint loading: layout, validation, streaming, atomic writes, presets."""
+
+from __future__ import annotations
+
+import json
+import weakref
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+from xspec.errors import CheckpointError
+from xspec.models import loading
+from xspec.models.loading import (
+    Checkpoint,
+    load_params,
+    preset_dir,
+    require_config_keys,
+    write_checkpoint,
+)
+
+
+class Tiny(nn.Module):
+    """Two linears, a norm and an int buffer: float params + a persistent int buffer."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(4, 3, bias=False)
+        self.b = nn.Linear(3, 5, bias=True)
+        self.norm = nn.LayerNorm(5)
+        self.register_buffer("ids", torch.zeros(6, dtype=torch.int64))
+        self.register_buffer("scratch", torch.zeros(2), persistent=False)  # not loaded
+
+
+def _tensors(seed: int = 0) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return {
+        "a.weight": torch.randn(3, 4, generator=g),
+        "b.weight": torch.randn(5, 3, generator=g),
+        "b.bias": torch.randn(5, generator=g),
+        "norm.weight": torch.randn(5, generator=g),
+        "norm.bias": torch.randn(5, generator=g),
+        "ids": torch.arange(6, dtype=torch.int64) * 7,
+    }
+
+
+def _write(path: Path, tensors: dict[str, torch.Tensor], **kw) -> Path:
+    write_checkpoint(path, tensors, {"model_type": "tiny"}, **kw)
+    return path
+
+
+def _identity(name: str) -> str:
+    return name
+
+
+def test_single_file_roundtrip(tmp_path: Path) -> None:
+    src = _tensors()
+    ckpt = Checkpoint(_write(tmp_path / "c", src))
+    assert ckpt.config == {"model_type": "tiny"}
+    assert sorted(ckpt.names()) == sorted(src)
+    assert ckpt.meta("a.weight") == ([3, 4], "F32")
+    assert ckpt.meta("ids") == ([6], "I64")
+    m = Tiny()
+    load_params(m, ckpt, _identity)
+    sd = m.state_dict()
+    for k, v in src.items():
+        assert torch.equal(sd[k], v), k
+
+
+def test_sharded_index_is_honoured(tmp_path: Path) -> None:
+    src = _tensors()
+    path = _write(tmp_path / "c", src, max_shard_bytes=64)  # 48 B + 60 B ... -> several shards
+    index = json.loads((path / "model.safetensors.index.json").read_text())
+    shards = sorted(set(index["weight_map"].values()))
+    assert len(shards) >= 3
+    # A stray safetensors file that the index does not name must be ignored.
+    (path / "stray.safetensors").write_bytes(b"garbage")
+    ckpt = Checkpoint(path)
+    assert ckpt.file_of("b.weight").name == index["weight_map"]["b.weight"]
+    m = Tiny()
+    load_params(m, ckpt, _identity)
+    for k, v in src.items():
+        assert torch.equal(m.state_dict()[k], v), k
+    assert torch.equal(ckpt.get("b.bias"), src["b.bias"])
+
+
+def test_index_naming_missing_shard(tmp_path: Path) -> None:
+    path = _write(tmp_path / "c", _tensors(), max_shard_bytes=64)
+    victim = json.loads((path / "model.safetensors.index.json").read_text())["weight_map"]["ids"]
+    (path / victim).unlink()
+    with pytest.raises(CheckpointError, match=rf"shard {victim} .*'ids'.* is missing"):
+        Checkpoint(path)
+
+
+def test_missing_dir_config_and_invalid_json(tmp_path: Path) -> None:
+    with pytest.raises(CheckpointError, match="does not exist"):
+        Checkpoint(tmp_path / "nope")
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    with pytest.raises(CheckpointError, match=r"has no config.json"):
+        Checkpoint(empty)
+    (empty / "config.json").write_text("{ not json")
+    with pytest.raises(CheckpointError, match=r"config.json is not valid JSON \(line 1"):
+        Checkpoint(empty)
+    (empty / "config.json").write_text("{}")
+    (empty / "pytorch_model.bin").write_bytes(b"\x80pickle")
+    with pytest.raises(
+        CheckpointError, match=r"no \*.safetensors.*pytorch_model.bin.*never loaded"
+    ):
+        Checkpoint(empty)
+
+
+def test_read_json(tmp_path: Path) -> None:
+    path = _write(tmp_path / "c", _tensors(), extra_json={"quant.json": {"x": 1}})
+    ckpt = Checkpoint(path)
+    assert ckpt.read_json("quant.json") == {"x": 1}
+    assert ckpt.read_json("absent.json") is None
+    (path / "bad.json").write_text("[1,")
+    with pytest.raises(CheckpointError, match=r"bad.json is not valid JSON"):
+        ckpt.read_json("bad.json")
+
+
+def test_all_problems_in_one_error_before_any_copy(tmp_path: Path) -> None:
+    src = _tensors()
+    del src["norm.bias"]  # missing
+    src["b.weight"] = torch.zeros(5, 4)  # misshapen
+    path = _write(tmp_path / "c", src, max_shard_bytes=64)
+    ckpt = Checkpoint(path)
+    m = Tiny()
+    before = {k: v.clone() for k, v in m.state_dict().items()}
+    with pytest.raises(CheckpointError) as info:
+        load_params(m, ckpt, _identity)
+    msg = str(info.value)
+    shard = ckpt.file_of("b.weight").name
+    assert f"tensor 'b.weight' in {shard} has shape [5, 4], expected [5, 3]" in msg
+    assert "no tensor provides 'norm.bias' (shape [5])" in msg
+    assert len(info.value.problems) == 2
+    for k, v in m.state_dict().items():  # raised before any data was copied
+        assert torch.equal(v, before[k]), k
+
+
+def test_unexpected_tensor_and_skip(tmp_path: Path) -> None:
+    src = _tensors()
+    src["mtp.0.extra"] = torch.ones(2)
+    ckpt = Checkpoint(_write(tmp_path / "c", src))
+    with pytest.raises(
+        CheckpointError, match=r"unexpected tensor 'mtp.0.extra' in model.safetensors"
+    ):
+        load_params(Tiny(), ckpt, _identity)
+    m = Tiny()
+    load_params(m, ckpt, lambda n: None if n.startswith("mtp.") else n)
+    assert torch.equal(m.a.weight, src["a.weight"])
+
+
+def test_rename_and_duplicates(tmp_path: Path) -> None:
+    src = {("model." + k): v for k, v in _tensors().items()}
+    ckpt = Checkpoint(_write(tmp_path / "c", src))
+    m = Tiny()
+    load_params(m, ckpt, lambda n: n.removeprefix("model."))
+    assert torch.equal(m.ids, src["model.ids"])
+    with pytest.raises(CheckpointError, match="both provide"):
+        load_params(Tiny(), ckpt, lambda n: "a.weight" if n.endswith("weight") else n)
+
+
+def test_int_into_float_needs_convert(tmp_path: Path) -> None:
+    src = _tensors()
+    src["a.weight"] = torch.ones(3, 4, dtype=torch.int8)
+    ckpt = Checkpoint(_write(tmp_path / "c", src))
+    with pytest.raises(
+        CheckpointError, match=r"'a.weight' in model.safetensors is I8.*dequantising"
+    ):
+        load_params(Tiny(), ckpt, _identity)
+    m = Tiny()
+    load_params(
+        m, ckpt, _identity, convert=lambda n, t: t.float() * 0.5 if t.dtype == torch.int8 else t
+    )
+    assert torch.equal(m.a.weight, torch.full((3, 4), 0.5))
+    with pytest.raises(CheckpointError, match=r"converts to torch.int8"):
+        load_params(Tiny(), ckpt, _identity, convert=lambda n, t: t)
+
+
+def test_dtype_conversion_by_copy(tmp_path: Path) -> None:
+    src = {k: (v.to(torch.bfloat16) if v.is_floating_point() else v) for k, v in _tensors().items()}
+    ckpt = Checkpoint(_write(tmp_path / "c", src))
+    assert ckpt.meta("a.weight")[1] == "BF16"
+    m = Tiny()
+    load_params(m, ckpt, _identity)
+    assert m.a.weight.dtype == torch.float32
+    assert torch.equal(m.a.weight, src["a.weight"].float())
+
+
+def test_load_params_streams_one_tensor_at_a_time(tmp_path: Path, monkeypatch) -> None:
+    """Track every tensor iter_tensors hands out with a weakref: when the next one is
+    read, the previous one must already be gone (no state dict is materialised)."""
+    ckpt = Checkpoint(_write(tmp_path / "c", _tensors(), max_shard_bytes=64))
+    alive: weakref.WeakSet[torch.Tensor] = weakref.WeakSet()
+    peak = 0
+    yielded = 0
+    original = Checkpoint.iter_tensors
+
+    def tracking(self, names=None):
+        nonlocal peak, yielded
+        for name, t in original(self, names):
+            alive.add(t)
+            yielded += 1
+            peak = max(peak, len(alive))
+            yield name, t
+            del t
+
+    monkeypatch.setattr(Checkpoint, "iter_tensors", tracking)
+    load_params(Tiny(), ckpt, _identity)
+    assert yielded == 6
+    assert peak == 1, f"{peak} checkpoint tensors alive at once"
+
+
+def test_require_config_keys(tmp_path: Path) -> None:
+    require_config_keys({"a": 1}, ["a"], tmp_path)
+    with pytest.raises(CheckpointError) as info:
+        require_config_keys({"a": 1}, ["a", "b", "c"], tmp_path)
+    assert str(tmp_path / "config.json") in str(info.value)
+    assert info.value.problems == ["missing key 'b'", "missing key 'c'"]
+
+
+def test_write_checkpoint_is_atomic(tmp_path: Path, monkeypatch) -> None:
+    tensors = {"x": torch.ones(2), "y": torch.ones(4)[::2]}  # non-contiguous: made contiguous
+    write_checkpoint(tmp_path / "ok", tensors, {})
+    assert torch.equal(Checkpoint(tmp_path / "ok").get("y"), torch.ones(2))
+
+    import safetensors.torch
+
+    real_save = safetensors.torch.save_file
+    saved: list[str] = []
+
+    def fail_on_second_shard(part, filename, metadata=None):
+        if saved:
+            raise OSError("disk full")
+        saved.append(filename)
+        real_save(part, filename, metadata=metadata)
+
+    monkeypatch.setattr(safetensors.torch, "save_file", fail_on_second_shard)
+    with pytest.raises(OSError, match="disk full"):
+        write_checkpoint(tmp_path / "bad", tensors, {}, max_shard_bytes=4)
+    assert len(saved) == 1  # the first shard was written, then the writer failed
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ok"]  # no half-written dir
+    with pytest.raises(CheckpointError, match="already exists and is not empty"):
+        write_checkpoint(tmp_path / "ok", tensors, {})
+
+
+def test_writes_are_deterministic(tmp_path: Path) -> None:
+    _write(tmp_path / "a", _tensors(), max_shard_bytes=64)
+    _write(tmp_path / "b", _tensors(), max_shard_bytes=64)
+    files = sorted(p.name for p in (tmp_path / "a").iterdir())
+    assert files == sorted(p.name for p in (tmp_path / "b").iterdir())
+    for f in files:
+        assert (tmp_path / "a" / f).read_bytes() == (tmp_path / "b" / f).read_bytes(), f
+
+
+def test_preset_dir_generates_once_and_reuses(tmp_path: Path, monkeypatch) -> None:
+    monkeypatch.setenv("XSPEC_CACHE_DIR", str(tmp_path / "cache"))
+    calls: list[Path] = []
+
+    def gen(dst: Path) -> None:
+        calls.append(dst)
+        _write(dst, _tensors())
+
+    d1 = preset_dir("toy", "v1", gen)
+    d2 = preset_dir("toy", "v1", gen)
+    assert d1 == d2 == tmp_path / "cache" / "presets" / "toy-v1"
+    assert len(calls) == 1 and calls[0] != d1  # generated elsewhere, then renamed
+    assert torch.equal(Checkpoint(d1).get("ids"), _tensors()["ids"])
+    assert sorted(p.name for p in d1.parent.iterdir()) == ["toy-v1"]
+
+
+def test_preset_dir_failing_generate_leaves_nothing(tmp_path: Path, monkeypatch) -> None:
+    monkeypatch.setenv("XSPEC_CACHE_DIR", str(tmp_path / "cache"))
+
+    def half(dst: Path) -> None:
+        dst.mkdir()
+        (dst / "config.json").write_text("{}")
+        raise RuntimeError("generator crashed")
+
+    with pytest.raises(RuntimeError, match="generator crashed"):
+        preset_dir("toy", "v1", half)
+    assert list((tmp_path / "cache" / "presets").iterdir()) == []
+
+
+def test_preset_dir_lost_race_reuses_winner(tmp_path: Path, monkeypatch) -> None:
+    """Another process installs the preset while this one generates: ours is discarded."""
+    monkeypatch.setenv("XSPEC_CACHE_DIR", str(tmp_path / "cache"))
+    final = loading.cache_root() / "presets" / "toy-v1"
+
+    def racing(dst: Path) -> None:
+        _write(final, _tensors(seed=1))  # the "other process" wins
+        _write(dst, _tensors(seed=2))
+
+    assert preset_dir("toy", "v1", racing) == final
+    assert torch.equal(Checkpoint(final).get("a.weight"), _tensors(seed=1)["a.weight"])
+    assert sorted(p.name for p in final.parent.iterdir()) == ["toy-v1"]

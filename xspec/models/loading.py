@@ -1,0 +1,452 @@
+"""Checkpoint loading shared by every model: safetensors only, never pickle.
+
+A checkpoint is a local directory holding ``config.json`` plus either one or more
+``*.safetensors`` files or a sharded set described by ``*.safetensors.index.json``
+(the index's ``weight_map`` is then the only source of truth). Tensor names, shapes
+and dtypes come from the safetensors *headers* (an 8-byte length + a JSON blob at
+the start of each file), so a whole checkpoint can be validated before a single
+tensor is read or a single parameter is allocated.
+
+``load_params`` is the generic two-phase loader:
+
+1. *plan* from headers: every parameter / persistent buffer of the module must be
+   produced by exactly one checkpoint tensor (through ``rename``); every problem
+   (missing, unexpected, duplicate, misshapen, int-into-float) is collected and
+   raised as one :class:`~xspec.errors.CheckpointError`;
+2. *stream*: tensors are read one at a time (shard by shard) and copied in place
+   into the existing parameters, so peak host memory stays near the resident model
+   plus one tensor, never a second full copy.
+
+``write_checkpoint`` and ``preset_dir`` write directories atomically (temp dir next
+to the target, then ``os.rename``) so an interrupted or failing writer never leaves a
+half-written checkpoint that a later run would trust.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import shutil
+import struct
+import uuid
+from collections.abc import Callable, Iterable, Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from xspec.errors import CheckpointError
+
+CONFIG_NAME = "config.json"
+INDEX_NAME = "model.safetensors.index.json"  # the name write_checkpoint uses
+
+# safetensors header dtype codes -> torch dtype names (only those this torch build has are
+# kept: float8_e8m0fnu, the ue8m0 block-scale type, needs torch >= 2.7).
+_DTYPE_NAMES = {
+    "F64": "float64",
+    "F32": "float32",
+    "F16": "float16",
+    "BF16": "bfloat16",
+    "I64": "int64",
+    "I32": "int32",
+    "I16": "int16",
+    "I8": "int8",
+    "U8": "uint8",
+    "BOOL": "bool",
+    "F8_E4M3": "float8_e4m3fn",
+    "F8_E5M2": "float8_e5m2",
+    "F8_E8M0": "float8_e8m0fnu",
+}
+SAFETENSORS_DTYPES: dict[str, torch.dtype] = {
+    code: getattr(torch, name) for code, name in _DTYPE_NAMES.items() if hasattr(torch, name)
+}
+_FLOAT_CODES = {"F64", "F32", "F16", "BF16", "F8_E4M3", "F8_E5M2", "F8_E8M0"}
+
+
+def _read_json(file: Path) -> dict:
+    try:
+        text = file.read_text(encoding="utf-8")
+    except OSError as e:
+        raise CheckpointError(f"cannot read {file}: {e}") from e
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise CheckpointError(
+            f"{file} is not valid JSON (line {e.lineno}, column {e.colno}: {e.msg}); "
+            "re-download or fix the file"
+        ) from e
+    if not isinstance(data, dict):
+        raise CheckpointError(f"{file} must hold a JSON object, found {type(data).__name__}")
+    return data
+
+
+def _read_header(file: Path) -> dict[str, tuple[list[int], str, int]]:
+    """Parse one safetensors header: ``{name: (shape, dtype code, data offset)}``."""
+    try:
+        with open(file, "rb") as f:
+            (n,) = struct.unpack("<Q", f.read(8))
+            if n > 1 << 30:  # real headers are at most a few MB; a huge n means garbage
+                raise ValueError(f"header length {n} is implausible")
+            header = json.loads(f.read(n))
+    except (OSError, ValueError, struct.error) as e:
+        raise CheckpointError(
+            f"{file} is not a readable safetensors file ({e}); re-download the shard"
+        ) from e
+    header.pop("__metadata__", None)
+    return {
+        name: (list(info["shape"]), info["dtype"], int(info["data_offsets"][0]))
+        for name, info in header.items()
+    }
+
+
+class Checkpoint:
+    """A local directory with config.json and safetensors (single file or sharded with
+    ``*.safetensors.index.json``). Never pickle."""
+
+    def __init__(self, path: str | os.PathLike) -> None:
+        self.path = Path(path).expanduser()
+        if not self.path.is_dir():
+            what = "is not a directory" if self.path.exists() else "does not exist"
+            raise CheckpointError(
+                f"checkpoint directory {self.path} {what}; pass the directory holding "
+                "config.json and *.safetensors"
+            )
+        if not os.access(self.path, os.R_OK | os.X_OK):
+            raise CheckpointError(f"checkpoint directory {self.path} is not readable")
+        config_file = self.path / CONFIG_NAME
+        if not config_file.is_file():
+            raise CheckpointError(
+                f"{self.path} has no {CONFIG_NAME}; a checkpoint directory needs the model's "
+                "config.json next to its *.safetensors files"
+            )
+        self.config: dict = _read_json(config_file)
+        self._file_of: dict[str, Path] = {}
+        self._headers: dict[Path, dict[str, tuple[list[int], str, int]]] = {}
+        self._handles: dict[Path, Any] = {}  # open safe_open handles, see _open
+        self._index_files()
+
+    def _index_files(self) -> None:
+        """Fill ``name -> shard`` and read every shard header (no tensor data)."""
+        indexes = sorted(self.path.glob("*.safetensors.index.json"))
+        if len(indexes) > 1:
+            raise CheckpointError(
+                f"{self.path} has several safetensors indexes "
+                f"({', '.join(p.name for p in indexes)}); keep exactly one"
+            )
+        if indexes:
+            self._from_index(indexes[0])
+            return
+        files = sorted(self.path.glob("*.safetensors"))
+        if not files:
+            pickles = sorted(
+                p.name for p in self.path.iterdir() if p.suffix in {".bin", ".pt", ".pth"}
+            )
+            hint = (
+                f" (found {', '.join(pickles)}: pickle files are never loaded; convert them to safetensors)"
+                if pickles
+                else ""
+            )
+            raise CheckpointError(f"{self.path} has no *.safetensors files{hint}")
+        for file in files:
+            header = _read_header(file)
+            self._headers[file] = header
+            for name in header:
+                if name in self._file_of:
+                    raise CheckpointError(
+                        f"tensor {name!r} appears in both {self._file_of[name].name} and "
+                        f"{file.name} in {self.path}; remove the stale file"
+                    )
+                self._file_of[name] = file
+
+    def _from_index(self, index_file: Path) -> None:
+        weight_map = _read_json(index_file).get("weight_map")
+        if not isinstance(weight_map, dict) or not weight_map:
+            raise CheckpointError(f"{index_file} has no 'weight_map' object naming the shards")
+        problems = []
+        for shard in sorted(set(weight_map.values())):
+            file = self.path / shard
+            if not file.is_file():
+                names = [n for n, s in weight_map.items() if s == shard]
+                problems.append(f"shard {shard} (holding e.g. {names[0]!r}) is missing")
+                continue
+            self._headers[file] = _read_header(file)
+        for name, shard in weight_map.items():
+            file = self.path / shard
+            if file in self._headers and name not in self._headers[file]:
+                problems.append(
+                    f"{index_file.name} puts {name!r} in {shard}, but that shard lacks it"
+                )
+            self._file_of[name] = file
+        if problems:
+            raise CheckpointError(
+                f"checkpoint {self.path} does not match its index {index_file.name}; "
+                "re-download the missing shards",
+                problems=problems,
+            )
+
+    def read_json(self, name: str) -> dict | None:
+        """Another JSON file of the directory (e.g. quant_model_description.json)."""
+        file = self.path / name
+        return _read_json(file) if file.is_file() else None
+
+    def names(self) -> list[str]:
+        """All tensor names, from the headers only."""
+        return list(self._file_of)
+
+    def __contains__(self, name: str) -> bool:
+        return name in self._file_of
+
+    def file_of(self, name: str) -> Path:
+        """The shard holding ``name``."""
+        try:
+            return self._file_of[name]
+        except KeyError:
+            raise CheckpointError(f"tensor {name!r} is not in checkpoint {self.path}") from None
+
+    def meta(self, name: str) -> tuple[list[int], str]:
+        """(shape, safetensors dtype code such as "F32", "BF16", "I8") without reading data."""
+        shape, code, _ = self._headers[self.file_of(name)][name]
+        return list(shape), code
+
+    def iter_tensors(
+        self, names: Iterable[str] | None = None
+    ) -> Iterator[tuple[str, torch.Tensor]]:
+        """Yield ``(name, tensor)`` one at a time, shard by shard, in on-disk order."""
+        wanted = self.names() if names is None else list(names)
+        by_file: dict[Path, list[str]] = {}
+        for name in wanted:
+            by_file.setdefault(self.file_of(name), []).append(name)
+        for file in sorted(by_file):
+            header = self._headers[file]
+            ordered = sorted(by_file[file], key=lambda n: header[n][2])  # sequential reads
+            for name in ordered:
+                yield name, self._open(file).get_tensor(name)
+
+    def get(self, name: str) -> torch.Tensor:
+        """One tensor (e.g. a ``*.weight_scale`` sibling needed by a convert hook)."""
+        return self._open(self.file_of(name)).get_tensor(name)
+
+    def _open(self, file: Path) -> Any:
+        """A safe_open handle, cached for the last two shards: a convert hook reading sibling
+        tensors per weight must not re-open (and re-parse the header of) a shard each time.
+        Handles are memory maps: they hold no tensor data themselves."""
+        from safetensors import safe_open  # local: only needed when data is read
+
+        if file not in self._handles:
+            if len(self._handles) >= 2:
+                self._handles.pop(next(iter(self._handles)))
+            self._handles[file] = safe_open(str(file), framework="pt", device="cpu")
+        return self._handles[file]
+
+
+def require_config_keys(config: dict, keys: Iterable[str], where: Path) -> None:
+    """Raise one CheckpointError listing every key of ``keys`` absent from ``config``."""
+    missing = [k for k in keys if k not in config]
+    if missing:
+        file = where / CONFIG_NAME if where.is_dir() else where
+        raise CheckpointError(
+            f"{file} lacks required keys {missing}; add them (see the model's reference config)",
+            problems=[f"missing key {k!r}" for k in missing],
+        )
+
+
+def _kind(dtype_code_or_dtype: str | torch.dtype) -> str:
+    """'float', 'int' or 'bool': copy_ across kinds would silently reinterpret data."""
+    if isinstance(dtype_code_or_dtype, str):
+        code = dtype_code_or_dtype
+        return "float" if code in _FLOAT_CODES else ("bool" if code == "BOOL" else "int")
+    dt = dtype_code_or_dtype
+    return "float" if dt.is_floating_point else ("bool" if dt == torch.bool else "int")
+
+
+def _plan(
+    targets: dict[str, torch.Tensor],
+    ckpt: Checkpoint,
+    rename: Callable[[str], str | None],
+    check_kind: bool,
+) -> dict[str, str]:
+    """Checkpoint name -> state_dict key for every tensor to load; all problems in one error."""
+    plan: dict[str, str] = {}
+    source_of: dict[str, str] = {}
+    problems: list[str] = []
+    for name in ckpt.names():
+        key = rename(name)
+        if key is None:
+            continue
+        shape, code = ckpt.meta(name)
+        where = f"tensor {name!r} in {ckpt.file_of(name).name}"
+        if key not in targets:
+            problems.append(f"unexpected {where}: maps to {key!r}, which the model does not have")
+            continue
+        if key in source_of:
+            problems.append(f"{where} and {source_of[key]!r} both provide {key!r}")
+            continue
+        source_of[key] = name
+        want = list(targets[key].shape)
+        if shape != want:
+            problems.append(f"{where} has shape {shape}, expected {want} for {key!r}")
+        elif check_kind and _kind(code) != _kind(targets[key].dtype):
+            problems.append(
+                f"{where} is {code} but {key!r} is {targets[key].dtype}; a quantised checkpoint "
+                "needs its dequantising loader"
+            )
+        plan[name] = key
+    for key, t in targets.items():
+        if key not in source_of:
+            problems.append(f"missing: no tensor provides {key!r} (shape {list(t.shape)})")
+    if problems:
+        raise CheckpointError(
+            f"checkpoint {ckpt.path} does not match the model ({len(problems)} problem(s))",
+            problems=problems,
+        )
+    return plan
+
+
+def load_params(
+    module: torch.nn.Module,
+    ckpt: Checkpoint,
+    rename: Callable[[str], str | None],
+    *,
+    convert: Callable[[str, torch.Tensor], torch.Tensor] | None = None,
+) -> None:
+    """Fill every parameter / persistent buffer of ``module`` in place from ``ckpt``.
+
+    ``rename(ckpt_name)`` gives the state_dict key, or None to skip the tensor.
+    ``convert(ckpt_name, tensor)`` may transform a tensor before the copy (e.g.
+    dequantise with a sibling ``*.weight_scale`` read through ``ckpt.get``); it must
+    return the parameter's shape. Dtype conversion happens in ``copy_``.
+    """
+    targets = module.state_dict(keep_vars=True)  # references to the live tensors, no copies
+    plan = _plan(targets, ckpt, rename, check_kind=convert is None)
+    with torch.no_grad():
+        for name, tensor in ckpt.iter_tensors(plan):
+            key = plan[name]
+            if convert is not None:
+                tensor = convert(name, tensor)
+            target = targets[key]
+            if list(tensor.shape) != list(target.shape) or _kind(tensor.dtype) != _kind(
+                target.dtype
+            ):
+                raise CheckpointError(
+                    f"tensor {name!r} in {ckpt.file_of(name)} converts to "
+                    f"{tensor.dtype}{list(tensor.shape)}, but {key!r} is "
+                    f"{target.dtype}{list(target.shape)}"
+                )
+            target.copy_(tensor)
+            del tensor  # drop it before the next read: at most one tensor alive
+
+
+@contextlib.contextmanager
+def atomic_dir(path: Path) -> Iterator[Path]:
+    """Yield a fresh temp dir next to ``path``; on success rename it to ``path``.
+
+    ``path`` must not exist or be an empty directory. On any exception the temp dir
+    is removed and ``path`` is left untouched.
+    """
+    path = Path(path)
+    if path.exists() and (not path.is_dir() or any(path.iterdir())):
+        raise CheckpointError(
+            f"{path} already exists and is not empty; remove it or pick another path"
+        )
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.parent / f".{path.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+    tmp.mkdir()
+    try:
+        yield tmp
+        if path.is_dir():
+            path.rmdir()  # an empty placeholder (e.g. a test's tmp dir)
+        os.rename(tmp, path)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
+def _shards(tensors: dict[str, torch.Tensor], max_bytes: int | None) -> list[list[str]]:
+    """Greedy split in insertion order; a tensor larger than max_bytes gets its own shard."""
+    if max_bytes is None:
+        return [list(tensors)]
+    shards: list[list[str]] = [[]]
+    size = 0
+    for name, t in tensors.items():
+        nbytes = t.numel() * t.element_size()
+        if shards[-1] and size + nbytes > max_bytes:
+            shards.append([])
+            size = 0
+        shards[-1].append(name)
+        size += nbytes
+    return shards
+
+
+def write_checkpoint(
+    path: Path,
+    tensors: dict[str, torch.Tensor],
+    config: dict,
+    *,
+    max_shard_bytes: int | None = None,
+    extra_json: dict[str, dict] | None = None,
+) -> None:
+    """Write config.json + safetensors (sharded with an index when max_shard_bytes is set).
+
+    ``extra_json`` maps file names (e.g. "quant_model_description.json") to contents.
+    Atomic: nothing appears at ``path`` unless everything was written.
+    """
+    from safetensors.torch import save_file
+
+    with atomic_dir(Path(path)) as tmp:
+        (tmp / CONFIG_NAME).write_text(json.dumps(config, indent=2) + "\n", encoding="utf-8")
+        for name, content in (extra_json or {}).items():
+            (tmp / name).write_text(json.dumps(content, indent=2) + "\n", encoding="utf-8")
+        groups = _shards(tensors, max_shard_bytes)
+        if max_shard_bytes is None:
+            files = ["model.safetensors"]
+        else:
+            files = [
+                f"model-{i + 1:05d}-of-{len(groups):05d}.safetensors" for i in range(len(groups))
+            ]
+        weight_map: dict[str, str] = {}
+        for file, names in zip(files, groups):
+            part = {n: tensors[n].detach().to("cpu").contiguous() for n in names}
+            save_file(part, str(tmp / file), metadata={"format": "pt"})
+            weight_map.update(dict.fromkeys(names, file))
+        if max_shard_bytes is not None:
+            total = sum(t.numel() * t.element_size() for t in tensors.values())
+            index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+            (tmp / INDEX_NAME).write_text(json.dumps(index, indent=2) + "\n", encoding="utf-8")
+
+
+def cache_root() -> Path:
+    """$XSPEC_CACHE_DIR, default ~/.cache/xspec."""
+    return Path(os.environ.get("XSPEC_CACHE_DIR") or "~/.cache/xspec").expanduser()
+
+
+def preset_dir(name: str, version: str, generate: Callable[[Path], None]) -> Path:
+    """Directory of a built-in preset checkpoint, generated on first use.
+
+    ``generate(dst)`` must create the checkpoint directory ``dst`` (e.g. with
+    write_checkpoint). It runs against a private temp path that is renamed into
+    place, so concurrent first uses are safe: the loser discards its copy and reuses
+    the winner's; a failing generate leaves nothing behind.
+    """
+    final = cache_root() / "presets" / f"{name}-{version}"
+    if (final / CONFIG_NAME).is_file():
+        return final
+    final.parent.mkdir(parents=True, exist_ok=True)
+    tmp = final.parent / f".{final.name}.gen-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+    try:
+        generate(tmp)
+        if not (tmp / CONFIG_NAME).is_file():
+            raise CheckpointError(
+                f"preset generator for {name!r} wrote no {CONFIG_NAME} into {tmp}"
+            )
+        try:
+            os.rename(tmp, final)
+        except OSError as e:
+            if not (final / CONFIG_NAME).is_file():  # not a lost race: a real failure
+                raise CheckpointError(
+                    f"cannot install preset {name!r} at {final} ({e}); if that directory is "
+                    "left over from an interrupted run, delete it"
+                ) from e
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)  # no-op after a successful rename
+    return final
