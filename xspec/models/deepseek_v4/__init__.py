@@ -1,0 +1,92 @@
+"""DeepSeek-V4 (Flash) target model (registry key ``deepseek_v4``).
+
+Importing this package is light: only the torch-free config schema is imported here;
+torch, safetensors and the model code load when :func:`load_model` runs (or when
+``DeepseekV4Model`` is first accessed).
+
+Checkpoints: the official DeepSeek layout (names equal the module's state_dict keys),
+its W8A8 (msModelSlim) and FP8-block variants, and QuaRot checkpoints; see
+:mod:`xspec.models.deepseek_v4.weights`. ``model.preset: tiny`` is a small random
+checkpoint with every Flash feature, generated on first use (:mod:`.tiny`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from xspec.errors import CheckpointError, ConfigError
+from xspec.models.deepseek_v4.args import DeepseekV4Args
+
+if TYPE_CHECKING:
+    import torch
+
+    from xspec.models.deepseek_v4.model import DeepseekV4Model
+
+__all__ = ["PRESETS", "DeepseekV4Args", "DeepseekV4Model", "checkpoint_path", "load_model"]
+
+_DTYPES = ("float32", "bfloat16", "float16")
+
+
+def _tiny() -> Path:
+    from xspec.models.deepseek_v4.tiny import tiny_dir
+
+    return tiny_dir()
+
+
+PRESETS: dict[str, Callable[[], Path]] = {"tiny": _tiny}  # model.preset -> its directory
+
+
+def __getattr__(name: str) -> Any:  # lazy: keep `import xspec.models.deepseek_v4` torch-free
+    if name == "DeepseekV4Model":
+        from xspec.models.deepseek_v4 import model
+
+        return model.DeepseekV4Model
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def load_model(cfg: Any, *, device: torch.device, max_rollback: int) -> DeepseekV4Model:
+    """Build the model described by the ``model`` config section and load its weights.
+
+    ``cfg``: ``path`` (checkpoint dir; wins over ``preset``), ``preset`` (e.g. "tiny",
+    generated on first use), ``dtype`` (an enum whose value is float32 / bfloat16 /
+    float16), ``max_context`` (None = the model's default). config.json and every tensor
+    header are validated before anything is allocated; weights then stream in one tensor
+    at a time. The returned model carries ``checkpoint_dir`` (drafters read it).
+    """
+    import torch
+
+    from xspec.models.deepseek_v4.weights import load_checkpoint
+
+    dtype = getattr(torch, _dtype_name(cfg.dtype))
+    return load_checkpoint(
+        checkpoint_path(cfg),
+        dtype=dtype,
+        device=device,
+        max_rollback=max_rollback,
+        max_context=cfg.max_context,
+    )
+
+
+def checkpoint_path(cfg: Any) -> Path:
+    """``cfg.path``, else the built-in preset's directory (generated on first use)."""
+    if cfg.path:
+        return Path(cfg.path)
+    if cfg.preset is None:
+        raise CheckpointError(
+            "model.path is required for this model (set model.path=/dir/of/DeepSeek-V4-Flash), "
+            f"or pick a built-in preset (model.preset: {', '.join(PRESETS)})"
+        )
+    if cfg.preset not in PRESETS:
+        raise ConfigError(
+            f"model.preset={cfg.preset!r} is not a DeepSeek-V4 preset; known: {', '.join(PRESETS)}"
+        )
+    return PRESETS[cfg.preset]()
+
+
+def _dtype_name(value: Any) -> str:
+    name = getattr(value, "value", value)
+    if name not in _DTYPES:
+        raise ConfigError(f"model.dtype={name!r} is not supported; use one of {', '.join(_DTYPES)}")
+    return str(name)

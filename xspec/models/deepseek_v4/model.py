@@ -1,0 +1,233 @@
+"""The DeepSeek-V4 target model (TargetModel protocol of xspec/models/base.py).
+
+Parameter names equal the official checkpoint names (``embed.weight``,
+``layers.{i}.attn.wq_a.weight``, ``layers.{i}.hc_attn_fn``, ``hc_head_fn``...), so
+``model.load_state_dict(official_tensors)`` is an identity map and
+``safetensors.torch.save_file(model.state_dict())`` + ``args.to_config()`` is a checkpoint
+that transformers' ``DeepseekV4ForCausalLM`` loads through its renaming table.
+
+``Block`` (mHC + attention + MoE) is reusable on its own: the MTP / DSpark drafters build
+their SWA-only stages as ``Block(args, layer_id, compress_ratio=0, hash_routed=False)``
+with a cache from ``block.new_cache(...)`` and a :class:`BlockContext`.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+
+from xspec.errors import ConfigError, RequestError
+from xspec.models.base import CapturePoint, CaptureSite, ForwardBatch, ModelOutput
+from xspec.models.deepseek_v4.args import DeepseekV4Args
+from xspec.models.deepseek_v4.attention import Attention
+from xspec.models.deepseek_v4.mhc import HyperHead, RMSNorm, hc_post, hc_pre, new_hc_params
+from xspec.models.deepseek_v4.moe import MoE
+from xspec.models.deepseek_v4.state import BlockContext, DeepseekV4State, LayerCache
+
+
+class Block(nn.Module):
+    """One decoder layer: ``hc_attn`` + attention, ``hc_ffn`` + MoE, on the mHC streams.
+
+    Checkpoint tensors (``layers.{i}.``): ``attn_norm, ffn_norm``, ``hc_{attn,ffn}_{fn,base,
+    scale}``, ``attn.*``, ``ffn.*``.
+    """
+
+    def __init__(
+        self,
+        args: DeepseekV4Args,
+        layer_id: int,
+        compress_ratio: int,
+        hash_routed: bool,
+        dtype: torch.dtype = torch.float32,
+        device: torch.device | str = "cpu",
+    ) -> None:
+        super().__init__()
+        self.args = args
+        self.layer_id = layer_id
+        self.compress_ratio = compress_ratio
+        self.attn_norm = RMSNorm(args.hidden_size, args.rms_norm_eps, device=device)
+        self.ffn_norm = RMSNorm(args.hidden_size, args.rms_norm_eps, device=device)
+        self.hc_attn_fn, self.hc_attn_base, self.hc_attn_scale = new_hc_params(
+            args, head=False, device=device
+        )
+        self.hc_ffn_fn, self.hc_ffn_base, self.hc_ffn_scale = new_hc_params(
+            args, head=False, device=device
+        )
+        self.attn = Attention(args, compress_ratio, dtype=dtype, device=device)
+        self.ffn = MoE(args, hash_routed, dtype=dtype, device=device)
+
+    def forward(self, x: torch.Tensor, ctx: BlockContext) -> torch.Tensor:
+        """``x [T, hc, d]`` streams -> ``[T, hc, d]``; ``ctx.caches`` are this block's."""
+        u, post, comb = hc_pre(x, self.hc_attn_fn, self.hc_attn_base, self.hc_attn_scale, self.args)
+        x = hc_post(self.attn(self.attn_norm(u), ctx), x, post, comb)
+        u, post, comb = hc_pre(x, self.hc_ffn_fn, self.hc_ffn_base, self.hc_ffn_scale, self.args)
+        return hc_post(self.ffn(self.ffn_norm(u), ctx.input_ids), x, post, comb)
+
+    def new_cache(self, *, max_rollback: int, max_context: int) -> LayerCache:
+        """Empty per-sequence cache of this block (truncate it with ``cache.truncate(n)``)."""
+        return self.attn.new_cache(max_rollback=max_rollback, max_context=max_context)
+
+
+class DeepseekV4Model(nn.Module, HyperHead):
+    """DeepSeek-V4 target: logits, the pre-``hc_head`` residual and captured hidden states."""
+
+    def __init__(
+        self,
+        args: DeepseekV4Args,
+        *,
+        dtype: torch.dtype = torch.float32,
+        device: torch.device | str = "cpu",
+        max_rollback: int = 8,
+        max_context: int | None = None,
+    ) -> None:
+        super().__init__()
+        problems = args.problems()
+        if problems:
+            raise ConfigError("invalid DeepSeek-V4 arguments", problems=problems)
+        if max_rollback < 0:
+            raise ConfigError(f"max_rollback must be >= 0, got {max_rollback}")
+        self.args = args
+        self.vocab_size = args.vocab_size
+        self.hidden_size = args.hidden_size
+        self.num_layers = args.num_hidden_layers
+        self.max_context = max_context or args.max_position_embeddings
+        self.max_rollback = max_rollback
+        self.dtype = dtype
+        self.embed = nn.Embedding(args.vocab_size, args.hidden_size, dtype=dtype, device=device)
+        self.layers = nn.ModuleList(
+            Block(args, i, ratio, args.is_hash_layer(i), dtype=dtype, device=device)
+            for i, ratio in enumerate(args.target_compress_ratios)
+        )
+        self.norm = RMSNorm(args.hidden_size, args.rms_norm_eps, device=device)
+        self.head = nn.Linear(
+            args.hidden_size, args.vocab_size, bias=False, dtype=dtype, device=device
+        )
+        self.init_hyper_head(args, device)
+
+    # -- TargetModel -------------------------------------------------------------------
+
+    def new_state(self) -> DeepseekV4State:
+        blocks: list[Block] = list(self.layers)  # type: ignore[arg-type]
+        layers = [
+            block.new_cache(max_rollback=self.max_rollback, max_context=self.max_context)
+            for block in blocks
+        ]
+        return DeepseekV4State(layers, self.max_rollback)
+
+    def truncate(self, state: DeepseekV4State, num_tokens: int) -> None:
+        state.truncate(num_tokens)
+
+    @torch.no_grad()
+    def forward(self, batch: ForwardBatch) -> ModelOutput:
+        """Score ``batch`` (see ForwardBatch); every state advances by its row count."""
+        self._check_batch(batch)
+        boundary = self._capture_boundaries(batch.capture)  # validated before any state moves
+        device = self.embed.weight.device
+        ids = batch.input_ids.to(device)
+        starts = [s.num_tokens for s in batch.states]
+        for state, n in zip(batch.states, batch.seq_lens):
+            state.reserve(state.num_tokens + n)
+        ctx = BlockContext(ids, batch.positions().to(device), list(batch.seq_lens), starts)
+        captured: dict[int, torch.Tensor] = {}
+        x = self.embed(ids)  # [T, d]
+        x = x.unsqueeze(1).expand(-1, self.args.hc_mult, -1).contiguous()  # [T, hc, d]
+        for i, block in enumerate(self.layers):
+            if i in boundary:
+                captured[i] = x.float().mean(dim=1)
+            x = block(x, ctx.for_block([s.layers[i] for s in batch.states]))
+        captured[self.num_layers] = x.float().mean(dim=1)
+        for state, n in zip(batch.states, batch.seq_lens):
+            state.advance(n)
+        logits = self.head(self.norm(self.hyper_head(x))).float()  # [T, V]
+        aux = torch.cat([captured[b] for b in boundary], dim=-1) if boundary else None
+        return ModelOutput(logits=logits, hidden=x, aux_hidden=aux)
+
+    # -- helpers -----------------------------------------------------------------------
+
+    def _capture_boundaries(self, points: list[CapturePoint]) -> list[int]:
+        """Residual index of each capture point: ``b`` = the residual entering layer ``b``
+        (``b == num_layers``: the final residual). OUTPUT of ``l`` is boundary ``l+1``."""
+        out, bad = [], []
+        for p in points:
+            b = p.layer + 1 if p.site == CaptureSite.OUTPUT else p.layer
+            if not (
+                0 <= p.layer < self.num_layers
+                or (p.layer == self.num_layers and p.site == CaptureSite.INPUT)
+            ):
+                bad.append(f"{p} (the model has layers 0..{self.num_layers - 1})")
+            out.append(b)
+        if bad:
+            raise ConfigError("capture points outside the DeepSeek-V4 target", problems=bad)
+        return out
+
+    def _check_batch(self, batch: ForwardBatch) -> None:
+        ids = batch.input_ids
+        if ids.dim() != 1 or ids.dtype not in (torch.int64, torch.int32):
+            raise RequestError(
+                f"input_ids must be a 1-D integer tensor, got {tuple(ids.shape)} {ids.dtype}"
+            )
+        if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= self.vocab_size):
+            raise RequestError(
+                f"input_ids contain ids outside [0, {self.vocab_size}) (min {int(ids.min())}, "
+                f"max {int(ids.max())}); the tokenizer does not match this checkpoint"
+            )
+        for i, (state, n) in enumerate(zip(batch.states, batch.seq_lens)):
+            if not isinstance(state, DeepseekV4State) or len(state.layers) != self.num_layers:
+                raise ValueError(f"sequence {i}: state was not made by this model's new_state()")
+            if state.num_tokens + n > self.max_context:
+                raise RequestError(
+                    f"sequence {i} would hold {state.num_tokens + n} tokens, more than "
+                    f"max_context={self.max_context}; shorten the prompt or max_new_tokens"
+                )
+
+    # -- random weights ----------------------------------------------------------------
+
+    @torch.no_grad()
+    def init_random_(self, seed: int) -> None:
+        """Deterministic, well-conditioned random weights (tests, toy training start).
+
+        Projections ~ N(0, 1/fan_in) so every activation stays O(1) through the norms;
+        mHC ``fn`` rows scaled so mixes are O(1), random ``base``/``scale`` give non-trivial
+        stream mixing; random sinks, ``ape``, router bias; ``tid2eid`` rows hold distinct
+        valid expert ids.
+        """
+        gen = torch.Generator().manual_seed(seed)
+        for name, tensor in self.state_dict(keep_vars=True).items():
+            tensor.copy_(self._random_like(name, tensor, gen))
+
+    def _random_like(self, name: str, t: torch.Tensor, gen: torch.Generator) -> torch.Tensor:
+        def normal(std: float, mean: float = 0.0) -> torch.Tensor:
+            return torch.randn(t.shape, generator=gen, dtype=torch.float32) * std + mean
+
+        leaf = name.rsplit(".", 1)[-1]
+        if leaf == "tid2eid":
+            order = torch.rand(t.shape[0], self.args.n_routed_experts, generator=gen).argsort(dim=1)
+            return order[:, : t.shape[1]]
+        if name == "embed.weight":
+            return normal(1.0)
+        if leaf.endswith("_fn"):  # mHC projections read the RMS-normalised [hc*d] streams
+            return normal(1.0 / math.sqrt(t.shape[1]))
+        if leaf.endswith("_base"):
+            return normal(0.5)
+        if leaf.endswith("_scale"):
+            return 0.5 + torch.rand(t.shape, generator=gen)
+        if leaf == "attn_sink":
+            return normal(1.0)
+        if leaf == "ape":
+            return normal(0.5)
+        if leaf == "bias":  # router selection bias
+            return normal(0.1)
+        if t.dim() == 1:  # norm weights
+            return normal(0.1, mean=1.0)
+        w = normal(1.0 / math.sqrt(t.shape[1]))  # linear [out, in]
+        if name.endswith("indexer.wq_b.weight"):
+            # Query heads in +/- pairs: one head of each pair has a positive ReLU term for
+            # every (query, entry), so index scores are never exactly 0. Exact ties, whose
+            # top-k order the official code leaves unspecified, then cannot occur and
+            # random models compare tie-free against other implementations.
+            heads = w.view(self.args.index_n_heads, -1, w.shape[1])
+            pairs = self.args.index_n_heads // 2
+            heads[1 : 2 * pairs : 2] = -heads[0 : 2 * pairs : 2]
+        return w

@@ -1,0 +1,126 @@
+"""DeepSeek-V4 mixture of experts: sqrtsoftplus routing (learned top-k or hash) and
+clamped SwiGLU experts.
+
+Router (fp32): ``s = sqrt(softplus(x @ Wg^T))``. Learned layers pick ``topk(s + bias)``
+(``bias`` only affects the selection); hash layers (``layer_id < num_hash_layers``) take
+the experts from ``tid2eid[token_id]``. Weights ``s[idx]``, renormalised when
+``norm_topk_prob``, times ``routed_scaling_factor``. Expert: ``w2((silu(min(w1 x, L)) *
+clamp(w3 x, -L, L)) * weight)`` in fp32 (the routing weight is applied before ``w2``, as
+officially); the shared expert is the same module, added unweighted.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from xspec.models.deepseek_v4.args import DeepseekV4Args
+
+
+class Expert(nn.Module):
+    """Checkpoint tensors: ``w1, w3 [inter, d]``, ``w2 [d, inter]``."""
+
+    def __init__(
+        self, dim: int, inter: int, limit: float, *, dtype: torch.dtype, device: torch.device | str
+    ) -> None:
+        super().__init__()
+        self.limit = limit
+        self.w1 = nn.Linear(dim, inter, bias=False, dtype=dtype, device=device)
+        self.w2 = nn.Linear(inter, dim, bias=False, dtype=dtype, device=device)
+        self.w3 = nn.Linear(dim, inter, bias=False, dtype=dtype, device=device)
+
+    def forward(self, x: torch.Tensor, weights: torch.Tensor | None = None) -> torch.Tensor:
+        """``x [N, d]``, optional routing ``weights [N, 1]`` fp32 -> ``[N, d]`` (x.dtype)."""
+        gate = self.w1(x).float()
+        up = self.w3(x).float()
+        if self.limit > 0:  # clamps keep the bf16 activations of big experts in range
+            gate = gate.clamp(max=self.limit)
+            up = up.clamp(min=-self.limit, max=self.limit)
+        h = F.silu(gate) * up
+        if weights is not None:
+            h = weights * h
+        return self.w2(h.to(x.dtype))
+
+
+class Gate(nn.Module):
+    """Checkpoint tensors: ``weight [E, d]`` fp32 and ``bias [E]`` fp32 (learned layers)
+    or ``tid2eid [vocab, k]`` int64 (hash layers; a persistent buffer)."""
+
+    tid2eid: torch.Tensor
+
+    def __init__(
+        self, args: DeepseekV4Args, hash_routed: bool, *, device: torch.device | str
+    ) -> None:
+        super().__init__()
+        self.args = args
+        self.hash_routed = hash_routed
+        e, k = args.n_routed_experts, args.num_experts_per_tok
+        self.weight = nn.Parameter(
+            torch.zeros(e, args.hidden_size, dtype=torch.float32, device=device)
+        )
+        if hash_routed:
+            self.bias = None
+            tid2eid = torch.arange(k, device=device).repeat(args.vocab_size, 1)
+            self.register_buffer("tid2eid", tid2eid, persistent=True)
+        else:
+            self.bias = nn.Parameter(torch.zeros(e, dtype=torch.float32, device=device))
+
+    def forward(
+        self, x: torch.Tensor, input_ids: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``x [T, d]``, ``input_ids [T]`` -> ``weights [T, k]`` fp32, ``experts [T, k]`` int64."""
+        logits = F.linear(x.float(), self.weight.float())  # [T, E]
+        func = self.args.scoring_func
+        if func == "softmax":
+            scores = logits.softmax(dim=-1)
+        elif func == "sigmoid":
+            scores = logits.sigmoid()
+        else:
+            scores = F.softplus(logits).sqrt()
+        if self.hash_routed:
+            experts = self.tid2eid[input_ids].long()
+        else:
+            biased = scores if self.bias is None else scores + self.bias
+            experts = biased.topk(self.args.num_experts_per_tok, dim=-1).indices
+        weights = scores.gather(1, experts)
+        if self.args.norm_topk_prob:
+            weights = weights / weights.sum(dim=-1, keepdim=True)
+        return weights * self.args.routed_scaling_factor, experts
+
+
+class MoE(nn.Module):
+    """Checkpoint tensors (``layers.{i}.ffn.``): ``gate.*``, ``experts.{e}.w{1,2,3}``,
+    ``shared_experts.w{1,2,3}``."""
+
+    def __init__(
+        self,
+        args: DeepseekV4Args,
+        hash_routed: bool,
+        *,
+        dtype: torch.dtype,
+        device: torch.device | str,
+    ) -> None:
+        super().__init__()
+        d, inter, limit = args.hidden_size, args.moe_intermediate_size, args.swiglu_limit
+        self.gate = Gate(args, hash_routed, device=device)
+        self.experts = nn.ModuleList(
+            Expert(d, inter, limit, dtype=dtype, device=device)
+            for _ in range(args.n_routed_experts)
+        )
+        self.shared_experts = (
+            Expert(d, inter * args.n_shared_experts, limit, dtype=dtype, device=device)
+            if args.n_shared_experts
+            else None
+        )
+
+    def forward(self, x: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
+        """``x [T, d]`` (the ``ffn_norm`` output), ``input_ids [T]`` -> ``[T, d]``."""
+        weights, experts = self.gate(x, input_ids)  # [T, k] each
+        y = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
+        for e in experts.unique().tolist():  # only the experts some row picked
+            rows, slot = (experts == e).nonzero(as_tuple=True)
+            y.index_add_(0, rows, self.experts[e](x[rows], weights[rows, slot, None]).float())
+        if self.shared_experts is not None:
+            y += self.shared_experts(x).float()
+        return y.to(x.dtype)

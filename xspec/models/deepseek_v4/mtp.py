@@ -1,0 +1,457 @@
+"""The DeepSeek-V4 MTP (multi-token prediction) module and its two checkpoint layouts.
+
+One MTP block is a full V4 :class:`~xspec.models.deepseek_v4.model.Block` (SWA-only
+attention, learned top-k MoE, mHC) plus an input combiner and its own output head. Row
+``i`` (position ``i``) reads the target's pre-``hc_head`` residual ``H_i [hc, d]`` (which
+predicts ``tok_{i+1}``) and the token ``tok_{i+1}``, and predicts ``tok_{i+2}``::
+
+    X = e_proj(enorm(embed(tok_{i+1})))[None] + h_proj(hnorm(rot(H_i)))   # [hc, d]
+    X = Block(X)                                                          # its own SWA cache
+    logits = head(norm(hc_head(X)))
+
+``hnorm`` normalises each stream; ``rot`` (QuaRot ``rot.weight``) exists only when the
+checkpoint ships it (xLLM applies it to the target hidden before ``hnorm``). The block
+output ``X`` is the MTP's own "hidden": drafting more than one token feeds it back in
+place of the target's ``H``. ``embed`` / ``head`` are the target's unless the checkpoint
+has dedicated vocabulary tensors, which then always win (whatever shard they sit in).
+
+Position 0: vLLM and xLLM zero the token embedding of the row at position 0. The
+official reference forward (and the MTP training objective) has no such mask, so xspec
+does not zero it: every row, position 0 included, combines a real (H_i, tok_{i+1}) pair.
+
+Layouts, as a declarative name map (:data:`OFFICIAL`, :data:`EXPORTED`):
+
+* **official** (``mtp.0.*`` next to the target's tensors; ``compress_ratios[N]`` is the
+  MTP layer's ratio, N = ``num_hidden_layers``, absent = 0): the block's tensors are
+  ``mtp.0.<module key>`` (``mtp.0.e_proj.weight``, ``mtp.0.attn.wq_a.weight``,
+  ``mtp.0.hc_head_fn``...); optional ``mtp.0.embed.weight`` / ``mtp.0.head.weight``;
+  optional top-level ``rot.weight``.
+* **exported** (xLLM ``tools/export_mtp.py``: ``config.json`` with ``model_type:
+  deepseek_v4_mtp``, ``num_hidden_layers: 1``, ``num_hash_layers: 0``; the MTP layer is
+  the model's layer 0, so its ratio is ``compress_ratios[0]``): ``model.layers.0.<module
+  key>``; vocabulary tensors, when exported at all, as ``model.embed_tokens.weight``,
+  ``model.layers.0.{embed,embed_tokens,emb.tok_emb}.weight``,
+  ``model.layers.0.{head,shared_head.head}.weight`` or ``lm_head.weight``; when absent the
+  target's are used (so the draft's ``hidden_size`` / ``vocab_size`` must equal the
+  target's, which :func:`plan_mtp` checks); ``model.rot.weight``.
+
+Both layouts may be W8A8 (msModelSlim) or FP8-block quantised like the target; the
+tensors are dequantised while streaming, with the target loader's rules.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from xspec.errors import CheckpointError
+from xspec.models.deepseek_v4.args import DeepseekV4Args
+from xspec.models.deepseek_v4.mhc import HyperHead, RMSNorm
+from xspec.models.deepseek_v4.model import Block
+from xspec.models.deepseek_v4.state import BlockContext
+from xspec.models.deepseek_v4.weights import (
+    FLOAT_CODES,
+    QUANT_DESCRIPTION,
+    W8A8_SIBLINGS,
+    W8A8_TYPES,
+    make_converter,
+)
+from xspec.models.loading import CONFIG_NAME, Checkpoint, load_params
+
+EXPORTED_MODEL_TYPE = "deepseek_v4_mtp"
+VOCAB_KEYS = ("embed.weight", "head.weight")
+
+
+@dataclass(frozen=True)
+class MtpLayout:
+    """Where a checkpoint layout keeps the MTP block: ``prefix + <module key>`` plus a few
+    names outside the prefix (``extra``: checkpoint name -> module key)."""
+
+    name: str
+    prefix: str
+    extra: dict[str, str] = field(default_factory=dict)
+
+
+# Module keys some exporters spell differently under the prefix (V3 / vLLM names).
+PREFIX_ALIASES = {
+    "emb.tok_emb.weight": "embed.weight",
+    "embed_tokens.weight": "embed.weight",
+    "shared_head.head.weight": "head.weight",
+    "shared_head.norm.weight": "norm.weight",
+}
+OFFICIAL = MtpLayout("official", "mtp.0.", {"rot.weight": "rot.weight"})
+EXPORTED = MtpLayout(
+    "exported",
+    "model.layers.0.",
+    {
+        "model.embed_tokens.weight": "embed.weight",
+        "lm_head.weight": "head.weight",
+        "model.rot.weight": "rot.weight",
+    },
+)
+
+
+def module_key(layout: MtpLayout, name: str) -> str | None:
+    """The :class:`MtpBlock` state_dict key of checkpoint tensor ``name``; None = not MTP."""
+    if name in layout.extra:
+        return layout.extra[name]
+    if name.startswith(layout.prefix):
+        rest = name[len(layout.prefix) :]
+        return PREFIX_ALIASES.get(rest, rest)
+    return None
+
+
+class MtpBlock(Block, HyperHead):
+    """One MTP layer. State_dict keys are the official names without ``mtp.0.``.
+
+    ``embed`` / ``head``: the target's modules to share, or None to own a dedicated
+    ``embed.weight`` / ``head.weight`` (loaded from the checkpoint). ``rot``: own a QuaRot
+    ``rot.weight [d, d]`` applied to the incoming hidden before ``hnorm``.
+    """
+
+    def __init__(
+        self,
+        args: DeepseekV4Args,
+        *,
+        layer_id: int,
+        embed: nn.Embedding | None,
+        head: nn.Linear | None,
+        rot: bool = False,
+        dtype: torch.dtype = torch.float32,
+        device: torch.device | str = "cpu",
+    ) -> None:
+        # the MTP layer is sliding-window only (ratio 0) with learned (not hash) routing
+        super().__init__(args, layer_id, 0, False, dtype=dtype, device=device)
+        d, vocab, eps = args.hidden_size, args.vocab_size, args.rms_norm_eps
+        kw: dict = dict(bias=False, dtype=dtype, device=device)
+        self.e_proj = nn.Linear(d, d, **kw)
+        self.h_proj = nn.Linear(d, d, **kw)
+        self.enorm = RMSNorm(d, eps, device=device)
+        self.hnorm = RMSNorm(d, eps, device=device)
+        self.norm = RMSNorm(d, eps, device=device)
+        self.init_hyper_head(args, device)
+        self.rot = nn.Linear(d, d, **kw) if rot else None
+        # Shared vocabulary modules live in a tuple: not registered, so they are neither
+        # part of this module's state_dict (the loader would demand them) nor moved by .to().
+        own_embed = nn.Embedding(vocab, d, dtype=dtype, device=device) if embed is None else None
+        own_head = nn.Linear(d, vocab, **kw) if head is None else None
+        self.embed, self.head = own_embed, own_head
+        self._vocab: tuple[nn.Embedding, nn.Linear] = (
+            embed if embed is not None else own_embed,  # type: ignore[assignment]
+            head if head is not None else own_head,
+        )
+
+    @property
+    def owns_vocab(self) -> tuple[bool, bool]:
+        """(dedicated embedding, dedicated head)."""
+        return self.embed is not None, self.head is not None
+
+    def combine(
+        self, hidden: torch.Tensor, tokens: torch.Tensor, *, own: bool = False
+    ) -> torch.Tensor:
+        """The block input: ``hidden [T, hc, d]``, ``tokens [T]`` -> ``[T, hc, d]``.
+
+        ``rot`` maps the target's (QuaRot-rotated) residual basis into the MTP's; the
+        MTP's own hidden (``own``, chained drafts) is already in its basis.
+        """
+        e = self.e_proj(self.enorm(self._vocab[0](tokens)))  # [T, d]
+        if self.rot is not None and not own:
+            hidden = self.rot(hidden)
+        return e.unsqueeze(1) + self.h_proj(self.hnorm(hidden))  # hnorm: per stream
+
+    def draft_hidden(
+        self, hidden: torch.Tensor, tokens: torch.Tensor, ctx: BlockContext, *, own: bool = False
+    ) -> torch.Tensor:
+        """MTP rows appended to ``ctx.caches``: ``hidden [T, hc, d]`` (the target's
+        pre-hc_head residual at each row's position, or with ``own`` the MTP's own output
+        when chaining), ``tokens [T]`` (the token at position + 1) -> the MTP's own hidden
+        ``[T, hc, d]``."""
+        return self(self.combine(hidden, tokens, own=own), ctx)
+
+    def draft_logits(self, x: torch.Tensor) -> torch.Tensor:
+        """``x [T, hc, d]`` (from :meth:`draft_hidden`) -> logits ``[T, V]`` fp32."""
+        return self._vocab[1](self.norm(self.hyper_head(x))).float()
+
+    @torch.no_grad()
+    def init_random_(self, seed: int) -> None:
+        """Deterministic random weights, the target's ``init_random_`` scheme (tests, the
+        tiny preset): linears N(0, 1/fan_in), norm gains ~1, mHC mixes O(1)."""
+        gen = torch.Generator().manual_seed(seed)
+        for name, t in self.state_dict(keep_vars=True).items():
+            t.copy_(_random_like(name, t, gen))
+
+
+def _random_like(name: str, t: torch.Tensor, gen: torch.Generator) -> torch.Tensor:
+    def normal(std: float, mean: float = 0.0) -> torch.Tensor:
+        return torch.randn(t.shape, generator=gen, dtype=torch.float32) * std + mean
+
+    leaf = name.rsplit(".", 1)[-1]
+    if name == "embed.weight":
+        return normal(1.0)
+    if leaf.endswith("_fn"):  # mHC projections read the RMS-normalised [hc*d] streams
+        return normal(1.0 / math.sqrt(t.shape[1]))
+    if leaf.endswith("_base"):
+        return normal(0.5)
+    if leaf.endswith("_scale"):
+        return 0.5 + torch.rand(t.shape, generator=gen)
+    if leaf == "attn_sink":
+        return normal(1.0)
+    if leaf == "bias":  # router selection bias
+        return normal(0.1)
+    if t.dim() == 1:  # norm gains
+        return normal(0.1, mean=1.0)
+    return normal(1.0 / math.sqrt(t.shape[1]))  # linear [out, in]
+
+
+# -- planning from headers -------------------------------------------------------------
+
+
+@dataclass
+class MtpPlan:
+    """Everything needed to allocate and fill an :class:`MtpBlock`, read from headers."""
+
+    ckpt: Checkpoint
+    layout: MtpLayout
+    args: DeepseekV4Args  # the block's geometry (the draft checkpoint's config.json)
+    layer_id: int
+    names: dict[str, str]  # checkpoint name -> module key
+    dequant: dict[str, str]  # checkpoint name -> "w8a8" | "fp8"
+
+    @property
+    def keys(self) -> set[str]:
+        return set(self.names.values())
+
+
+def detect_layout(ckpt: Checkpoint) -> MtpLayout:
+    """Exported when config.json says ``deepseek_v4_mtp`` (or only ``model.layers.0.*``
+    tensors exist); otherwise the official ``mtp.0.*`` layout."""
+    if ckpt.config.get("model_type") == EXPORTED_MODEL_TYPE:
+        return EXPORTED
+    names = ckpt.names()
+    if not any(n.startswith(OFFICIAL.prefix) for n in names) and any(
+        n.startswith(EXPORTED.prefix) for n in names
+    ):
+        return EXPORTED
+    return OFFICIAL
+
+
+def plan_mtp(path: str | Path, target_args: DeepseekV4Args | None) -> MtpPlan:
+    """Validate an MTP checkpoint from config.json and tensor headers only.
+
+    ``target_args``: the target's config, to check that hidden states and token ids can
+    cross over (None skips those checks). Raises one CheckpointError listing every problem.
+    """
+    ckpt = Checkpoint(path)
+    layout = detect_layout(ckpt)
+    args = DeepseekV4Args.from_config(ckpt.config, ckpt.path / CONFIG_NAME)
+    layer_id = args.num_hidden_layers if layout is OFFICIAL else 0
+    problems = _config_problems(ckpt, layout, args, layer_id, target_args)
+    if problems:  # geometry is off: per-tensor shape messages would only add noise
+        raise _error(ckpt, layout, problems)
+    names, dequant, problems = _tensor_plan(ckpt, layout, args, layer_id)
+    if problems:
+        raise _error(ckpt, layout, problems)
+    return MtpPlan(ckpt, layout, args, layer_id, names, dequant)
+
+
+def _error(ckpt: Checkpoint, layout: MtpLayout, problems: list[str]) -> CheckpointError:
+    return CheckpointError(
+        f"MTP checkpoint {ckpt.path} ({layout.name} layout, {layout.prefix}*) cannot be used",
+        problems=problems,
+    )
+
+
+def _config_problems(
+    ckpt: Checkpoint,
+    layout: MtpLayout,
+    args: DeepseekV4Args,
+    layer_id: int,
+    target_args: DeepseekV4Args | None,
+) -> list[str]:
+    where = ckpt.path / CONFIG_NAME
+    problems: list[str] = []
+    if layout is OFFICIAL and not any(n.startswith(OFFICIAL.prefix) for n in ckpt.names()):
+        problems.append(
+            f"spec=mtp needs MTP weights: the checkpoint at {ckpt.path} has no mtp.0.* tensors; "
+            "set spec.draft_path=/dir/of/exported/mtp (an xLLM export_mtp directory)"
+        )
+    if layout is OFFICIAL and (
+        args.dspark_block_size is not None or "mtp.0.main_proj.weight" in ckpt
+    ):
+        problems.append(
+            f"{ckpt.path} stores DSpark stages under mtp.0/1/2 (Flash-0731), not an MTP layer; "
+            "use spec=dspark with this checkpoint"
+        )
+    ratios = args.compress_ratios
+    if layer_id < len(ratios) and ratios[layer_id] != 0:
+        problems.append(
+            f"{where}: compress_ratios[{layer_id}] (the MTP layer) is {ratios[layer_id]}; the MTP "
+            "layer is sliding-window only, set it to 0"
+        )
+    if target_args is not None:
+        for key in ("hidden_size", "vocab_size", "hc_mult"):
+            mine, theirs = getattr(args, key), getattr(target_args, key)
+            if mine != theirs:
+                problems.append(
+                    f"{where}: {key} is {mine} but the target's is {theirs}; the MTP consumes the "
+                    "target's hidden states and token ids, use the MTP exported from this target"
+                )
+    return problems
+
+
+def _tensor_plan(
+    ckpt: Checkpoint, layout: MtpLayout, args: DeepseekV4Args, layer_id: int
+) -> tuple[dict[str, str], dict[str, str], list[str]]:
+    """(checkpoint name -> module key, dequant schemes, problems) from headers."""
+    problems: list[str] = []
+    found: dict[str, str] = {}  # module key -> checkpoint name
+    for name in ckpt.names():
+        key = module_key(layout, name)
+        if key is None:
+            continue
+        if key in found:
+            problems.append(
+                f"tensors {found[key]!r} and {name!r} both provide the MTP's {key!r}; keep one"
+            )
+            continue
+        found[key] = name
+    own = {k: k in found for k in (*VOCAB_KEYS, "rot.weight")}
+    expected = expected_mtp_tensors(
+        args, layer_id, own["embed.weight"], own["head.weight"], own["rot.weight"]
+    )
+    qtypes = ckpt.read_json(QUANT_DESCRIPTION) or {}  # per-tensor quant types (msModelSlim)
+    consumed: set[str] = set()  # quantisation siblings (weight_scale, .scale ...)
+    dequant: dict[str, str] = {}
+    for key, want in expected.items():
+        if key not in found:
+            problems.append(
+                f"missing tensor {layout.prefix}{key} (expected shape {want}) in {ckpt.path}"
+            )
+            continue
+        name = found[key]
+        shape, _ = ckpt.meta(name)
+        if shape != want:
+            problems.append(
+                f"tensor {name!r} in {ckpt.file_of(name).name} has shape {shape}, expected {want}"
+            )
+        elif scheme := _quant_scheme(ckpt, name, want, qtypes.get(name), problems, consumed):
+            dequant[name] = scheme
+    for key, name in found.items():
+        if key not in expected and name not in consumed:
+            problems.append(
+                f"unexpected tensor {name!r} in {ckpt.file_of(name).name}: not part of a "
+                f"DeepSeek-V4 MTP layer for this config.json"
+            )
+    names = {name: key for key, name in found.items() if key in expected}
+    return names, dequant, problems
+
+
+def _quant_scheme(
+    ckpt: Checkpoint,
+    name: str,
+    want: list[int],
+    qtype: str | None,
+    problems: list[str],
+    consumed: set[str],
+) -> str | None:
+    """How ``name`` is stored: None (float), "w8a8" or "fp8" (the target loader's formats:
+    :mod:`xspec.models.deepseek_v4.weights`); anything else is a problem."""
+    _, code = ckpt.meta(name)
+    base, where = name.removesuffix(".weight"), f"tensor {name!r} in {ckpt.file_of(name).name}"
+    if code in FLOAT_CODES:
+        return None
+    if code == "I8" and qtype in W8A8_TYPES and len(want) == 2:
+        consumed.update(f"{base}.{s}" for s in W8A8_SIBLINGS if f"{base}.{s}" in ckpt)
+        scales = [f"{base}.weight_scale"] + [f"{base}.weight_offset"] * (
+            f"{base}.weight_offset" in ckpt
+        )
+        grids = ([want[0], 1], [want[0]])
+        return "w8a8" if _siblings_ok(ckpt, where, scales, grids, problems) else None
+    if code == "F8_E4M3" and f"{base}.scale" in ckpt and len(want) == 2:
+        consumed.add(f"{base}.scale")
+        block = [
+            int(b)
+            for b in (ckpt.config.get("quantization_config") or {}).get(
+                "weight_block_size", [128, 128]
+            )
+        ]
+        grid = [math.ceil(w / b) for w, b in zip(want, block)]
+        return "fp8" if _siblings_ok(ckpt, where, [f"{base}.scale"], (grid,), problems) else None
+    problems.append(
+        f"{where} has unsupported dtype {code} (quant type {qtype}); supported: {list(FLOAT_CODES)}, "
+        f"I8 marked {' / '.join(W8A8_TYPES)} in {QUANT_DESCRIPTION} with X.weight_scale, "
+        "F8_E4M3 with its block X.scale"
+    )
+    return None
+
+
+def _siblings_ok(
+    ckpt: Checkpoint,
+    where: str,
+    names: list[str],
+    shapes: tuple[list[int], ...],
+    problems: list[str],
+) -> bool:
+    """Every scale / offset sibling present with one of ``shapes``."""
+    ok = True
+    for sib in names:
+        if sib not in ckpt:
+            problems.append(f"{where} is quantised but {sib!r} is missing")
+            ok = False
+        elif ckpt.meta(sib)[0] not in shapes:
+            problems.append(
+                f"{sib!r} has shape {ckpt.meta(sib)[0]}; {where} needs one of {list(shapes)}"
+            )
+            ok = False
+    return ok
+
+
+def expected_mtp_tensors(
+    args: DeepseekV4Args, layer_id: int, embed: bool, head: bool, rot: bool
+) -> dict[str, list[int]]:
+    """Module key -> shape of every MTP tensor (built on the meta device: no memory)."""
+    meta = MtpBlock(args, layer_id=layer_id, embed=None, head=None, rot=rot, device="meta")
+    shapes = {k: list(v.shape) for k, v in meta.state_dict().items()}
+    for key, own in zip(VOCAB_KEYS, (embed, head)):
+        if not own:
+            del shapes[key]
+    return shapes
+
+
+def load_mtp(
+    plan: MtpPlan,
+    *,
+    embed: nn.Embedding,
+    head: nn.Linear,
+    dtype: torch.dtype,
+    device: torch.device | str,
+) -> MtpBlock:
+    """Allocate the MTP block of ``plan`` and stream its weights in.
+
+    ``embed`` / ``head``: the target's, used unless the checkpoint has dedicated ones.
+    """
+    keys = plan.keys
+    module = MtpBlock(
+        plan.args,
+        layer_id=plan.layer_id,
+        embed=None if "embed.weight" in keys else embed,
+        head=None if "head.weight" in keys else head,
+        rot="rot.weight" in keys,
+        dtype=dtype,
+        device=device,
+    )
+    convert = make_converter(plan.ckpt, plan.dequant) if plan.dequant else None
+    load_params(module, plan.ckpt, plan.names.get, convert=convert)
+    return module.eval()
+
+
+def mtp_tensors(module: MtpBlock, layout: MtpLayout = OFFICIAL) -> dict[str, torch.Tensor]:
+    """``module``'s tensors under ``layout``'s names (writing checkpoints, tests)."""
+    inverse = {v: k for k, v in layout.extra.items()}
+    return {
+        inverse.get(key, layout.prefix + key): t.detach() for key, t in module.state_dict().items()
+    }

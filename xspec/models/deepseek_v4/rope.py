@@ -1,0 +1,84 @@
+"""Partial, interleaved RoPE of DeepSeek-V4 (with YaRN on the compressed layers).
+
+RoPE rotates pairs ``(x[2i], x[2i+1])`` of the **last** ``qk_rope_head_dim`` dims of a
+head (the layout is ``[nope | rope]``). SWA-only layers use ``rope_theta`` without
+scaling; CSA/HCA layers, their compressors and the indexer use ``compress_rope_theta``
+with YaRN and **no** attention-factor (mscale) multiply.
+
+YaRN trigger convention: the blend is applied whenever ``rope_scaling`` says ``yarn``
+(transformers' convention). The official code applies it only when its run-time
+``max_seq_len`` exceeds ``original_max_position_embeddings``; both agree for every
+checkpoint whose ``max_position_embeddings`` exceeds the original length (Flash: 1M vs
+65536; the tiny config: 4096 vs 256).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+
+from xspec.models.deepseek_v4.args import DeepseekV4Args
+
+
+def rope_inv_freq(args: DeepseekV4Args, compressed: bool) -> torch.Tensor:
+    """Inverse frequencies ``[rd/2]`` (fp32) for a SWA (False) or compressed (True) layer."""
+    dim = args.qk_rope_head_dim
+    base = args.compress_rope_theta if compressed else args.rope_theta
+    pos_freqs = base ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim)
+    yarn = args.yarn
+    if not compressed or yarn is None:
+        return 1.0 / pos_freqs
+    factor = float(yarn["factor"])
+    original = float(yarn["original_max_position_embeddings"])
+    beta_fast = yarn.get("beta_fast") or 32
+    beta_slow = yarn.get("beta_slow") or 1
+
+    def correction_dim(rotations: float) -> float:
+        # the rope dim whose wavelength fits `rotations` times into the original context
+        return dim * math.log(original / (rotations * 2 * math.pi)) / (2 * math.log(base))
+
+    low = max(math.floor(correction_dim(beta_fast)), 0)
+    high: float = min(math.ceil(correction_dim(beta_slow)), dim - 1)
+    if low == high:
+        high += 0.001  # avoid a zero-width ramp
+    ramp = ((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
+    keep = 1 - ramp  # 1: high-frequency dims keep their frequency; 0: divided by `factor`
+    # same operation order as transformers' YaRN so both tables agree bit for bit
+    return (1.0 / (factor * pos_freqs)) * (1 - keep) + (1.0 / pos_freqs) * keep
+
+
+class Rope(nn.Module):
+    """Holds one inverse-frequency table (non-persistent: not a checkpoint tensor)."""
+
+    inv_freq: torch.Tensor
+
+    def __init__(self, inv_freq: torch.Tensor) -> None:
+        super().__init__()
+        self.register_buffer("inv_freq", inv_freq, persistent=False)
+
+    def cos_sin(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``positions [N]`` int -> ``cos, sin [N, rd/2]`` fp32."""
+        freqs = positions.to(torch.float32)[:, None] * self.inv_freq[None, :]
+        return freqs.cos(), freqs.sin()
+
+
+def apply_rope(
+    x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, *, inverse: bool = False
+) -> torch.Tensor:
+    """Rotate the last ``2*cos.shape[-1]`` dims of ``x`` pairwise.
+
+    ``x [N, ..., D]`` (any dims between N and D broadcast, e.g. heads), ``cos/sin [N, rd/2]``.
+    ``inverse`` rotates by the negative angle (the output de-rotation of V = K).
+    Computed in fp32 and cast back to ``x.dtype``.
+    """
+    half = cos.shape[-1]
+    shape = (x.shape[0],) + (1,) * (x.dim() - 2) + (half,)
+    cos, sin = cos.reshape(shape), sin.reshape(shape)
+    if inverse:
+        sin = -sin
+    nope, rope = x[..., : -2 * half], x[..., -2 * half :].float()
+    even, odd = rope[..., 0::2], rope[..., 1::2]
+    rotated = torch.stack((even * cos - odd * sin, odd * cos + even * sin), dim=-1)
+    return torch.cat([nope, rotated.flatten(-2).to(x.dtype)], dim=-1)

@@ -1,0 +1,342 @@
+"""Per-sequence decoding state of DeepSeek-V4, with exact rollback.
+
+Organised by cache kind (DESIGN.md section 8), one :class:`LayerCache` per layer:
+
+* **SWA ring** (every layer): raw K=V rows ``[window + max_rollback, D]``, position
+  ``p`` in slot ``p % ring_size``. The ``max_rollback`` extra slots mean a rollback of up
+  to ``max_rollback`` rows never needs a row that was overwritten.
+* **Compressor state as per-position rows** (the xLLM approach, CSA/HCA layers and the
+  CSA indexer): the per-token ``(kv, score)`` rows (fp32, ``score`` already includes
+  the ``ape`` position bias) of the last ``coff*m + max_rollback`` positions, in a ring
+  indexed by position. Compressed entry ``w`` is (re)computed from those rows when
+  position ``(w+1)*m - 1`` is processed. Nothing rolling is kept (unlike the official /
+  transformers ``kv_state``/``score_state``), so rollback needs no snapshot.
+* **Compressed KV / indexer keys**: growing buffers of entries (capacity doubles,
+  bounded by ``max_context // m``) plus an entry count, invariant
+  ``n_entries == num_tokens // m``.
+
+``truncate(n)`` therefore only resets counters: ring slots and rows of positions ``>= n``
+are simply overwritten when those positions are scored again, and entries ``>= n // m``
+are dropped by the count. It is exact as long as every row the continuation reads is
+still in its ring: ``n >= high_water - max_rollback``, where ``high_water`` is the most
+tokens the state ever held (equal to ``num_tokens`` unless the state was already
+rolled back and not re-extended past that point).
+
+Byte accounting: :meth:`DeepseekV4State.nbytes_fixed` (rings, rows) and
+:meth:`DeepseekV4State.nbytes_per_token` (entry growth) measure the allocated tensors;
+:func:`kv_bytes` gives the same numbers analytically, for the memory planner.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass, field, replace
+
+import torch
+
+from xspec.models.deepseek_v4.args import DeepseekV4Args
+
+_MIN_ENTRY_CAPACITY = 16
+_ROW_DTYPE = torch.float32  # compressor rows are fp32, as the official kv/score state
+
+
+class CompressorCache:
+    """One compressor's state for one sequence (the main KV compressor or the indexer's).
+
+    ``rows_kv / rows_score [coff*m + max_rollback, coff*width]`` fp32 per-position rows;
+    ``entries [capacity, width]`` (model dtype) compressed entries, ``n_entries`` valid.
+    """
+
+    def __init__(
+        self,
+        *,
+        ratio: int,
+        width: int,
+        dtype: torch.dtype,
+        device: torch.device | str,
+        max_rollback: int,
+        max_context: int,
+    ) -> None:
+        self.ratio = ratio
+        self.width = width
+        self.coff = 2 if ratio == 4 else 1  # CSA windows overlap: two series per token
+        self.ring_size = self.coff * ratio + max_rollback
+        self.max_entries = max_context // ratio
+        shape = (self.ring_size, self.coff * width)
+        self.rows_kv = torch.zeros(shape, dtype=_ROW_DTYPE, device=device)
+        self.rows_score = torch.zeros(shape, dtype=_ROW_DTYPE, device=device)
+        self.entries = torch.zeros(0, width, dtype=dtype, device=device)
+        self.n_entries = 0
+
+    def rows(self, start: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Rows of positions ``[start, end)``; positions < 0 read kv 0 / score -inf.
+
+        Returns ``kv, score [end-start, coff*width]`` fp32. Every position in
+        ``[max(start, 0), end)`` must still be in the ring (the caller guarantees it).
+        """
+        first = max(start, 0)
+        slots = torch.arange(first, end, device=self.rows_kv.device) % self.ring_size
+        kv, score = self.rows_kv[slots], self.rows_score[slots]
+        if start < 0:  # before the sequence start: weight 0 in the softmax pooling
+            pad = -start
+            kv = torch.cat([kv.new_zeros(pad, kv.shape[1]), kv])
+            score = torch.cat([score.new_full((pad, score.shape[1]), float("-inf")), score])
+        return kv, score
+
+    def write_rows(self, start: int, kv: torch.Tensor, score: torch.Tensor) -> None:
+        """Store rows ``kv, score [S, coff*width]`` of positions ``start..start+S-1``."""
+        keep = min(kv.shape[0], self.ring_size)  # older rows would be overwritten anyway
+        end = start + kv.shape[0]
+        slots = torch.arange(end - keep, end, device=self.rows_kv.device) % self.ring_size
+        self.rows_kv[slots] = kv[-keep:].to(_ROW_DTYPE)
+        self.rows_score[slots] = score[-keep:].to(_ROW_DTYPE)
+
+    def reserve(self, num_tokens: int) -> None:
+        """Grow ``entries`` so that ``num_tokens // ratio`` entries fit (doubling)."""
+        needed = num_tokens // self.ratio
+        capacity = self.entries.shape[0]
+        if needed <= capacity:
+            return
+        new_cap = min(max(needed, 2 * capacity, _MIN_ENTRY_CAPACITY), max(self.max_entries, needed))
+        grown = self.entries.new_zeros(new_cap, self.width)
+        grown[: self.n_entries] = self.entries[: self.n_entries]
+        self.entries = grown
+
+    def put_entries(self, first: int, entries: torch.Tensor) -> None:
+        """Write entries ``first..first+k-1`` (``entries [k, width]``); they become the last."""
+        end = first + entries.shape[0]
+        self.reserve(end * self.ratio)
+        self.entries[first:end] = entries.to(self.entries.dtype)
+        self.n_entries = end
+
+    def valid_entries(self) -> torch.Tensor:
+        """``[n_entries, width]`` view of the valid entries."""
+        return self.entries[: self.n_entries]
+
+    def truncate(self, num_tokens: int) -> None:
+        self.n_entries = num_tokens // self.ratio
+
+    def nbytes_fixed(self) -> int:
+        return _nbytes(self.rows_kv) + _nbytes(self.rows_score)
+
+    def nbytes_per_token(self) -> float:
+        return self.width * self.entries.element_size() / self.ratio
+
+    def nbytes_allocated(self) -> int:
+        return self.nbytes_fixed() + _nbytes(self.entries)
+
+
+class LayerCache:
+    """Everything one attention layer keeps for one sequence.
+
+    ``swa [window + max_rollback, head_dim]``; ``compressor`` (ratio 4/128) and
+    ``indexer`` (ratio 4) are :class:`CompressorCache` or None.
+    """
+
+    def __init__(
+        self,
+        args: DeepseekV4Args,
+        compress_ratio: int,
+        *,
+        dtype: torch.dtype,
+        device: torch.device | str,
+        max_rollback: int,
+        max_context: int,
+    ) -> None:
+        self.window = args.sliding_window
+        self.compress_ratio = compress_ratio
+        self.ring_size = args.sliding_window + max_rollback
+        self.swa = torch.zeros(self.ring_size, args.head_dim, dtype=dtype, device=device)
+        self.max_rollback = max_rollback
+        self.num_tokens = 0
+        self.high_water = 0  # most tokens ever held (see the module docstring)
+        common = dict(
+            dtype=dtype, device=device, max_rollback=max_rollback, max_context=max_context
+        )
+        self.compressor = (
+            CompressorCache(ratio=compress_ratio, width=args.head_dim, **common)  # type: ignore[arg-type]
+            if compress_ratio
+            else None
+        )
+        self.indexer = (
+            CompressorCache(ratio=compress_ratio, width=args.index_head_dim, **common)  # type: ignore[arg-type]
+            if compress_ratio == 4
+            else None
+        )
+
+    def compressors(self) -> list[CompressorCache]:
+        return [c for c in (self.compressor, self.indexer) if c is not None]
+
+    def window_rows(self, start: int) -> torch.Tensor:
+        """Raw rows a chunk starting at ``start`` still needs from earlier chunks:
+        positions ``[max(0, start - window + 1), start)`` -> ``[P, head_dim]``."""
+        first = max(0, start - self.window + 1)
+        slots = torch.arange(first, start, device=self.swa.device) % self.ring_size
+        return self.swa[slots]
+
+    def write_window(self, start: int, kv: torch.Tensor) -> None:
+        """Store raw rows ``kv [S, head_dim]`` of positions ``start..start+S-1``."""
+        keep = min(kv.shape[0], self.ring_size)
+        end = start + kv.shape[0]
+        slots = torch.arange(end - keep, end, device=self.swa.device) % self.ring_size
+        self.swa[slots] = kv[-keep:].to(self.swa.dtype)
+
+    def reserve(self, num_tokens: int) -> None:
+        for c in self.compressors():
+            c.reserve(num_tokens)
+
+    def advance(self, n: int) -> None:
+        """Record ``n`` rows appended (called by the attention after writing them)."""
+        self.num_tokens += n
+        self.high_water = max(self.high_water, self.num_tokens)
+
+    def truncate(self, num_tokens: int) -> None:
+        """Keep the first ``num_tokens`` tokens (ValueError outside the exact range)."""
+        check_truncate(self.num_tokens, self.high_water, self.max_rollback, num_tokens)
+        self.num_tokens = num_tokens
+        for c in self.compressors():
+            c.truncate(num_tokens)
+
+    def nbytes_fixed(self) -> int:
+        return _nbytes(self.swa) + sum(c.nbytes_fixed() for c in self.compressors())
+
+    def nbytes_per_token(self) -> float:
+        return sum(c.nbytes_per_token() for c in self.compressors())
+
+    def nbytes_allocated(self) -> int:
+        return _nbytes(self.swa) + sum(c.nbytes_allocated() for c in self.compressors())
+
+
+class DeepseekV4State:
+    """Decoding state of one sequence: one :class:`LayerCache` per target layer."""
+
+    def __init__(self, layers: list[LayerCache], max_rollback: int) -> None:
+        self.layers = layers
+        self.max_rollback = max_rollback
+        self.num_tokens = 0
+        self.high_water = 0  # most tokens ever held: rings are valid back to here - rollback
+
+    def advance(self, n: int) -> None:
+        """Record ``n`` rows appended by a forward."""
+        self.num_tokens += n
+        self.high_water = max(self.high_water, self.num_tokens)
+
+    def truncate(self, num_tokens: int) -> None:
+        """Keep the first ``num_tokens`` tokens (see the module docstring for the bound)."""
+        check_truncate(self.num_tokens, self.high_water, self.max_rollback, num_tokens)
+        self.num_tokens = num_tokens
+        for layer in self.layers:
+            layer.truncate(num_tokens)
+
+    def reserve(self, num_tokens: int) -> None:
+        for layer in self.layers:
+            layer.reserve(num_tokens)
+
+    def nbytes_fixed(self) -> int:
+        """Bytes of the fixed-size tensors (SWA rings, compressor rows)."""
+        return sum(layer.nbytes_fixed() for layer in self.layers)
+
+    def nbytes_per_token(self) -> float:
+        """Bytes the growing buffers need per token (compressed entries, indexer keys)."""
+        return sum(layer.nbytes_per_token() for layer in self.layers)
+
+    def nbytes_allocated(self) -> int:
+        """Bytes of every tensor currently allocated (growth capacity included)."""
+        return sum(layer.nbytes_allocated() for layer in self.layers)
+
+
+def check_truncate(num_tokens: int, high_water: int, max_rollback: int, target: int) -> None:
+    """ValueError unless ``high_water - max_rollback <= target <= num_tokens``."""
+    lowest = max(0, high_water - max_rollback)
+    if not lowest <= target <= num_tokens:
+        raise ValueError(
+            f"cannot truncate a DeepSeek-V4 state holding {num_tokens} tokens to {target}: "
+            f"the exact range is [{lowest}, {num_tokens}] (max_rollback={max_rollback} rows "
+            f"behind the furthest position {high_water}); build the model with a larger "
+            f"max_rollback to roll back further"
+        )
+
+
+def new_layer_cache(
+    args: DeepseekV4Args,
+    compress_ratio: int,
+    *,
+    dtype: torch.dtype,
+    device: torch.device | str,
+    max_rollback: int,
+    max_context: int,
+) -> LayerCache:
+    """State of one stand-alone block (e.g. an MTP / DSpark stage with ratio 0)."""
+    return LayerCache(
+        args,
+        compress_ratio,
+        dtype=dtype,
+        device=device,
+        max_rollback=max_rollback,
+        max_context=max_context,
+    )
+
+
+def layer_kv_bytes(
+    args: DeepseekV4Args, compress_ratio: int, dtype: torch.dtype, max_rollback: int
+) -> tuple[int, float]:
+    """Analytic ``(fixed_bytes, bytes_per_token)`` of one :class:`LayerCache`."""
+    es = torch.empty(0, dtype=dtype).element_size()
+    row_es = torch.empty(0, dtype=_ROW_DTYPE).element_size()
+    fixed = (args.sliding_window + max_rollback) * args.head_dim * es
+    per_token = 0.0
+    widths = [args.head_dim] if compress_ratio else []
+    if compress_ratio == 4:
+        widths.append(args.index_head_dim)
+    coff = 2 if compress_ratio == 4 else 1
+    for width in widths:
+        fixed += 2 * (coff * compress_ratio + max_rollback) * coff * width * row_es  # kv + score
+        per_token += width * es / compress_ratio
+    return fixed, per_token
+
+
+def kv_bytes(args: DeepseekV4Args, dtype: torch.dtype, max_rollback: int) -> tuple[int, float]:
+    """Analytic ``(fixed_bytes_per_seq, bytes_per_token)`` of a target state."""
+    fixed, per_token = 0, 0.0
+    for ratio in args.target_compress_ratios:
+        f, p = layer_kv_bytes(args, ratio, dtype, max_rollback)
+        fixed += f
+        per_token += p
+    return fixed, per_token
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+@dataclass
+class BlockContext:
+    """What a block needs besides its input rows: the ragged batch layout and its caches.
+
+    ``input_ids [T]`` (hash routing), ``positions [T]`` (rope), ``seq_lens`` rows per
+    sequence, ``starts`` tokens each sequence held before this forward, ``caches`` this
+    block's :class:`LayerCache` of each sequence (empty until :meth:`for_block`).
+    """
+
+    input_ids: torch.Tensor  # [T] int64
+    positions: torch.Tensor  # [T] int64
+    seq_lens: list[int]
+    starts: list[int]
+    caches: list[LayerCache] = field(default_factory=list)
+
+    def for_block(self, caches: list[LayerCache]) -> BlockContext:
+        """The same batch with the caches of another block."""
+        return replace(self, caches=caches)
+
+    def spans(self) -> Iterator[tuple[int, int, int, LayerCache]]:
+        """``(row_begin, row_end, start_position, cache)`` of every non-empty sequence."""
+        r0 = 0
+        for n, start, cache in zip(self.seq_lens, self.starts, self.caches, strict=True):
+            if n and cache.num_tokens != start:
+                raise ValueError(
+                    f"layer cache holds {cache.num_tokens} tokens but the batch appends at "
+                    f"position {start}; pass each sequence's own state, once per forward"
+                )
+            if n:
+                yield r0, r0 + n, start, cache
+            r0 += n

@@ -1,0 +1,404 @@
+"""DeepSeek-V4 checkpoint loading: official layout, W8A8 (msModelSlim), FP8 blocks, QuaRot.
+
+Layouts (all safetensors; sharded ``*.index.json`` honoured by :class:`Checkpoint`):
+
+* **Official** DeepSeek names (``embed.weight``, ``layers.{i}.attn.wq_a.weight``,
+  ``layers.{i}.ffn.gate.tid2eid``, ...): they equal the model's state_dict keys, so the
+  map is the identity. :func:`expected_tensors` is the declarative name/shape table.
+  ``mtp.*`` tensors belong to drafters: skipped here, never rejected.
+* **W8A8** (msModelSlim, e.g. ``DeepSeek-V4-Flash-w8a8``): ``X.weight`` int8 ``[N, K]``
+  + ``X.weight_scale`` ``[N, 1]`` + ``X.weight_offset`` ``[N, 1]``; the per-tensor type
+  (``W8A8_DYNAMIC``, ``W8A8``, ``FLOAT``) comes from ``quant_model_description.json``.
+  Dequantised while streaming, ``w = (q - offset) * scale``, into the model dtype
+  (activations stay in float: this is the float reference of the W8A8 model). Static
+  W8A8 activation tensors (``input_scale``, ``deq_scale``, ...) are skipped.
+* **FP8** (official ``quantization_config: fp8``): ``X.weight`` e4m3 + ``X.scale`` with one
+  (ue8m0 / fp32) scale per ``weight_block_size`` block (128x128), dequantised the same way.
+  MXFP4 experts (int8-packed with a per-32 ``.scale``) are rejected with a clear error.
+
+:mod:`xspec.models.deepseek_v4.convert` writes such checkpoints from a float one
+(``quantize_w8a8``, ``quantize_fp8``, ``quarot_rotate``) for tests and toy models.
+
+QuaRot contract (for drafters; the target needs nothing special):
+
+* A QuaRot checkpoint stores *already rotated* values under the usual names and shapes
+  (``embed' = embed R``, residual readers ``W diag(g) R``, writers ``R^T W``, norm gains
+  folded to ones, ``hc_*_fn`` columns times ``blockdiag(R, .., R)``), so the target loads
+  it unchanged and its logits equal the unrotated model's.
+* An optional top-level ``rot.weight`` ``[d, d]`` is not a target parameter;
+  :func:`load_rot` returns it. Per xLLM, the drafter applies it as a linear to the target
+  hidden *before* ``hnorm`` (``h = hnorm(rot(H))``).
+* Dedicated drafter vocab tensors ``mtp.0.embed.weight`` / ``mtp.2.head.weight`` (the
+  draft's basis) win over the target's ``embed`` / ``head`` whenever present.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from collections.abc import Callable
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import torch
+
+from xspec.errors import CheckpointError
+from xspec.models.deepseek_v4.args import DeepseekV4Args
+from xspec.models.loading import CONFIG_NAME, Checkpoint, load_params
+
+if TYPE_CHECKING:
+    from xspec.models.deepseek_v4.model import DeepseekV4Model
+
+QUANT_DESCRIPTION = "quant_model_description.json"
+W8A8_TYPES = ("W8A8", "W8A8_DYNAMIC")
+SUPPORTED_QUANT_TYPES = ("FLOAT", *W8A8_TYPES)
+FLOAT_CODES = ("F32", "BF16", "F16")
+INDEX_CODES = ("I64", "I32", "I16")  # tid2eid expert ids
+FP8_SCALE_CODES = ("F8_E8M0", "F32", "BF16")
+# Tensors msModelSlim writes next to a quantised X.weight; consumed or ignored here.
+W8A8_SIBLINGS = (
+    "weight_scale",
+    "weight_offset",
+    "input_scale",
+    "input_offset",
+    "quant_bias",
+    "deq_scale",
+)
+# The Huawei reference quantises these linears (§8 of dsv4_arch.md); the rest stay FLOAT.
+DEFAULT_QUANTIZED = re.compile(
+    r"^(layers|mtp)\.\d+\.(attn\.(wq_a|wq_b|wkv|indexer\.wq_b)|"
+    r"ffn\.(experts\.\d+|shared_experts)\.w[123])\.weight$"
+)
+
+
+# -- the official layout -----------------------------------------------------------------
+
+
+def expected_tensors(args: DeepseekV4Args) -> dict[str, list[int]]:
+    """Every target tensor of the official layout with its shape (no ``mtp.*``)."""
+    d, hc, vocab = args.hidden_size, args.hc_mult, args.vocab_size
+    out = {
+        "embed.weight": [vocab, d],
+        "head.weight": [vocab, d],
+        "norm.weight": [d],
+        "hc_head_fn": [hc, hc * d],
+        "hc_head_base": [hc],
+        "hc_head_scale": [1],
+    }
+    for i in range(args.num_hidden_layers):
+        out.update({f"layers.{i}.{k}": v for k, v in _layer_tensors(args, i).items()})
+    return out
+
+
+def _layer_tensors(a: DeepseekV4Args, i: int) -> dict[str, list[int]]:
+    d, hd, heads, qr = a.hidden_size, a.head_dim, a.num_attention_heads, a.q_lora_rank
+    mix = (2 + a.hc_mult) * a.hc_mult  # pre weights, post weights, hc x hc comb logits
+    t: dict[str, list[int]] = {"attn_norm.weight": [d], "ffn_norm.weight": [d]}
+    for site in ("attn", "ffn"):
+        t |= {
+            f"hc_{site}_fn": [mix, a.hc_mult * d],
+            f"hc_{site}_base": [mix],
+            f"hc_{site}_scale": [3],
+        }
+    t |= {
+        "attn.wq_a.weight": [qr, d],
+        "attn.q_norm.weight": [qr],
+        "attn.wq_b.weight": [heads * hd, qr],
+        "attn.wkv.weight": [hd, d],
+        "attn.kv_norm.weight": [hd],
+        "attn.wo_a.weight": [a.o_groups * a.o_lora_rank, heads * hd // a.o_groups],
+        "attn.wo_b.weight": [d, a.o_groups * a.o_lora_rank],
+        "attn.attn_sink": [heads],
+    }
+    ratio = a.compress_ratios[i]
+    if ratio:
+        t |= _compressor("attn.compressor", ratio, hd, d)
+    if ratio == 4:  # CSA: the lightning indexer with its own (head-dim) compressor
+        ih = a.index_n_heads * a.index_head_dim
+        t |= {
+            "attn.indexer.wq_b.weight": [ih, qr],
+            "attn.indexer.weights_proj.weight": [a.index_n_heads, d],
+        }
+        t |= _compressor("attn.indexer.compressor", ratio, a.index_head_dim, d)
+    experts, inter = a.n_routed_experts, a.moe_intermediate_size
+    t["ffn.gate.weight"] = [experts, d]
+    if a.is_hash_layer(i):
+        t["ffn.gate.tid2eid"] = [a.vocab_size, a.num_experts_per_tok]
+    else:
+        t["ffn.gate.bias"] = [experts]
+    for e in range(experts):
+        t |= _ffn(f"ffn.experts.{e}", inter, d)
+    t |= _ffn("ffn.shared_experts", a.n_shared_experts * inter, d)
+    return t
+
+
+def _compressor(prefix: str, ratio: int, dim: int, d: int) -> dict[str, list[int]]:
+    coff = 2 if ratio == 4 else 1  # ratio-4 windows overlap: two sets of rows per entry
+    return {
+        f"{prefix}.wkv.weight": [coff * dim, d],
+        f"{prefix}.wgate.weight": [coff * dim, d],
+        f"{prefix}.ape": [ratio, coff * dim],
+        f"{prefix}.norm.weight": [dim],
+    }
+
+
+def _ffn(prefix: str, inter: int, d: int) -> dict[str, list[int]]:
+    return {
+        f"{prefix}.w1.weight": [inter, d],
+        f"{prefix}.w2.weight": [d, inter],
+        f"{prefix}.w3.weight": [inter, d],
+    }
+
+
+def is_drafter_tensor(name: str) -> bool:
+    """``mtp.*`` (MTP / DSpark stages) and QuaRot's ``rot.weight``: not target parameters."""
+    return name.startswith("mtp.") or name == "rot.weight"
+
+
+def load_rot(ckpt: Checkpoint) -> torch.Tensor | None:
+    """QuaRot's ``rot.weight [d, d]`` if the checkpoint has one (see the module docstring)."""
+    return ckpt.get("rot.weight") if "rot.weight" in ckpt else None
+
+
+# -- validation from headers ---------------------------------------------------------------
+
+
+def check_checkpoint(ckpt: Checkpoint, args: DeepseekV4Args) -> dict[str, str]:
+    """Validate names, shapes, dtypes and quant types from headers only (no tensor data).
+
+    Returns ``{weight name: "w8a8" | "fp8"}`` for tensors that need dequantising. Raises one
+    CheckpointError listing every problem (tensor, shard file, config key).
+    """
+    v = _Validator(ckpt, args)
+    for name, shape in v.expected.items():
+        if name in ckpt:
+            v.check_tensor(name, shape)
+    v.check_layout()
+    if v.problems:
+        raise CheckpointError(
+            f"DeepSeek-V4 checkpoint {ckpt.path} does not match its config.json "
+            f"({args.num_hidden_layers} layers; {len(v.problems)} problem(s))",
+            problems=v.problems,
+        )
+    return v.dequant
+
+
+class _Validator:
+    """Collects the problems of one checkpoint; fills ``dequant`` and ``consumed``."""
+
+    def __init__(self, ckpt: Checkpoint, args: DeepseekV4Args) -> None:
+        self.ckpt, self.args = ckpt, args
+        self.expected = expected_tensors(args)
+        self.problems: list[str] = []
+        self.dequant: dict[str, str] = {}
+        self.consumed: set[str] = set()  # scale / offset siblings of quantised weights
+        self.block = _fp8_block(ckpt.config)
+        self.desc_file = ckpt.path / QUANT_DESCRIPTION
+        self.qtypes = self._quant_types()  # None: no description file
+
+    def _quant_types(self) -> dict[str, str] | None:
+        desc = self.ckpt.read_json(QUANT_DESCRIPTION)
+        if desc is None:
+            return None
+        top = desc.get("model_quant_type")
+        if top is not None and top not in SUPPORTED_QUANT_TYPES:
+            self.problems.append(
+                f"{self.desc_file}: model_quant_type {top!r} is not supported; "
+                f"supported: {list(SUPPORTED_QUANT_TYPES)}"
+            )
+        return {k: v for k, v in desc.items() if k in self.ckpt and isinstance(v, str)}
+
+    def _where(self, name: str) -> str:
+        return f"tensor {name!r} in {self.ckpt.file_of(name).name}"
+
+    def check_tensor(self, name: str, want: list[int]) -> None:
+        """Shape, dtype and quant type of one expected tensor."""
+        shape, code = self.ckpt.meta(name)
+        base = name.removesuffix(".weight")
+        qtype = None if self.qtypes is None else self.qtypes.get(name)
+        if qtype is not None and qtype not in SUPPORTED_QUANT_TYPES:
+            self.consumed.update(f"{base}.{s}" for s in (*W8A8_SIBLINGS, "scale"))
+            self.problems.append(
+                f"{self._where(name)}: quant type {qtype!r} in {self.desc_file} is not supported; "
+                f"supported: {list(SUPPORTED_QUANT_TYPES)}"
+            )
+        elif code == "I8" and qtype not in W8A8_TYPES and f"{base}.scale" in self.ckpt:
+            self.consumed.add(f"{base}.scale")
+            self.problems.append(
+                f"{self._where(name)} is int8 with a '.scale' sibling: packed MXFP4, which xspec "
+                "does not dequantise; use a BF16, FP8 or W8A8 checkpoint"
+            )
+        elif shape != want:
+            self.problems.append(
+                f"{self._where(name)} has shape {shape}, expected {want} (from config.json)"
+            )
+        elif name.endswith("tid2eid"):
+            if code not in INDEX_CODES:
+                self.problems.append(
+                    f"{self._where(name)} is {code}; tid2eid must hold integer expert ids "
+                    f"({list(INDEX_CODES)})"
+                )
+        elif qtype in W8A8_TYPES:
+            self._check_w8a8(name, want, code, qtype)
+        elif code == "F8_E4M3" and f"{base}.scale" in self.ckpt:
+            self._check_fp8(name, want)
+        elif code == "I8":
+            why = (
+                "is absent" if self.qtypes is None else f"marks it {qtype}" if qtype else "omits it"
+            )
+            self.problems.append(
+                f"{self._where(name)} is int8 but {QUANT_DESCRIPTION} {why}; a W8A8 checkpoint "
+                f"needs the description marking it {' or '.join(W8A8_TYPES)} (and "
+                "X.weight_scale / X.weight_offset)"
+            )
+        elif code not in FLOAT_CODES:
+            self.problems.append(
+                f"{self._where(name)} has unsupported dtype {code}; supported: {list(FLOAT_CODES)}, "
+                "I8 (W8A8 with weight_scale/weight_offset), F8_E4M3 (with its block '.scale')"
+            )
+
+    def _check_w8a8(self, name: str, want: list[int], code: str, qtype: str) -> None:
+        base = name.removesuffix(".weight")
+        self.consumed.update(f"{base}.{s}" for s in W8A8_SIBLINGS if f"{base}.{s}" in self.ckpt)
+        if code != "I8" or len(want) != 2:
+            self.problems.append(
+                f"{self._where(name)} is {code}{want} but {QUANT_DESCRIPTION} marks it {qtype} "
+                "(a 2-D int8 linear weight expected)"
+            )
+            return
+        ok = True
+        for sib, required in (("weight_scale", True), ("weight_offset", False)):
+            sname = f"{base}.{sib}"
+            if sname not in self.ckpt:
+                if required:
+                    self.problems.append(f"{self._where(name)} is W8A8 but {sname!r} is missing")
+                    ok = False
+                continue
+            sshape, scode = self.ckpt.meta(sname)
+            if sshape not in ([want[0], 1], [want[0]]) or scode not in FLOAT_CODES:
+                self.problems.append(
+                    f"{self._where(sname)} is {scode}{sshape}; expected float per-channel "
+                    f"[{want[0]}, 1]"
+                )
+                ok = False
+        if ok:
+            self.dequant[name] = "w8a8"
+
+    def _check_fp8(self, name: str, want: list[int]) -> None:
+        sname = name.removesuffix(".weight") + ".scale"
+        self.consumed.add(sname)
+        grid = [math.ceil(want[0] / self.block[0]), math.ceil(want[1] / self.block[1])]
+        sshape, scode = self.ckpt.meta(sname)
+        if sshape != grid or scode not in FP8_SCALE_CODES:
+            self.problems.append(
+                f"{self._where(sname)} is {scode}{sshape}; FP8 {name!r} (blocks {self.block}) "
+                f"needs {grid} scales in {list(FP8_SCALE_CODES)}"
+            )
+        else:
+            self.dequant[name] = "fp8"
+
+    def check_layout(self) -> None:
+        """Missing / unexpected tensors, summarised per layer when a whole layer is off."""
+        n = self.args.num_hidden_layers
+        extra_layers: dict[int, str] = {}
+        for name in self.ckpt.names():
+            if name in self.expected or name in self.consumed or is_drafter_tensor(name):
+                continue
+            layer = _layer_of(name)
+            if layer is not None and layer >= n:
+                extra_layers.setdefault(layer, name)
+            else:
+                self.problems.append(
+                    f"unexpected {self._where(name)}: not part of the DeepSeek-V4 official "
+                    "layout for this config.json"
+                )
+        for i, name in sorted(extra_layers.items()):
+            self.problems.append(
+                f"tensors for layers.{i} exist (e.g. {self._where(name)}) but config.json "
+                f"num_hidden_layers = {n}; fix num_hidden_layers / compress_ratios"
+            )
+        present = {_layer_of(k) for k in self.expected if k in self.ckpt}
+        for i in sorted(set(range(n)) - present):
+            self.problems.append(
+                f"no tensors for layers.{i} at all, but config.json num_hidden_layers = {n} "
+                f"needs layers 0..{n - 1}; fix num_hidden_layers or use the complete checkpoint"
+            )
+        self.problems += [
+            f"missing tensor {k!r} (expected shape {v}) in {self.ckpt.path}"
+            for k, v in self.expected.items()
+            if k not in self.ckpt and _layer_of(k) in present | {None}
+        ]
+
+
+def _layer_of(name: str) -> int | None:
+    m = re.match(r"layers\.(\d+)\.", name)
+    return int(m.group(1)) if m else None
+
+
+def _fp8_block(config: dict) -> list[int]:
+    block = (config.get("quantization_config") or {}).get("weight_block_size", [128, 128])
+    return [int(b) for b in block]
+
+
+# -- dequantisation ------------------------------------------------------------------------
+
+
+def dequant_w8a8(q: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor | None) -> torch.Tensor:
+    """q [N, K] int8, scale / offset [N, 1] or [N] -> fp32 [N, K] = (q - offset) * scale."""
+    w = q.to(torch.float32)
+    if offset is not None:
+        w = w - offset.to(torch.float32).reshape(-1, 1)
+    return w * scale.to(torch.float32).reshape(-1, 1)
+
+
+def dequant_fp8(w: torch.Tensor, scale: torch.Tensor, block: list[int]) -> torch.Tensor:
+    """w [N, K] e4m3, scale [ceil(N/bn), ceil(K/bk)] -> fp32 [N, K] (one scale per block)."""
+    n, k = w.shape
+    full = scale.to(torch.float32).repeat_interleave(block[0], 0).repeat_interleave(block[1], 1)
+    return w.to(torch.float32) * full[:n, :k]
+
+
+def make_converter(
+    ckpt: Checkpoint, dequant: dict[str, str]
+) -> Callable[[str, torch.Tensor], torch.Tensor]:
+    """The load_params ``convert`` hook: dequantise while streaming, siblings via ckpt.get."""
+    block = _fp8_block(ckpt.config)
+
+    def convert(name: str, tensor: torch.Tensor) -> torch.Tensor:
+        scheme = dequant.get(name)
+        base = name.removesuffix(".weight")
+        if scheme == "w8a8":
+            offset = ckpt.get(f"{base}.weight_offset") if f"{base}.weight_offset" in ckpt else None
+            return dequant_w8a8(tensor, ckpt.get(f"{base}.weight_scale"), offset)
+        if scheme == "fp8":
+            return dequant_fp8(tensor, ckpt.get(f"{base}.scale"), block)
+        return tensor
+
+    return convert
+
+
+def load_checkpoint(
+    path: str | Path,
+    *,
+    dtype: torch.dtype,
+    device: torch.device | str,
+    max_rollback: int = 8,
+    max_context: int | None = None,
+) -> DeepseekV4Model:
+    """Validate everything from headers, then allocate the model and stream the weights in."""
+    from xspec.models.deepseek_v4.model import DeepseekV4Model
+
+    ckpt = Checkpoint(path)
+    args = DeepseekV4Args.from_config(ckpt.config, ckpt.path / CONFIG_NAME)
+    dequant = check_checkpoint(ckpt, args)
+    model = DeepseekV4Model(
+        args, dtype=dtype, device=device, max_rollback=max_rollback, max_context=max_context
+    )
+    wanted = expected_tensors(args)
+    load_params(
+        model, ckpt, lambda n: n if n in wanted else None, convert=make_converter(ckpt, dequant)
+    )
+    # drafters (MTP, DSpark) and the tokenizer read the same dir; nn.Module's __setattr__
+    # is typed for tensors and modules only, hence the ignore
+    model.checkpoint_dir = ckpt.path  # type: ignore[assignment]
+    return model.eval()
