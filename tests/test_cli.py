@@ -78,3 +78,21 @@ def test_multirun(cache: Path) -> None:
     assert r.stdout.count("TTFT") == 2
     assert "acceptance" in r.stdout.lower()
     assert "TPOT vs first" in r.stdout  # the side-by-side table
+
+
+def test_bad_dsv4_checkpoint_exits_2(tmp_path: Path, cache: Path) -> None:
+    import json
+    import shutil
+
+    from xspec.models.deepseek_v4.tiny import tiny_dir
+
+    bad = tmp_path / "ckpt"
+    shutil.copytree(tiny_dir(), bad)
+    cfg = json.loads((bad / "config.json").read_text())
+    del cfg["hidden_size"]
+    cfg["compress_ratios"][2] = 16  # not a DeepSeek-V4 ratio
+    (bad / "config.json").write_text(json.dumps(cfg))
+    r = run_cli("model=dsv4_flash", f"model.path={bad}", "platform=cpu", cache=cache)
+    assert r.returncode == 2, r.stderr
+    assert "Traceback" not in r.stderr
+    assert "hidden_size" in r.stderr and "compress_ratios" in r.stderr and "config.json" in r.stderr
