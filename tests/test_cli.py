@@ -75,7 +75,7 @@ def test_multirun(cache: Path) -> None:
         cache=cache,
     )
     assert r.returncode == 0, r.stderr
-    assert r.stdout.count("TTFT") == 2
+    assert r.stdout.count("TTFT mean") == 2
     assert "acceptance" in r.stdout.lower()
     assert "TPOT vs first" in r.stdout  # the side-by-side table
 

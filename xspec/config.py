@@ -107,7 +107,7 @@ _GROUPS: dict[str, type] = {
 
 
 def register_configs() -> None:
-    """Register the schemas; YAML options extend them with ``defaults: [<group>_schema]``.
+    """Register the schemas; YAML options extend them with ``defaults: [/schema/<group>@_here_]``.
 
     Out-of-tree platforms and spec methods (entry points) have no YAML file in xspec;
     each gets a generated group option, so ``platform=<plugin name>`` selects it like a
@@ -118,7 +118,7 @@ def register_configs() -> None:
     cs = ConfigStore.instance()
     cs.store(name="run_schema", node=RunConfig)
     for group, schema in _GROUPS.items():
-        cs.store(group=group, name=f"{group}_schema", node=schema)
+        cs.store(group="schema", name=group, node=schema)
     conf = resources.files("xspec.conf")
     for group, reg, make in (
         ("platform", platforms, lambda n: PlatformConfig(name=n)),
