@@ -101,22 +101,27 @@ class Engine:
             admitted = [
                 waiting.popleft() for _ in range(min(len(waiting), concurrency - len(running)))
             ]
-            if admitted:
+            if admitted:  # prefill the newcomers; the others wait one iteration
                 seqs = [self._start(requests[i]) for i in admitted]
                 prefill(self.target, self.drafter, seqs, self.capture, self.prefill_chunk)
                 now = elapsed()
                 for i, s in zip(admitted, seqs):
                     out[i] = Generation(requests[i].prompt_ids, [], now, now, 0)
                     running[i] = s
+                stepped = admitted
             else:
-                ids = list(running)
+                stepped = list(running)
                 decode_step(
-                    self.target, self.drafter, [running[i] for i in ids], self.capture, self.metrics
+                    self.target,
+                    self.drafter,
+                    [running[i] for i in stepped],
+                    self.capture,
+                    self.metrics,
                 )
                 now = elapsed()
-                for i in ids:
+                for i in stepped:
                     steps[i] += 1
-            for i in list(running):
+            for i in stepped:  # only these committed tokens in this iteration
                 if self._take(requests[i], running[i], out[i], now):
                     del running[i]
         for i, g in out.items():
