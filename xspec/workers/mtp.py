@@ -1,0 +1,218 @@
+"""``spec=mtp``: DeepSeek-V4 multi-token prediction as the drafter.
+
+The MTP layer (:mod:`xspec.models.deepseek_v4.mtp`) runs over the committed context
+shifted by one: MTP row ``i`` pairs the target's pre-``hc_head`` hidden ``H_i`` with
+``tok_{i+1}`` and predicts ``tok_{i+2}``, so the MTP's own SWA cache always holds as many
+positions as the target's. With the anchor ``a`` at position ``p`` (committed, not yet
+seen by the target):
+
+* ``observe`` appends one MTP row per newly committed target row (``H_i``, next token)
+  and keeps, per sequence, the logits and hidden of its last row (position ``p - 1``,
+  which pairs ``H_{p-1}`` with the anchor): those logits give ``d_1``, the token at ``p + 1``.
+* ``propose`` samples ``d_1`` from the kept logits; for ``k = 2..gamma`` it runs the MTP
+  at position ``p + k - 2`` on (its own previous hidden, ``d_{k-1}``), standing in for the
+  target's ``H`` it does not have yet, and samples ``d_k``. Then it truncates its cache
+  back to ``p``: exact, the rows are re-scored by ``observe`` once the target has
+  verified them. ``gamma = 1`` (the trained setting) runs no MTP forward at all here.
+
+Drafts go through the request's own :func:`~xspec.sampling.logits_to_probs` and
+generator, so the full q the rejection sampler needs is exactly what was sampled from.
+The MTP consumes ``CommittedRows.hidden``, not aux captures: ``capture_layer_ids`` is empty.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from xspec.errors import ConfigError, UserError
+from xspec.models.base import TargetModel
+from xspec.sampling import logits_to_probs, sample
+from xspec.workers.drafter import CommittedRows, DraftProposal, DraftRequest
+
+if TYPE_CHECKING:
+    from xspec.models.deepseek_v4.model import DeepseekV4Model
+    from xspec.models.deepseek_v4.mtp import MtpBlock
+
+log = logging.getLogger(__name__)
+
+DEFAULT_GAMMA = 1  # DeepSeek-V4 ships one MTP layer, trained to draft one token
+MAX_GAMMA = 16  # chained drafts beyond this are noise; also bounds the MTP's rollback ring
+TARGET_ARCH = "deepseek_v4"
+
+
+@dataclass
+class MtpState:
+    """One sequence's MTP state: its SWA cache and what its last committed row predicted."""
+
+    cache: Any  # LayerCache of the MTP block; cache.num_tokens == the target's
+    logits: torch.Tensor | None = None  # [V] fp32: last row's logits (d_1 comes from here)
+    hidden: torch.Tensor | None = None  # [hc, d]: last row's MTP hidden (chains gamma > 1)
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.cache.num_tokens)
+
+
+class MtpDrafter:
+    """Drafts with the target checkpoint's MTP layer (or an exported one, spec.draft_path)."""
+
+    def __init__(self, cfg: Any, *, target: TargetModel, model_cfg: Any, platform: Any) -> None:
+        from xspec.models.deepseek_v4.model import DeepseekV4Model
+        from xspec.models.deepseek_v4.mtp import load_mtp, plan_mtp
+
+        if not isinstance(target, DeepseekV4Model):
+            raise ConfigError(
+                f"spec=mtp needs a DeepSeek-V4 target (model.arch={TARGET_ARCH}); got "
+                f"{type(target).__name__}, which has no MTP layer"
+            )
+        gamma = cfg.num_speculative_tokens or DEFAULT_GAMMA
+        if problem := _gamma_problem(gamma):
+            raise ConfigError(problem)
+        if gamma > DEFAULT_GAMMA:
+            log.warning(
+                "spec.num_speculative_tokens=%d: the MTP layer was trained to draft %d token; "
+                "drafts 2..%d chain its own hidden state (expect lower acceptance)",
+                gamma,
+                DEFAULT_GAMMA,
+                gamma,
+            )
+        self.gamma: int = gamma
+        self.capture_layer_ids: list[int] = []
+        self.target: DeepseekV4Model = target
+        target_dir = getattr(target, "checkpoint_dir", None) or _target_dir(model_cfg)
+        plan = plan_mtp(Path(cfg.draft_path or target_dir), target.args)
+        self.module: MtpBlock = load_mtp(
+            plan,
+            embed=target.embed,
+            head=target.head,
+            dtype=target.dtype,
+            device=platform.device(),
+        )
+
+    # -- preflight (before any weights exist) ------------------------------------------
+
+    @staticmethod
+    def preflight(spec_cfg: Any, model_cfg: Any) -> list[str]:
+        """Every problem of ``spec=mtp`` for this model, from configs and headers only."""
+        from xspec.models.deepseek_v4.args import DeepseekV4Args
+        from xspec.models.deepseek_v4.mtp import plan_mtp
+        from xspec.models.loading import CONFIG_NAME, Checkpoint
+
+        problems: list[str] = []
+        gamma = spec_cfg.num_speculative_tokens
+        if gamma is not None and (problem := _gamma_problem(gamma)):
+            problems.append(problem)
+        if model_cfg.arch != TARGET_ARCH:
+            return [
+                *problems,
+                f"spec=mtp needs a DeepSeek-V4 target (model.arch={TARGET_ARCH}), not "
+                f"model.arch={model_cfg.arch}: only DeepSeek-V4 checkpoints carry an MTP layer",
+            ]
+        try:
+            target = Checkpoint(_target_dir(model_cfg))
+            target_args = DeepseekV4Args.from_config(target.config, target.path / CONFIG_NAME)
+        except UserError:
+            return problems  # the target loader reports its own checkpoint precisely
+        draft_dir = spec_cfg.draft_path or target.path
+        try:
+            plan_mtp(draft_dir, target_args)
+        except UserError as e:
+            where = f"spec.draft_path={draft_dir}" if spec_cfg.draft_path else f"target {draft_dir}"
+            problems += [f"{where}: {p}" for p in e.problems] or [str(e)]
+        return problems
+
+    # -- Drafter protocol ---------------------------------------------------------------
+
+    def new_state(self) -> MtpState:
+        # propose appends gamma - 1 speculative rows and rolls them back
+        cache = self.module.new_cache(
+            max_rollback=self.gamma - 1, max_context=self.target.max_context
+        )
+        return MtpState(cache)
+
+    @torch.no_grad()
+    def observe(self, states: list[MtpState], rows: list[CommittedRows]) -> None:
+        """One MTP row per committed target row: (its hidden, the next token)."""
+        seq_lens = [len(r.next_ids) for r in rows]
+        device = self.module.e_proj.weight.device
+        hidden = torch.cat([r.hidden for r in rows]).to(device)  # [T, hc, d]
+        tokens = torch.cat([r.next_ids for r in rows]).to(device)  # [T]
+        x = self._run(states, hidden, tokens, seq_lens)  # [T, hc, d]
+        last = torch.tensor(seq_lens, device=device).cumsum(0) - 1  # [B] last row of each
+        x_last = x[last]  # [B, hc, d], a copy: the per-state views keep no [T, ...] alive
+        logits = self.module.draft_logits(x_last)  # [B, V]: only what propose needs
+        for b, (state, n) in enumerate(zip(states, seq_lens)):
+            if n:
+                state.logits, state.hidden = logits[b], x_last[b]
+
+    @torch.no_grad()
+    def propose(self, states: list[MtpState], requests: list[DraftRequest]) -> DraftProposal:
+        if any(s.logits is None or s.hidden is None for s in states):
+            raise RuntimeError(
+                "MtpDrafter.propose before observe: every sequence needs its prompt observed"
+            )
+        params = [r.params for r in requests]
+        generators = [r.generator for r in requests]
+        start = [s.num_tokens for s in states]  # the anchors' positions
+        logits = torch.stack([s.logits for s in states])  # type: ignore[misc]  # [B, V]
+        hidden = torch.stack([s.hidden for s in states])  # type: ignore[misc]  # [B, hc, d]
+        tokens: list[torch.Tensor] = []  # [B] each
+        probs: list[torch.Tensor] = []  # [B, V] each
+        for k in range(self.gamma):
+            if k:  # d_{k+1} from (own hidden, d_k) at the next position
+                hidden = self._run(states, hidden, tokens[-1], [1] * len(states), own=True)
+                logits = self.module.draft_logits(hidden)
+            q = logits_to_probs(logits, params)  # [B, V], the request's processing
+            tokens.append(sample(q, generators))  # [B]
+            probs.append(q)
+        for state, n in zip(states, start):
+            state.cache.truncate(n)  # drop the speculative rows (exact)
+        greedy = all(p.greedy for p in params)
+        return DraftProposal(
+            tokens=torch.stack(tokens, dim=1).cpu(),  # [B, gamma]
+            probs=None if greedy else torch.stack(probs, dim=1),  # [B, gamma, V]
+        )
+
+    def _run(
+        self,
+        states: list[MtpState],
+        hidden: torch.Tensor,
+        tokens: torch.Tensor,
+        seq_lens: list[int],
+        *,
+        own: bool = False,
+    ) -> torch.Tensor:
+        """Append MTP rows (ragged, ``seq_lens`` per sequence) to each state's cache.
+
+        ``hidden [T, hc, d]`` (the target's, or with ``own`` the MTP's), ``tokens [T]``
+        -> the MTP's own hidden ``[T, hc, d]``.
+        """
+        from xspec.models.deepseek_v4.state import BlockContext
+
+        starts = [s.num_tokens for s in states]
+        positions = torch.cat(
+            [torch.arange(p, p + n, dtype=torch.long) for p, n in zip(starts, seq_lens)]
+        ).to(tokens.device)
+        ctx = BlockContext(tokens, positions, seq_lens, starts, [s.cache for s in states])
+        return self.module.draft_hidden(hidden, tokens, ctx, own=own)
+
+
+def _gamma_problem(gamma: int) -> str | None:
+    if not 1 <= gamma <= MAX_GAMMA:
+        return (
+            f"spec.num_speculative_tokens={gamma}: spec=mtp drafts between 1 and {MAX_GAMMA} "
+            f"tokens per step ({DEFAULT_GAMMA} = the trained setting); pick a value in that range"
+        )
+    return None
+
+
+def _target_dir(model_cfg: Any) -> Path:
+    """The target checkpoint directory (``model.path``, or the preset, generated on first use)."""
+    from xspec.models.deepseek_v4 import checkpoint_path
+
+    return Path(checkpoint_path(model_cfg))
