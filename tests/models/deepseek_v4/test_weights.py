@@ -246,7 +246,7 @@ def test_unknown_compress_ratio_names_key_and_file(tmp_path: Path, tiny) -> None
 def test_missing_path_and_preset(tmp_path: Path) -> None:
     with pytest.raises(
         CheckpointError,
-        match=r"model\.path is required for this model \(set model\.path=/dir/of/DeepSeek-V4-Flash\)",
+        match=r"no DeepSeek-V4 checkpoint given: set model\.path=/dir/of/DeepSeek-V4-Flash",
     ):
         load_model(_cfg(), device=CPU, max_rollback=2)
     with pytest.raises(ConfigError, match="known: tiny"):

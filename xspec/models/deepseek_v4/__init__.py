@@ -16,8 +16,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from xspec.errors import CheckpointError, ConfigError
 from xspec.models.deepseek_v4.args import DeepseekV4Args
+from xspec.models.presets import checkpoint_dir, dtype_name
 
 if TYPE_CHECKING:
     import torch
@@ -25,8 +25,6 @@ if TYPE_CHECKING:
     from xspec.models.deepseek_v4.model import DeepseekV4Model
 
 __all__ = ["PRESETS", "DeepseekV4Args", "DeepseekV4Model", "checkpoint_path", "load_model"]
-
-_DTYPES = ("float32", "bfloat16", "float16")
 
 
 def _tiny() -> Path:
@@ -59,7 +57,7 @@ def load_model(cfg: Any, *, device: torch.device, max_rollback: int) -> Deepseek
 
     from xspec.models.deepseek_v4.weights import load_checkpoint
 
-    dtype = getattr(torch, _dtype_name(cfg.dtype))
+    dtype = getattr(torch, dtype_name(cfg.dtype))
     return load_checkpoint(
         checkpoint_path(cfg),
         dtype=dtype,
@@ -71,22 +69,4 @@ def load_model(cfg: Any, *, device: torch.device, max_rollback: int) -> Deepseek
 
 def checkpoint_path(cfg: Any) -> Path:
     """``cfg.path``, else the built-in preset's directory (generated on first use)."""
-    if cfg.path:
-        return Path(cfg.path)
-    if cfg.preset is None:
-        raise CheckpointError(
-            "model.path is required for this model (set model.path=/dir/of/DeepSeek-V4-Flash), "
-            f"or pick a built-in preset (model.preset: {', '.join(PRESETS)})"
-        )
-    if cfg.preset not in PRESETS:
-        raise ConfigError(
-            f"model.preset={cfg.preset!r} is not a DeepSeek-V4 preset; known: {', '.join(PRESETS)}"
-        )
-    return PRESETS[cfg.preset]()
-
-
-def _dtype_name(value: Any) -> str:
-    name = getattr(value, "value", value)
-    if name not in _DTYPES:
-        raise ConfigError(f"model.dtype={name!r} is not supported; use one of {', '.join(_DTYPES)}")
-    return str(name)
+    return checkpoint_dir(cfg, PRESETS, family="DeepSeek-V4", example="/dir/of/DeepSeek-V4-Flash")

@@ -14,10 +14,12 @@ unsupported variant (e.g. a quantised export), which loading silently would hide
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from xspec.errors import CheckpointError, ConfigError
+from xspec.errors import CheckpointError
+from xspec.models.presets import checkpoint_dir, dtype_name
 from xspec.models.qwen3.args import Qwen3Args
 
 if TYPE_CHECKING:
@@ -29,7 +31,6 @@ if TYPE_CHECKING:
 __all__ = ["PRESETS", "Qwen3Args", "Qwen3Model", "Qwen3State", "checkpoint_key", "load_model"]
 
 PRESETS = {"tiny": False, "moe_tiny": True}  # model.preset -> is MoE
-_DTYPES = ("float32", "bfloat16", "float16")
 _FLOAT_CODES = {"F32", "F16", "BF16", "F64"}
 
 
@@ -61,7 +62,7 @@ def load_model(cfg: Any, *, device: torch.device, max_rollback: int) -> Qwen3Mod
 
     if max_rollback < 0:
         raise ValueError(f"max_rollback must be >= 0, got {max_rollback}")
-    dtype = getattr(torch, _dtype_name(cfg.dtype))
+    dtype = getattr(torch, dtype_name(cfg.dtype))
     ckpt = Checkpoint(_checkpoint_path(cfg))
     args = Qwen3Args.from_config(ckpt.config, ckpt.path / "config.json")
     check_tensors(args, ckpt)
@@ -117,24 +118,15 @@ def check_tensors(args: Qwen3Args, ckpt: Checkpoint) -> None:
 
 
 def _checkpoint_path(cfg: Any) -> Path:
-    if cfg.path:
-        return Path(cfg.path)
-    if cfg.preset is None:
-        raise CheckpointError(
-            "no Qwen3 checkpoint given: set model.path=/dir/with/config.json (a Hugging Face "
-            f"layout directory) or pick a built-in preset (model.preset: {', '.join(PRESETS)})"
-        )
-    if cfg.preset not in PRESETS:
-        raise ConfigError(
-            f"model.preset={cfg.preset!r} is not a Qwen3 preset; known: {', '.join(PRESETS)}"
-        )
-    from xspec.models.qwen3.tiny import tiny_dir
+    def preset(moe: bool) -> Callable[[], Path]:
+        def make() -> Path:
+            from xspec.models.qwen3.tiny import tiny_dir
 
-    return tiny_dir(PRESETS[cfg.preset])
+            return tiny_dir(moe)
 
+        return make
 
-def _dtype_name(value: Any) -> str:
-    name = getattr(value, "value", value)
-    if name not in _DTYPES:
-        raise ConfigError(f"model.dtype={name!r} is not supported; use one of {', '.join(_DTYPES)}")
-    return str(name)
+    presets = {name: preset(moe) for name, moe in PRESETS.items()}
+    return checkpoint_dir(
+        cfg, presets, family="Qwen3", example="/dir/with/config.json (Hugging Face layout)"
+    )

@@ -1,0 +1,44 @@
+"""Resolving a ``model`` config section to a checkpoint directory and a dtype (torch-free).
+
+Every model package resolves ``model.path`` / ``model.preset`` / ``model.dtype`` the same
+way: an explicit path wins; otherwise a built-in preset is generated on first use.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import Any
+
+from xspec.errors import CheckpointError, ConfigError
+
+DTYPES = ("float32", "bfloat16", "float16")
+
+
+def checkpoint_dir(
+    cfg: Any, presets: Mapping[str, Callable[[], Path]], *, family: str, example: str
+) -> Path:
+    """``cfg.path``, else the directory of the built-in preset ``cfg.preset``.
+
+    ``family`` names the model in messages; ``example`` is a sample ``model.path`` value.
+    """
+    if cfg.path:
+        return Path(cfg.path)
+    if cfg.preset is None:
+        raise CheckpointError(
+            f"no {family} checkpoint given: set model.path={example}, "
+            f"or pick a built-in preset (model.preset: {', '.join(presets)})"
+        )
+    if cfg.preset not in presets:
+        raise ConfigError(
+            f"model.preset={cfg.preset!r} is not a {family} preset; known: {', '.join(presets)}"
+        )
+    return presets[cfg.preset]()
+
+
+def dtype_name(value: Any) -> str:
+    """``model.dtype`` (a str Enum or a str) as a torch dtype attribute name."""
+    name = getattr(value, "value", value)
+    if name not in DTYPES:
+        raise ConfigError(f"model.dtype={name!r} is not supported; use one of {', '.join(DTYPES)}")
+    return str(name)
