@@ -195,39 +195,45 @@ class DeepseekV4Model(nn.Module, HyperHead):
         """
         gen = torch.Generator().manual_seed(seed)
         for name, tensor in self.state_dict(keep_vars=True).items():
-            tensor.copy_(self._random_like(name, tensor, gen))
+            tensor.copy_(random_like(name, tensor, gen, self.args))
 
-    def _random_like(self, name: str, t: torch.Tensor, gen: torch.Generator) -> torch.Tensor:
-        def normal(std: float, mean: float = 0.0) -> torch.Tensor:
-            return torch.randn(t.shape, generator=gen, dtype=torch.float32) * std + mean
 
-        leaf = name.rsplit(".", 1)[-1]
-        if leaf == "tid2eid":
-            order = torch.rand(t.shape[0], self.args.n_routed_experts, generator=gen).argsort(dim=1)
-            return order[:, : t.shape[1]]
-        if name == "embed.weight":
-            return normal(1.0)
-        if leaf.endswith("_fn"):  # mHC projections read the RMS-normalised [hc*d] streams
-            return normal(1.0 / math.sqrt(t.shape[1]))
-        if leaf.endswith("_base"):
-            return normal(0.5)
-        if leaf.endswith("_scale"):
-            return 0.5 + torch.rand(t.shape, generator=gen)
-        if leaf == "attn_sink":
-            return normal(1.0)
-        if leaf == "ape":
-            return normal(0.5)
-        if leaf == "bias":  # router selection bias
-            return normal(0.1)
-        if t.dim() == 1:  # norm weights
-            return normal(0.1, mean=1.0)
-        w = normal(1.0 / math.sqrt(t.shape[1]))  # linear [out, in]
-        if name.endswith("indexer.wq_b.weight"):
-            # Query heads in +/- pairs: one head of each pair has a positive ReLU term for
-            # every (query, entry), so index scores are never exactly 0. Exact ties, whose
-            # top-k order the official code leaves unspecified, then cannot occur and
-            # random models compare tie-free against other implementations.
-            heads = w.view(self.args.index_n_heads, -1, w.shape[1])
-            pairs = self.args.index_n_heads // 2
-            heads[1 : 2 * pairs : 2] = -heads[0 : 2 * pairs : 2]
-        return w
+def random_like(
+    name: str, t: torch.Tensor, gen: torch.Generator, args: DeepseekV4Args
+) -> torch.Tensor:
+    """Random values for checkpoint tensor ``name`` (shape of ``t``), by tensor kind; shared
+    by the target and the drafters so every random preset follows one scheme."""
+
+    def normal(std: float, mean: float = 0.0) -> torch.Tensor:
+        return torch.randn(t.shape, generator=gen, dtype=torch.float32) * std + mean
+
+    leaf = name.rsplit(".", 1)[-1]
+    if leaf == "tid2eid":
+        order = torch.rand(t.shape[0], args.n_routed_experts, generator=gen).argsort(dim=1)
+        return order[:, : t.shape[1]]
+    if name == "embed.weight":
+        return normal(1.0)
+    if leaf.endswith("_fn"):  # mHC projections read the RMS-normalised [hc*d] streams
+        return normal(1.0 / math.sqrt(t.shape[1]))
+    if leaf.endswith("_base"):
+        return normal(0.5)
+    if leaf.endswith("_scale"):
+        return 0.5 + torch.rand(t.shape, generator=gen)
+    if leaf == "attn_sink":
+        return normal(1.0)
+    if leaf == "ape":
+        return normal(0.5)
+    if leaf == "bias":  # router selection bias
+        return normal(0.1)
+    if t.dim() == 1:  # norm weights
+        return normal(0.1, mean=1.0)
+    w = normal(1.0 / math.sqrt(t.shape[1]))  # linear [out, in]
+    if name.endswith("indexer.wq_b.weight"):
+        # Query heads in +/- pairs: one head of each pair has a positive ReLU term for
+        # every (query, entry), so index scores are never exactly 0. Exact ties, whose
+        # top-k order the official code leaves unspecified, then cannot occur and
+        # random models compare tie-free against other implementations.
+        heads = w.view(args.index_n_heads, -1, w.shape[1])
+        pairs = args.index_n_heads // 2
+        heads[1 : 2 * pairs : 2] = -heads[0 : 2 * pairs : 2]
+    return w

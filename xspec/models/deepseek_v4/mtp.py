@@ -51,7 +51,7 @@ from torch import nn
 from xspec.errors import CheckpointError
 from xspec.models.deepseek_v4.args import DeepseekV4Args
 from xspec.models.deepseek_v4.mhc import HyperHead, RMSNorm
-from xspec.models.deepseek_v4.model import Block
+from xspec.models.deepseek_v4.model import Block, random_like
 from xspec.models.deepseek_v4.state import BlockContext
 from xspec.models.deepseek_v4.weights import (
     FLOAT_CODES,
@@ -182,29 +182,7 @@ class MtpBlock(Block, HyperHead):
         tiny preset): linears N(0, 1/fan_in), norm gains ~1, mHC mixes O(1)."""
         gen = torch.Generator().manual_seed(seed)
         for name, t in self.state_dict(keep_vars=True).items():
-            t.copy_(_random_like(name, t, gen))
-
-
-def _random_like(name: str, t: torch.Tensor, gen: torch.Generator) -> torch.Tensor:
-    def normal(std: float, mean: float = 0.0) -> torch.Tensor:
-        return torch.randn(t.shape, generator=gen, dtype=torch.float32) * std + mean
-
-    leaf = name.rsplit(".", 1)[-1]
-    if name == "embed.weight":
-        return normal(1.0)
-    if leaf.endswith("_fn"):  # mHC projections read the RMS-normalised [hc*d] streams
-        return normal(1.0 / math.sqrt(t.shape[1]))
-    if leaf.endswith("_base"):
-        return normal(0.5)
-    if leaf.endswith("_scale"):
-        return 0.5 + torch.rand(t.shape, generator=gen)
-    if leaf == "attn_sink":
-        return normal(1.0)
-    if leaf == "bias":  # router selection bias
-        return normal(0.1)
-    if t.dim() == 1:  # norm gains
-        return normal(0.1, mean=1.0)
-    return normal(1.0 / math.sqrt(t.shape[1]))  # linear [out, in]
+            t.copy_(random_like(name, t, gen, self.args))
 
 
 # -- planning from headers -------------------------------------------------------------
