@@ -28,8 +28,11 @@ from xspec.models.deepseek_v4.state import kv_bytes
 
 
 def interleaved(fns: dict[str, Callable[[], None]], reps: int) -> dict[str, float]:
-    """Median seconds per call of each fn, calling them round-robin ``reps`` times."""
+    """Median seconds per call of each fn, calling them round-robin ``reps`` times after
+    one untimed warm-up call each (first calls pay one-off allocations and lazy setup)."""
     times: dict[str, list[float]] = {k: [] for k in fns}
+    for fn in fns.values():
+        fn()
     for _ in range(reps):
         for k, fn in fns.items():
             t = time.perf_counter()
@@ -125,8 +128,9 @@ def main() -> None:
     model = llm._built.target
     reps = 5 if a.quick else 15
     decode_step_ratio(model, reps * 2, (256, 4096))
+    # a shared CPU is noisy: several interleaved repetitions, the median reported
     throughput_vs_hf(
-        llm, batch=8, prompt_len=64, new_tokens=16 if a.quick else 32, reps=max(2, reps // 5)
+        llm, batch=8, prompt_len=64, new_tokens=16 if a.quick else 32, reps=5 if a.quick else 9
     )
     kv_accounting(model, 1024)
 

@@ -36,7 +36,7 @@ def cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
         (["workload.max_new_tokens=many"], ["workload.max_new_tokens"]),
         (["+unknown.key=1"], ["unknown"]),
         (["model=dsv4_flash"], ["model.path"]),
-        (["model=qwen3", "model.path=/does/not/exist"], ["/does/not/exist"]),
+        (["model=qwen3", "spec=none", "model.path=/does/not/exist"], ["/does/not/exist"]),
         (["platform=npu"], ["torch_npu"]),
         (["platform=cpu", "platform.native_sas=on"], ["native_sas"]),
         (["workload.prompts=[]"], ["workload.prompts"]),

@@ -14,7 +14,7 @@ model's tokenizer.
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping, Sequence
-from typing import Any
+from typing import Any, cast
 
 import torch
 
@@ -65,9 +65,7 @@ class LLM:
     ) -> list[Generation]:
         """One :class:`Generation` per prompt, in order. Request ``i`` samples with
         seed ``seed + i`` (reproducible; ``seed=None`` for fresh randomness)."""
-        items: list[Prompt] = (
-            [prompts] if isinstance(prompts, str) or _is_ids(prompts) else list(prompts)
-        )  # type: ignore[arg-type,list-item]
+        items = _as_prompt_list(prompts)
         params = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed)
         requests = [
             Request(self._ids(p, i), max_new_tokens, seeded(params, i), ignore_eos)
@@ -105,5 +103,10 @@ class LLM:
         return ids
 
 
-def _is_ids(x: Any) -> bool:
-    return isinstance(x, Sequence) and len(x) > 0 and all(isinstance(t, int) for t in x)
+def _as_prompt_list(prompts: Prompt | Sequence[Prompt]) -> list[Prompt]:
+    """One prompt (a string or a list of ids) or a list of prompts -> a list of prompts."""
+    if isinstance(prompts, str):
+        return [prompts]
+    if len(prompts) > 0 and all(isinstance(t, int) for t in prompts):
+        return [cast(Sequence[int], prompts)]
+    return [cast(Prompt, p) for p in prompts]

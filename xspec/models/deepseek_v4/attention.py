@@ -12,64 +12,124 @@ Per row ``x`` (the ``attn_norm`` output):
 4. Inverse RoPE on the output's rope dims at the query position (V carries rotated dims).
 5. Grouped low-rank output: ``wo_a`` per group of heads, then ``wo_b``.
 
-Projections run on all ``T`` rows at once; the attention itself loops over sequences
-(each reads its own caches). The per-query work is ``O(window + selected entries)``.
+Everything runs on all ``T`` rows of the ragged batch at once, with index tensors that
+the whole forward shares (``layout.BatchLayout``). Decode / verify rows first write
+their K=V rows into the sequences' SWA rings (batch-stacked, see ``state.stack_rings``),
+then :func:`sparse_attention` gathers each query's window rows from the rings and its
+compressed entries from the concatenated entries of all sequences: one call per layer
+for the whole batch, ``O(window + selected entries)`` per query. Prefill chunks, long
+enough to evict rows their own window needs, use :func:`banded_attention` instead:
+dense matmuls over each sequence's contiguous window rows.
 """
 
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from xspec.models.deepseek_v4.args import DeepseekV4Args
 from xspec.models.deepseek_v4.compressor import Compressor, Indexer
+from xspec.models.deepseek_v4.layout import BatchLayout
 from xspec.models.deepseek_v4.mhc import RMSNorm, rms_normalize
-from xspec.models.deepseek_v4.rope import Rope, apply_rope, rope_inv_freq
-from xspec.models.deepseek_v4.state import BlockContext, LayerCache
+from xspec.models.deepseek_v4.rope import Rope, rope_inv_freq, rotate
+from xspec.models.deepseek_v4.state import (
+    BlockContext,
+    CompressorCache,
+    LayerCache,
+    scatter_rows,
+    stack_rings,
+)
 
 _QUERY_BLOCK = 256  # queries per gather: bounds the [block, K, D] workspace of long chunks
 
 
 def sparse_attention(
-    q: torch.Tensor, kv: torch.Tensor, index: torch.Tensor, sink: torch.Tensor, scale: float
+    q: torch.Tensor,
+    parts: list[tuple[torch.Tensor, torch.Tensor]],
+    sink: torch.Tensor,
+    scale: float,
 ) -> torch.Tensor:
     """Attention of each query over its own KV rows, with a value-less sink.
 
-    ``q [S, H, D]``, ``kv [N, D]`` (K = V), ``index [S, K]`` rows of ``kv`` per query
-    (-1 = unused), ``sink [H]`` -> ``[S, H, D]`` fp32.
+    ``q [S, H, D]``; ``parts``: ``(kv [N, D], index [S, K])`` pairs (K = V; ``index``
+    rows of ``kv`` per query, -1 = unused), whose selected rows are attended as one set;
+    ``sink [H]`` -> ``[S, H, D]`` fp32.
     """
-    kv = kv.float()
     sink = sink.float().view(1, -1, 1)
     out = []
     for b in range(0, q.shape[0], _QUERY_BLOCK):
-        idx = index[b : b + _QUERY_BLOCK]
-        rows = kv[idx.clamp(min=0)]  # [B, K, D]
-        logits = torch.einsum("shd,skd->shk", q[b : b + _QUERY_BLOCK].float(), rows) * scale
-        logits = logits.masked_fill((idx < 0).unsqueeze(1), float("-inf"))
+        gathered = [_gather(kv, index[b : b + _QUERY_BLOCK]) for kv, index in parts]
+        rows = torch.cat([g[0] for g in gathered], dim=1) if len(parts) > 1 else gathered[0][0]
+        mask = torch.cat([g[1] for g in gathered], dim=2) if len(parts) > 1 else gathered[0][1]
+        qb = q[b : b + _QUERY_BLOCK].float()
+        logits = torch.baddbmm(mask, qb, rows.transpose(1, 2), alpha=scale)  # [B, H, K]
         # the sink joins the softmax denominator only (it has no value row)
-        logits = torch.cat([logits, sink.expand(idx.shape[0], -1, 1)], dim=-1)
-        probs = torch.softmax(logits - logits.amax(dim=-1, keepdim=True), dim=-1)[..., :-1]
-        out.append(torch.einsum("shk,skd->shd", probs, rows))
-    return torch.cat(out)
+        logits = torch.cat([logits, sink.expand(qb.shape[0], -1, 1)], dim=-1)
+        probs = torch.softmax(logits, dim=-1)[..., :-1]
+        out.append(torch.matmul(probs, rows))
+    return torch.cat(out) if len(out) > 1 else out[0]
 
 
-def window_index(num_prev: int, num_new: int, window: int, device: torch.device) -> torch.Tensor:
-    """Rows of ``local = cat(previous raw rows, new raw rows)`` that each new query sees.
+def banded_attention(
+    q: torch.Tensor,
+    local: list[torch.Tensor],
+    layout: BatchLayout,
+    window: int,
+    extra: tuple[torch.Tensor, torch.Tensor] | None,
+    sink: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    """:func:`sparse_attention` for long chunks, as dense matmuls per block of queries.
 
-    Query ``r`` (0-based among ``num_new``) sits at local row ``num_prev + r`` and sees
-    the ``window`` rows ending there -> ``[num_new, min(window, num_prev + num_new)]``
-    int64, -1 before the sequence start.
+    ``q [T, H, D]``; ``local[b] [P_b + n_b, D]``: the ``P_b`` raw rows before live
+    sequence ``b``'s chunk that its first query sees, then its ``n_b`` new rows;
+    ``extra``: the compressed ``(entries, index [T, K])`` part or None -> ``[T, H, D]``
+    fp32. A block of queries attends the contiguous key rows its windows span, masked
+    to the band: one GEMM instead of a per-query gather, at the price of at most
+    ``(block + window) / window`` times the needed products.
     """
-    width = min(window, num_prev + num_new)
-    first = torch.arange(num_new, device=device) + num_prev - width + 1  # [S]
-    index = first[:, None] + torch.arange(width, device=device)[None, :]
-    return index.masked_fill(index < 0, -1)
+    out = q.new_empty(q.shape, dtype=torch.float32)
+    sink = sink.float().view(1, -1, 1)
+    for keys, r0, n in zip(local, layout.row0, layout.lens):
+        prev, keys = keys.shape[0] - n, keys.float()
+        for q0 in range(0, n, _QUERY_BLOCK):
+            q1 = min(n, q0 + _QUERY_BLOCK)
+            k0, k1 = max(0, prev + q0 - window + 1), prev + q1  # key rows the block spans
+            rows, band = slice(r0 + q0, r0 + q1), keys[k0:k1]  # band [L, D]
+            qb = q[rows].float()  # [S, H, D]
+            logits = [
+                torch.matmul(qb, band.t()) * scale
+                + _band_mask(prev + q0 - k0, q1 - q0, k1 - k0, window, q.device)
+            ]
+            if extra is not None:
+                ent, mask = _gather(extra[0], extra[1][rows])  # [S, K, D], [S, 1, K]
+                logits.append(torch.baddbmm(mask, qb, ent.transpose(1, 2), alpha=scale))
+            # the sink joins the softmax denominator only (it has no value row)
+            logits.append(sink.expand(qb.shape[0], -1, 1))
+            probs = torch.softmax(torch.cat(logits, dim=-1), dim=-1)
+            o = torch.matmul(probs[..., : k1 - k0], band)
+            out[rows] = o if extra is None else torch.baddbmm(o, probs[..., k1 - k0 : -1], ent)
+    return out
 
 
-def causal_entries(n: int, positions: torch.Tensor, ratio: int) -> torch.Tensor:
-    """Every compressed entry, -1 where not yet causal: ``positions [S]`` -> ``[S, n]``."""
-    ids = torch.arange(n, device=positions.device)[None, :].expand(positions.shape[0], n)
-    return ids.masked_fill(ids >= ((positions + 1) // ratio)[:, None], -1)
+def _gather(kv: torch.Tensor, index: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``kv [N, D]``, ``index [S, K]`` (-1 = none) -> rows ``[S, K, D]`` fp32 and the
+    additive mask ``[S, 1, K]`` (0 or -inf). index_select is far cheaper than advanced
+    indexing; a -1 reads row 0, which the mask removes."""
+    rows = kv.index_select(0, index.clamp(min=0).flatten()).view(*index.shape, kv.shape[-1])
+    return rows.float(), torch.where(index < 0, float("-inf"), 0.0).unsqueeze(1)
+
+
+def _band_mask(
+    first: int, queries: int, keys: int, window: int, device: torch.device
+) -> torch.Tensor:
+    """``[S, 1, L]`` additive mask: query ``i`` (at key row ``first + i``) sees key rows
+    ``first + i - window + 1 .. first + i``."""
+    lag = torch.arange(first, first + queries, device=device)[:, None] - torch.arange(
+        keys, device=device
+    )
+    return torch.where((lag < 0) | (lag >= window), float("-inf"), 0.0).unsqueeze(1)
 
 
 class Attention(nn.Module):
@@ -114,79 +174,69 @@ class Attention(nn.Module):
     def forward(self, x: torch.Tensor, ctx: BlockContext) -> torch.Tensor:
         """``x [T, d]`` (normed block input) -> ``[T, d]``; appends every row to its cache."""
         t = x.shape[0]
-        cos, sin = self.rope.cos_sin(ctx.positions)  # [T, rd/2]
-        qr = self.q_norm(self.wq_a(x))  # [T, q_lora]
-        q = self.wq_b(qr).view(t, self.n_heads, self.head_dim)
-        q = apply_rope(rms_normalize(q, self.args.rms_norm_eps), cos, sin)
-        kv = apply_rope(self.kv_norm(self.wkv(x)), cos, sin)  # [T, D]
-        # per-token compressor rows (and indexer queries) for all rows at once
-        side = self._side_inputs(x, qr, ctx.positions, cos, sin)
-        out = torch.empty(t, self.n_heads, self.head_dim, dtype=torch.float32, device=x.device)
-        for r0, r1, start, cache in ctx.spans():
-            local = torch.cat([cache.window_rows(start), kv[r0:r1]])  # raw rows, [L, D]
-            index = window_index(local.shape[0] - (r1 - r0), r1 - r0, cache.window, x.device)
-            if self.compressor is not None:
-                entries, picks = self._compressed(cache, side, r0, r1, start, ctx.positions[r0:r1])
-                picks = torch.where(picks >= 0, picks + local.shape[0], -1)  # rows after `local`
-                index = torch.cat([index, picks], dim=1)
-                local = torch.cat([local, entries.to(local.dtype)])
-            scale = self.head_dim**-0.5
-            out[r0:r1] = sparse_attention(q[r0:r1], local, index, self.attn_sink, scale)
-            cache.write_window(start, kv[r0:r1])
-            cache.advance(r1 - r0)
-        out = apply_rope(out.to(x.dtype), cos, sin, inverse=True)
-        return self.wo_b(self.grouped_out(out))
-
-    def _side_inputs(
-        self,
-        x: torch.Tensor,
-        qr: torch.Tensor,
-        positions: torch.Tensor,
-        cos: torch.Tensor,
-        sin: torch.Tensor,
-    ) -> dict[str, torch.Tensor]:
-        """Compressor rows ``kv/score [T, coff*D]``, indexer rows ``ikv/iscore`` and
-        indexer queries ``iq [T, h, c]`` / head weights ``iw [T, h]`` (whichever exist)."""
-        side: dict[str, torch.Tensor] = {}
-        if self.compressor is not None:
-            side["kv"], side["score"] = self.compressor.project(x, positions)
-        if self.indexer is not None:
-            side["iq"], side["iw"] = self.indexer.queries(qr, x, cos, sin)
-            side["ikv"], side["iscore"] = self.indexer.compressor.project(x, positions)
-        return side
+        caches, layout = ctx.live_caches(), ctx.layout()
+        if not caches:  # no rows at all
+            return x.new_zeros(x.shape)
+        rot = layout.rotation(self.rope)  # cos, sin [T, rd]
+        qr = self.q_norm(F.linear(x, self.wq_a.weight))  # [T, q_lora]
+        q = F.linear(qr, self.wq_b.weight).view(t, self.n_heads, self.head_dim)
+        q = rotate(rms_normalize(q, self.args.rms_norm_eps), *rot)
+        kv = rotate(self.kv_norm(F.linear(x, self.wkv.weight)), *rot)  # [T, D]
+        extra = self._compressed(x, qr, caches, layout) if self.compressor is not None else None
+        swa = stack_rings([c.swa_ring for c in caches])  # [B, R, D], row b = caches[b]
+        ring, window = swa.shape[1], caches[0].window
+        sink, scale = self.attn_sink, self.head_dim**-0.5
+        if max(layout.lens) <= ring - window + 1:
+            # decode / verify: the new rows cannot evict a window row, so they go into the
+            # rings first and every query gathers its window from the rings
+            scatter_rows(swa, kv, layout.ring_slots(ring))
+            parts = [(swa.flatten(0, 1), layout.window_index(ring, window))]
+            out = sparse_attention(q, parts + ([extra] if extra else []), sink, scale)
+        else:  # prefill chunks: dense blocks over each sequence's contiguous window rows
+            local = [
+                torch.cat([swa[b].index_select(0, slots), kv[r0 : r0 + n]])
+                for b, (slots, r0, n) in enumerate(
+                    zip(layout.earlier_slots(ring, window), layout.row0, layout.lens)
+                )
+            ]
+            scatter_rows(swa, kv, layout.ring_slots(ring))
+            out = banded_attention(q, local, layout, window, extra, sink, scale)
+        for cache, n in zip(caches, layout.lens):
+            cache.advance(n)
+        out = rotate(out.to(x.dtype), *rot, inverse=True)
+        return F.linear(self.grouped_out(out), self.wo_b.weight)
 
     def _compressed(
         self,
-        cache: LayerCache,
-        side: dict[str, torch.Tensor],
-        r0: int,
-        r1: int,
-        start: int,
-        positions: torch.Tensor,
+        x: torch.Tensor,
+        qr: torch.Tensor,
+        caches: list[LayerCache],
+        layout: BatchLayout,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Emit one sequence's new entries, then pick the ones each query attends.
+        """Emit the batch's new entries, then pick the ones each query attends.
 
-        Returns ``entries [n, D]`` and ``picks [S, K]`` entry ids (-1 = none): every
-        causal entry on HCA layers, the indexer's top-k on CSA layers.
+        Returns ``entries [sum n_b, D]`` (every live sequence's, concatenated) and
+        ``[T, K]`` rows of it per query (-1 = none): every causal entry on HCA layers,
+        the indexer's top-k on CSA layers.
         """
-        assert self.compressor is not None and cache.compressor is not None
-        self.compressor.update(cache.compressor, side["kv"][r0:r1], side["score"][r0:r1], start)
-        entries = cache.compressor.valid_entries()
+        assert self.compressor is not None
+        comps = _present([c.compressor for c in caches])
+        self.compressor.emit(comps, self.compressor.rows(x, layout), layout)
+        source = _concat([c.valid_entries() for c in comps])
+        ratio = self.compress_ratio
         if self.indexer is None:
-            return entries, causal_entries(entries.shape[0], positions, self.compress_ratio)
-        assert cache.indexer is not None
-        rows = slice(r0, r1)
-        self.indexer.compressor.update(
-            cache.indexer, side["ikv"][rows], side["iscore"][rows], start
-        )
-        keys = cache.indexer.valid_entries()
-        return entries, self.indexer.select(side["iq"][rows], side["iw"][rows], keys, positions)
+            return source, layout.causal_entries(ratio)
+        keys = _present([c.indexer for c in caches])
+        self.indexer.compressor.emit(keys, self.indexer.compressor.rows(x, layout), layout)
+        q, weights = self.indexer.queries(qr, x, layout)
+        picks = self.indexer.select(q, weights, _concat([c.valid_entries() for c in keys]), layout)
+        return source, layout.picked_entries(ratio, picks)
 
     def grouped_out(self, out: torch.Tensor) -> torch.Tensor:
         """``out [T, H, D]`` -> ``[T, G*o_lora]``: ``wo_a`` applied per group of heads."""
-        groups = out.reshape(out.shape[0], self.o_groups, -1)  # [T, G, H*D/G]
+        groups = out.reshape(out.shape[0], self.o_groups, -1).transpose(0, 1)  # [G, T, H*D/G]
         w = self.wo_a.weight.view(self.o_groups, -1, groups.shape[-1])  # [G, o_lora, H*D/G]
-        return torch.einsum("tgi,goi->tgo", groups, w).flatten(1)
+        return torch.bmm(groups, w.transpose(1, 2)).transpose(0, 1).flatten(1)
 
     def new_cache(self, *, max_rollback: int, max_context: int) -> LayerCache:
         """An empty cache of this layer's kind for one sequence."""
@@ -198,3 +248,15 @@ class Attention(nn.Module):
             max_rollback=max_rollback,
             max_context=max_context,
         )
+
+
+def _concat(rows: list[torch.Tensor]) -> torch.Tensor:
+    """Per-sequence ``[n_b, C]`` tensors as one ``[sum n_b, C]`` (no copy for one)."""
+    return rows[0] if len(rows) == 1 else torch.cat(rows)
+
+
+def _present(caches: list[CompressorCache | None]) -> list[CompressorCache]:
+    """The compressor caches of a compressed layer (a cache of another kind is a bug)."""
+    if any(c is None for c in caches):
+        raise ValueError("a cache without compressor state was passed to a compressed layer")
+    return caches  # type: ignore[return-value]

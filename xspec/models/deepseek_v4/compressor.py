@@ -12,9 +12,10 @@ Then ``norm`` (weighted RMSNorm) and RoPE on the last ``qk_rope_head_dim`` dims 
 window start ``w*m`` with the compressed-layer frequencies. Entry ``w`` is emitted when
 position ``(w+1)*m - 1`` is processed; query ``t`` may use entries ``w < (t+1) // m``.
 
-Emission is vectorised over every window a chunk completes (rows of the chunk itself
-plus, for windows that began earlier, rows read back from the per-position ring of
-:class:`~xspec.models.deepseek_v4.state.CompressorCache`).
+Emission is vectorised over every window a forward completes, in every sequence of
+the batch at once: one gather from ``cat(row rings, the new rows, a pad row)`` (rows of
+windows that began in an earlier forward come from the per-position ring of
+:class:`~xspec.models.deepseek_v4.state.CompressorCache`; see ``layout.Emission``).
 
 The indexer (CSA only) owns a compressor at ``index_head_dim`` and scores query ``t``
 against its keys: ``I[t, s] = sum_h w[t, h] * relu(q[t, h] . K[s])``; the top
@@ -30,9 +31,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from xspec.models.deepseek_v4.args import DeepseekV4Args
+from xspec.models.deepseek_v4.layout import BatchLayout, Emission
 from xspec.models.deepseek_v4.mhc import RMSNorm
-from xspec.models.deepseek_v4.rope import Rope, apply_rope
-from xspec.models.deepseek_v4.state import CompressorCache
+from xspec.models.deepseek_v4.rope import Rope, rotate
+from xspec.models.deepseek_v4.state import CompressorCache, scatter_rows, stack_rings
 
 
 class Compressor(nn.Module):
@@ -64,43 +66,60 @@ class Compressor(nn.Module):
         self, x: torch.Tensor, positions: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Per-token rows: ``x [T, d]``, ``positions [T]`` -> ``kv, score [T, coff*width]`` fp32."""
+        return self._project(x, positions % self.ratio)
+
+    def _project(self, x: torch.Tensor, phase: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         xf = x.float()  # the official compressor runs in fp32
         kv = F.linear(xf, self.wkv.weight.float())
-        score = F.linear(xf, self.wgate.weight.float()) + self.ape[positions % self.ratio]
+        score = F.linear(xf, self.wgate.weight.float()) + self.ape[phase]
         return kv, score
+
+    def rows(self, x: torch.Tensor, layout: BatchLayout) -> torch.Tensor:
+        """``x [T, d]`` -> ring rows ``[kv | score]`` ``[T, 2*coff*width]`` fp32."""
+        return torch.cat(self._project(x, layout.phase(self.ratio)), dim=-1)
 
     def update(
         self, cache: CompressorCache, kv: torch.Tensor, score: torch.Tensor, start: int
     ) -> None:
         """Append one sequence's rows ``kv, score [S, coff*width]`` of positions
         ``start..start+S-1``: emit every entry they complete, then store the rows."""
-        m, end = self.ratio, start + kv.shape[0]
-        first, last = start // m, end // m  # new entries: [first, last)
-        if last > first:
-            begin = (first - self.coff + 1) * m  # first row position the new entries read
-            old_kv, old_score = cache.rows(begin, start)
-            used = last * m - start  # rows of this chunk inside complete windows
-            rows_kv = torch.cat([old_kv, kv[:used]])
-            rows_score = torch.cat([old_score, score[:used]])
-            pooled = self.pool(rows_kv, rows_score)  # [last-first, width]
-            window_starts = torch.arange(first, last, device=kv.device) * m
-            cos, sin = self.rope.cos_sin(window_starts)
-            cache.put_entries(first, apply_rope(self.norm(pooled), cos, sin))
-        cache.write_rows(start, kv, score)
+        n = kv.shape[0]
+        positions = torch.arange(start, start + n, device=kv.device)
+        self.emit([cache], torch.cat([kv, score], dim=-1), BatchLayout(positions, [n], [start]))
 
-    def pool(self, kv: torch.Tensor, score: torch.Tensor) -> torch.Tensor:
-        """Softmax pooling of consecutive windows.
+    def emit(self, caches: list[CompressorCache], rows: torch.Tensor, layout: BatchLayout) -> None:
+        """Append ``rows [T, 2*coff*width]`` (from :meth:`rows`) to the caches of the
+        live sequences of ``layout``: emit every entry they complete, then store them."""
+        stack = stack_rings([c.ring for c in caches])  # [B, ring, C], row b = caches[b]
+        plan = layout.emission(self.ratio, self.coff, stack.shape[1])
+        if plan is not None:
+            pad = torch.full_like(rows[:1], float("-inf"))  # before position 0: kv 0, score -inf
+            pad[:, : self.coff * self.width] = 0
+            source = torch.cat([stack.flatten(0, 1), rows, pad])
+            gathered = source.index_select(0, plan.index.flatten())
+            entries = self.pool(gathered.view(*plan.index.shape, -1), plan)  # [E, width]
+            e0 = 0
+            for b, first, n in zip(plan.seqs, plan.firsts, plan.counts):
+                caches[b].put_entries(first, entries[e0 : e0 + n])
+                e0 += n
+        scatter_rows(stack, rows, layout.ring_slots(stack.shape[1]))
 
-        ``kv, score [(n + coff - 1) * m, coff*width]`` (for CSA the first window only
-        supplies the ``Ca`` half of the first entry) -> ``[n, width]`` fp32.
+    def pool(self, rows: torch.Tensor, plan: Emission) -> torch.Tensor:
+        """Softmax pooling of each entry's window rows, then norm and rope.
+
+        ``rows [E, coff*m, 2*coff*width]`` (``[kv | score]`` of positions
+        ``(w-coff+1)*m .. (w+1)*m - 1``) -> entries ``[E, width]``.
         """
-        m, w = self.ratio, self.width
-        kv = kv.view(-1, m, self.coff * w)
-        score = score.view(-1, m, self.coff * w)
+        m, w, cw = self.ratio, self.width, self.coff * self.width
+        kv, score = rows[..., :cw], rows[..., cw:]
         if self.coff == 2:  # entry w: Ca of window w-1 (first m rows), Cb of window w
-            kv = torch.cat([kv[:-1, :, :w], kv[1:, :, w:]], dim=1)  # [n, 2m, w]
-            score = torch.cat([score[:-1, :, :w], score[1:, :, w:]], dim=1)
-        return (kv * score.softmax(dim=1)).sum(dim=1)
+            kv = torch.cat([kv[:, :m, :w], kv[:, m:, w:]], dim=1)  # [E, 2m, w]
+            score = torch.cat([score[:, :m, :w], score[:, m:, w:]], dim=1)
+        pooled = (kv * score.softmax(dim=1)).sum(dim=1)
+        key = self.rope.key
+        if key not in plan.memo:  # the indexer's compressor and other layers reuse it
+            plan.memo[key] = self.rope.rotation(plan.window_starts, plan.limit)
+        return rotate(self.norm(pooled), *plan.memo[key])
 
 
 class Indexer(nn.Module):
@@ -125,33 +144,41 @@ class Indexer(nn.Module):
         self.rope = rope
 
     def queries(
-        self, qr: torch.Tensor, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+        self, qr: torch.Tensor, x: torch.Tensor, layout: BatchLayout
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """``qr [T, q_lora]``, ``x [T, d]``, ``cos/sin [T, rd/2]`` ->
-        ``q [T, n_heads, head_dim]`` fp32 (roped), head weights ``[T, n_heads]`` fp32."""
-        q = self.wq_b(qr).view(qr.shape[0], self.n_heads, self.head_dim)
-        q = apply_rope(q, cos, sin).float()
-        weights = self.weights_proj(x).float() * self.n_heads**-0.5
+        """``qr [T, q_lora]``, ``x [T, d]`` -> ``q [T, n_heads, head_dim]`` fp32 (roped),
+        head weights ``[T, n_heads]`` fp32."""
+        q = F.linear(qr, self.wq_b.weight).view(qr.shape[0], self.n_heads, self.head_dim)
+        q = rotate(q, *layout.rotation(self.rope)).float()
+        weights = F.linear(x, self.weights_proj.weight).float() * self.n_heads**-0.5
         return q, weights
 
     def select(
-        self, q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor, positions: torch.Tensor
+        self, q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor, layout: BatchLayout
     ) -> torch.Tensor:
-        """Top-k causal entries per query.
+        """Top-k causal entries per query, each row against its own sequence's keys.
 
-        ``q [S, n_heads, head_dim]``, ``weights [S, n_heads]``, ``keys [n, head_dim]``,
-        ``positions [S]`` -> ``[S, min(index_topk, n)]`` int64 entry ids, -1 = none.
+        ``q [T, n_heads, head_dim]``, ``weights [T, n_heads]``, ``keys [sum n_b, head_dim]``
+        (every live sequence's, concatenated) -> ``[T, min(index_topk, max n_b)]`` int64
+        entry ids, -1 = none.
         """
-        n = keys.shape[0]
+        index = layout.padded_entries(4)  # [B, n]
+        b, n = index.shape
         k = min(self.topk, n)
         if k == 0:
             return torch.empty(q.shape[0], 0, dtype=torch.long, device=q.device)
-        scores = F.relu(torch.matmul(q, keys.float().t())) * self.head_dim**-0.5  # [S, H, n]
-        scores = (scores * weights.unsqueeze(-1)).sum(dim=1)  # [S, n]
-        visible = (positions + 1) // 4  # entries < visible are causal
-        future = torch.arange(n, device=q.device)[None, :] >= visible[:, None]
+        # one batched matmul over sequences: [B, S*H, c] x [B, c, n]
+        kp = keys.float().index_select(0, index.flatten()).view(b, n, -1)
+        qp = layout.padded(q)  # [B, S, H, c]
+        dots = torch.matmul(qp.flatten(1, 2), kp.transpose(1, 2))
+        dots = layout.unpadded(dots.view(*qp.shape[:3], n))  # [T, H, n]
+        scores = F.relu(dots) * self.head_dim**-0.5
+        scores = (scores * weights.unsqueeze(-1)).sum(dim=1)  # [T, n]
+        visible = layout.visible(4)[:, None]  # entries < visible are causal
+        future = torch.arange(n, device=q.device)[None, :] >= visible
         picks = stable_topk(scores.masked_fill(future, float("-inf")), k)
-        return torch.where(picks >= visible[:, None], -1, picks)
+        # padding (other sequences' keys, or none) is never causal, so never a valid pick
+        return picks.masked_fill(picks >= visible, -1)
 
 
 def stable_topk(scores: torch.Tensor, k: int) -> torch.Tensor:

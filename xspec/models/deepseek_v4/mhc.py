@@ -16,6 +16,8 @@ The checkpoint stores them as plain tensors on the owning module (``layers.{i}.h
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -32,11 +34,15 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim, dtype=torch.float32, device=device))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return (self.weight * rms_normalize(x.float(), self.eps)).to(x.dtype)
+        # F.rms_norm is the same x * rsqrt(mean(x^2) + eps) * weight, as one op
+        return F.rms_norm(x.float(), self.weight.shape, self.weight, self.eps).to(x.dtype)
 
 
 def rms_normalize(x: torch.Tensor, eps: float) -> torch.Tensor:
     """Unweighted RMS normalisation over the last dim (same dtype as ``x``)."""
+    if x.dtype == torch.float32:
+        return F.rms_norm(x, x.shape[-1:], eps=eps)
+    # lower precision: the rsqrt is rounded to x.dtype before the product (as before)
     return x * torch.rsqrt(x.float().square().mean(-1, keepdim=True) + eps).to(x.dtype)
 
 
@@ -63,11 +69,35 @@ def sinkhorn(comb: torch.Tensor, iters: int, eps: float) -> torch.Tensor:
     One column normalisation, then ``iters - 1`` (row, column) rounds, each with ``+eps``
     in the denominator: the loop ends on a column normalisation, as officially.
     """
-    comb = comb / (comb.sum(dim=-2, keepdim=True) + eps)
-    for _ in range(iters - 1):
-        comb = comb / (comb.sum(dim=-1, keepdim=True) + eps)
+    if comb.requires_grad and torch.is_grad_enabled():  # training: out of place
         comb = comb / (comb.sum(dim=-2, keepdim=True) + eps)
-    return comb
+        for _ in range(iters - 1):
+            comb = comb / (comb.sum(dim=-1, keepdim=True) + eps)
+            comb = comb / (comb.sum(dim=-2, keepdim=True) + eps)
+        return comb
+    hc = comb.shape[-1]
+    flat = comb.reshape(-1, hc, hc)
+    return _sinkhorn_last(flat.permute(1, 2, 0), iters, eps).view(comb.shape)
+
+
+def _sinkhorn_last(comb: torch.Tensor, iters: int, eps: float) -> torch.Tensor:
+    """:func:`sinkhorn` of ``comb [hc, hc, N]`` (matrices along the last dim, where the
+    reductions vectorise) -> ``[N, hc, hc]`` contiguous, without autograd.
+
+    The matrices sit in the top-left block of a ``[hc+1, hc+1, N]`` buffer whose last
+    row and column hold ``eps``, so each row (column) sum over the bordered block is
+    ``sum + eps`` in one op and each normalisation is 2 in-place ops, not 3: twenty
+    rounds are ~80 tiny ops per call, each costing its dispatch, not its arithmetic.
+    """
+    hc = comb.shape[0]
+    buf = comb.new_full((hc + 1, hc + 1, comb.shape[-1]), eps)
+    buf[:hc, :hc] = comb
+    comb, rows, cols = buf[:hc, :hc], buf[:hc, :], buf[:, :hc]
+    comb.div_(cols.sum(dim=0, keepdim=True))
+    for _ in range(iters - 1):
+        comb.div_(rows.sum(dim=1, keepdim=True))
+        comb.div_(cols.sum(dim=0, keepdim=True))
+    return comb.permute(2, 0, 1).contiguous()
 
 
 def hc_pre(
@@ -81,18 +111,33 @@ def hc_pre(
 
     ``x [T, hc, d]`` -> ``u [T, d]`` (x.dtype), ``post [T, hc]`` fp32, ``comb [T, hc, hc]`` fp32.
     """
-    hc = args.hc_mult
+    hc, t = args.hc_mult, x.shape[0]
     flat = rms_normalize(x.flatten(1).float(), args.rms_norm_eps)  # [T, hc*d]
-    mix = F.linear(flat, fn.float())  # [T, (2+hc)*hc]
-    pre_w, post_w, comb_w = mix.split([hc, hc, hc * hc], dim=-1)
-    pre_b, post_b, comb_b = base.float().split([hc, hc, hc * hc])
-    pre = torch.sigmoid(pre_w * scale[0] + pre_b) + args.hc_eps
-    post = 2 * torch.sigmoid(post_w * scale[1] + post_b)
-    logits = comb_w.view(-1, hc, hc) * scale[2] + comb_b.view(hc, hc)
-    comb = torch.softmax(logits, dim=-1) + args.hc_eps
-    comb = sinkhorn(comb, args.hc_sinkhorn_iters, args.hc_eps)
-    u = (pre.unsqueeze(-1) * x).sum(dim=1).to(x.dtype)
+    mix = F.linear(flat, fn.float())  # [T, (2+hc)*hc] = [pre | post | comb]
+    # scale[0] scales the pre columns, scale[1] post, scale[2] comb: one multiply-add
+    z = mix * _site_scale(scale.float(), hc) + base.float()
+    gates = torch.sigmoid(z[:, : 2 * hc])
+    pre = gates[:, :hc] + args.hc_eps
+    post = 2 * gates[:, hc:]
+    logits = z[:, 2 * hc :].view(t, hc, hc)
+    if logits.requires_grad and torch.is_grad_enabled():
+        comb = torch.softmax(logits, dim=-1) + args.hc_eps
+        comb = sinkhorn(comb, args.hc_sinkhorn_iters, args.hc_eps)
+    else:  # softmax and Sinkhorn with the rows along the last dim (vectorised at any T)
+        comb = torch.softmax(logits.permute(1, 2, 0).contiguous(), dim=1) + args.hc_eps
+        comb = _sinkhorn_last(comb, args.hc_sinkhorn_iters, args.hc_eps)
+    u = (pre.unsqueeze(-1) * x).sum(dim=1).to(x.dtype)  # sum_i pre_i X_i
     return u, post, comb
+
+
+def _site_scale(scale: torch.Tensor, hc: int) -> torch.Tensor:
+    """``scale [3]`` -> ``[(2+hc)*hc]``, one factor per column of ``[pre | post | comb]``."""
+    return scale.repeat_interleave(_repeats(hc, scale.device), output_size=(2 + hc) * hc)
+
+
+@functools.lru_cache(maxsize=8)
+def _repeats(hc: int, device: torch.device) -> torch.Tensor:
+    return torch.tensor([hc, hc, hc * hc], device=device)
 
 
 def hc_post(
@@ -104,8 +149,8 @@ def hc_post(
     ``comb [T, hc, hc]`` -> ``[T, hc, d]``: ``post_j * y + sum_i comb[i, j] * x_i``.
     """
     dtype = x.dtype
-    mixed = torch.matmul(comb.to(dtype).transpose(-1, -2), x)
-    return post.to(dtype).unsqueeze(-1) * y.unsqueeze(-2) + mixed
+    expanded = post.to(dtype).unsqueeze(-1) * y.unsqueeze(-2)  # [T, hc, d]
+    return torch.baddbmm(expanded, comb.to(dtype).transpose(-1, -2), x)
 
 
 def hc_head(

@@ -11,6 +11,8 @@ officially); the shared expert is the same module, added unweighted.
 
 from __future__ import annotations
 
+from typing import cast
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -32,15 +34,20 @@ class Expert(nn.Module):
 
     def forward(self, x: torch.Tensor, weights: torch.Tensor | None = None) -> torch.Tensor:
         """``x [N, d]``, optional routing ``weights [N, 1]`` fp32 -> ``[N, d]`` (x.dtype)."""
-        gate = self.w1(x).float()
-        up = self.w3(x).float()
-        if self.limit > 0:  # clamps keep the bf16 activations of big experts in range
-            gate = gate.clamp(max=self.limit)
-            up = up.clamp(min=-self.limit, max=self.limit)
-        h = F.silu(gate) * up
-        if weights is not None:
-            h = weights * h
-        return self.w2(h.to(x.dtype))
+        gate = F.linear(x, self.w1.weight).float()
+        up = F.linear(x, self.w3.weight).float()
+        return F.linear(swiglu(gate, up, self.limit, weights).to(x.dtype), self.w2.weight)
+
+
+def swiglu(
+    gate: torch.Tensor, up: torch.Tensor, limit: float, weights: torch.Tensor | None
+) -> torch.Tensor:
+    """``(silu(min(gate, L)) * clamp(up, -L, L)) * weights`` (fp32, any leading shape)."""
+    if limit > 0:  # clamps keep the bf16 activations of big experts in range
+        gate = gate.clamp(max=limit)
+        up = up.clamp(min=-limit, max=limit)
+    h = F.silu(gate) * up
+    return h if weights is None else weights * h
 
 
 class Gate(nn.Module):
@@ -103,6 +110,7 @@ class MoE(nn.Module):
     ) -> None:
         super().__init__()
         d, inter, limit = args.hidden_size, args.moe_intermediate_size, args.swiglu_limit
+        self.limit = limit
         self.gate = Gate(args, hash_routed, device=device)
         self.experts = nn.ModuleList(
             Expert(d, inter, limit, dtype=dtype, device=device)
@@ -118,9 +126,33 @@ class MoE(nn.Module):
         """``x [T, d]`` (the ``ffn_norm`` output), ``input_ids [T]`` -> ``[T, d]``."""
         weights, experts = self.gate(x, input_ids)  # [T, k] each
         y = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
-        for e in experts.unique().tolist():  # only the experts some row picked
-            rows, slot = (experts == e).nonzero(as_tuple=True)
-            y.index_add_(0, rows, self.experts[e](x[rows], weights[rows, slot, None]).float())
+        # group the T*k (row, expert) assignments by expert with one stable sort; the one
+        # host sync (the group sizes) slices the groups, experts without rows are skipped
+        flat = experts.flatten()  # [T*k]
+        order = flat.argsort(stable=True)
+        sizes = torch.bincount(flat, minlength=len(self.experts)).tolist()
+        rows = order // experts.shape[1]  # token row of each sorted assignment
+        if rows.numel():
+            ws = weights.flatten()[order].unsqueeze(1)  # [N, 1] routing weight
+            out = self._grouped(x.index_select(0, rows), ws, sizes)  # [N, d]
+            y.index_add_(0, rows, out.float())  # per row: ascending expert order
         if self.shared_experts is not None:
             y += self.shared_experts(x).float()
         return y.to(x.dtype)
+
+    def _grouped(self, xs: torch.Tensor, ws: torch.Tensor, sizes: list[int]) -> torch.Tensor:
+        """The routed experts on their groups: ``xs [N, d]`` rows sorted by expert,
+        ``ws [N, 1]`` fp32 weights, ``sizes [E]`` group sizes -> ``[N, d]`` (x.dtype).
+
+        Only the matmuls run per expert; the activation runs once on all rows.
+        """
+        groups: list[tuple[Expert, slice]] = []
+        lo = 0
+        for e, n in enumerate(sizes):
+            if n:
+                groups.append((cast(Expert, self.experts[e]), slice(lo, lo + n)))
+                lo += n
+        gate = torch.cat([F.linear(xs[g], ex.w1.weight) for ex, g in groups]).float()
+        up = torch.cat([F.linear(xs[g], ex.w3.weight) for ex, g in groups]).float()
+        h = swiglu(gate, up, self.limit, ws).to(xs.dtype)  # [N, inter]
+        return torch.cat([F.linear(h[g], ex.w2.weight) for ex, g in groups])

@@ -49,19 +49,76 @@ def rope_inv_freq(args: DeepseekV4Args, compressed: bool) -> torch.Tensor:
     return (1.0 / (factor * pos_freqs)) * (1 - keep) + (1.0 / pos_freqs) * keep
 
 
+# (frequencies, device) -> (cos, sin) [P, rd] fp32, interleaved as rotate() reads them;
+# one table per distinct frequency set (SWA / compressed), shared by every layer
+_TABLES: dict[tuple[tuple[float, ...], str], tuple[torch.Tensor, torch.Tensor]] = {}
+
+
 class Rope(nn.Module):
-    """Holds one inverse-frequency table (non-persistent: not a checkpoint tensor)."""
+    """Holds one inverse-frequency table (non-persistent: not a checkpoint tensor).
+
+    ``key`` names the frequency values: layers with equal frequencies share rotation
+    tables (and a forward's per-row lookups, see ``BatchLayout.rotation``).
+    """
 
     inv_freq: torch.Tensor
 
     def __init__(self, inv_freq: torch.Tensor) -> None:
         super().__init__()
         self.register_buffer("inv_freq", inv_freq, persistent=False)
+        self._key: tuple[float, ...] | None = None
+
+    @property
+    def key(self) -> tuple[float, ...]:
+        """The frequency values (read once, on first use: meta modules never run)."""
+        if self._key is None:
+            self._key = tuple(self.inv_freq.tolist())
+        return self._key
 
     def cos_sin(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """``positions [N]`` int -> ``cos, sin [N, rd/2]`` fp32."""
         freqs = positions.to(torch.float32)[:, None] * self.inv_freq[None, :]
         return freqs.cos(), freqs.sin()
+
+    def rotation(self, positions: torch.Tensor, limit: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Factors of :func:`rotate`: ``positions [N]`` (all ``< limit``) -> ``cos, sin
+        [N, rd]`` fp32; rope pair ``(2i, 2i+1)`` gets ``cos = (c_i, c_i)``, ``sin =
+        (-s_i, s_i)``."""
+        cos, sin = self._table(limit)
+        return cos[positions], sin[positions]
+
+    def _table(self, limit: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Interleaved ``cos, sin [P >= limit, rd]`` (grown by doubling, never shrunk)."""
+        key = (self.key, str(self.inv_freq.device))
+        table = _TABLES.get(key)
+        if table is None or table[0].shape[0] < limit:
+            size = max(limit, 2 * table[0].shape[0] if table else 4096)
+            pos = torch.arange(size, dtype=torch.float32, device=self.inv_freq.device)
+            cos, sin = self.cos_sin(pos)  # the same product and functions, row by row
+            table = (
+                cos.repeat_interleave(2, dim=1),
+                torch.stack((-sin, sin), dim=-1).flatten(1),
+            )
+            _TABLES[key] = table
+        return table
+
+
+def rotate(
+    x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, *, inverse: bool = False
+) -> torch.Tensor:
+    """RoPE with :meth:`Rope.rotation` factors: ``x [N, ..., D]``, ``cos/sin [N, rd]``.
+
+    ``rope * cos + swap(rope) * sin`` on the last ``rd`` dims, ``swap`` exchanging each
+    pair: the same products and sums as :func:`apply_rope`, in fewer whole-tensor ops.
+    fp32 math, cast back to ``x.dtype``.
+    """
+    rd = cos.shape[-1]
+    shape = (x.shape[0],) + (1,) * (x.dim() - 2) + (rd,)
+    cos, sin = cos.view(shape), sin.view(shape)
+    rope = x[..., -rd:].float()
+    swapped = rope.unflatten(-1, (-1, 2)).flip(-1).flatten(-2)
+    rope = rope * cos - swapped * sin if inverse else rope * cos + swapped * sin
+    return torch.cat([x[..., :-rd], rope.to(x.dtype)], dim=-1)
 
 
 def apply_rope(

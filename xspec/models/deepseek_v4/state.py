@@ -6,7 +6,7 @@ Organised by cache kind (DESIGN.md section 8), one :class:`LayerCache` per layer
   ``p`` in slot ``p % ring_size``. The ``max_rollback`` extra slots mean a rollback of up
   to ``max_rollback`` rows never needs a row that was overwritten.
 * **Compressor state as per-position rows** (the xLLM approach, CSA/HCA layers and the
-  CSA indexer): the per-token ``(kv, score)`` rows (fp32, ``score`` already includes
+  CSA indexer): the per-token ``[kv | score]`` rows (fp32, ``score`` already includes
   the ``ape`` position bias) of the last ``coff*m + max_rollback`` positions, in a ring
   indexed by position. Compressed entry ``w`` is (re)computed from those rows when
   position ``(w+1)*m - 1`` is processed. Nothing rolling is kept (unlike the official /
@@ -29,22 +29,66 @@ Byte accounting: :meth:`DeepseekV4State.nbytes_fixed` (rings, rows) and
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from dataclasses import dataclass, field, replace
 
 import torch
 
 from xspec.models.deepseek_v4.args import DeepseekV4Args
+from xspec.models.deepseek_v4.layout import BatchLayout
 
 _MIN_ENTRY_CAPACITY = 16
 _ROW_DTYPE = torch.float32  # compressor rows are fp32, as the official kv/score state
 
 
+class Ring:
+    """One sequence's fixed-size ring ``data [size, C]`` (position ``p`` in slot ``p % size``).
+
+    A batched forward reads and writes the rings of all its sequences at once through
+    :func:`stack_rings`, which makes each ring a row of one ``[B, size, C]`` tensor. The
+    rings stay rows of that stack until a forward with another batch composition
+    restacks them, so steady decoding copies nothing and writes with one scatter. (A
+    stack lives while any ring views it: the row of a finished sequence is freed at the
+    next restack of its former batch-mates.)
+    """
+
+    __slots__ = ("data", "row", "stack")
+
+    def __init__(self, data: torch.Tensor) -> None:
+        self.data = data
+        self.stack: torch.Tensor | None = None  # the [B, size, C] tensor data is row `row` of
+        self.row = -1
+
+
+def stack_rings(rings: list[Ring]) -> torch.Tensor:
+    """``[B, size, C]`` tensor whose row ``b`` is ``rings[b].data`` (restacked, one copy,
+    only when these rings are not already exactly the rows of one stack, in order)."""
+    stack = rings[0].stack
+    if (
+        stack is None
+        or stack.shape[0] != len(rings)
+        or any(r.stack is not stack or r.row != b for b, r in enumerate(rings))
+    ):
+        stack = torch.stack([r.data for r in rings])
+        for b, (ring, view) in enumerate(zip(rings, stack.unbind(0))):
+            ring.data, ring.stack, ring.row = view, stack, b
+    return stack
+
+
+def scatter_rows(
+    stack: torch.Tensor, rows: torch.Tensor, where: tuple[torch.Tensor | None, torch.Tensor]
+) -> None:
+    """Write new rows into a ring stack ``[B, size, C]`` in one op: ``rows [T, C]``,
+    ``where = (picked rows or None for all, flat slots)`` from ``BatchLayout.ring_slots``."""
+    picked, slots = where
+    stack.view(-1, stack.shape[-1]).index_put_((slots,), rows if picked is None else rows[picked])
+
+
 class CompressorCache:
     """One compressor's state for one sequence (the main KV compressor or the indexer's).
 
-    ``rows_kv / rows_score [coff*m + max_rollback, coff*width]`` fp32 per-position rows;
-    ``entries [capacity, width]`` (model dtype) compressed entries, ``n_entries`` valid.
+    ``rows [coff*m + max_rollback, 2*coff*width]`` fp32 per-position rows ``[kv | score]``
+    (one ring, so a token is one write); ``entries [capacity, width]`` (model dtype)
+    compressed entries, ``n_entries`` valid.
     """
 
     def __init__(
@@ -62,34 +106,15 @@ class CompressorCache:
         self.coff = 2 if ratio == 4 else 1  # CSA windows overlap: two series per token
         self.ring_size = self.coff * ratio + max_rollback
         self.max_entries = max_context // ratio
-        shape = (self.ring_size, self.coff * width)
-        self.rows_kv = torch.zeros(shape, dtype=_ROW_DTYPE, device=device)
-        self.rows_score = torch.zeros(shape, dtype=_ROW_DTYPE, device=device)
+        shape = (self.ring_size, 2 * self.coff * width)
+        self.ring = Ring(torch.zeros(shape, dtype=_ROW_DTYPE, device=device))
         self.entries = torch.zeros(0, width, dtype=dtype, device=device)
         self.n_entries = 0
 
-    def rows(self, start: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Rows of positions ``[start, end)``; positions < 0 read kv 0 / score -inf.
-
-        Returns ``kv, score [end-start, coff*width]`` fp32. Every position in
-        ``[max(start, 0), end)`` must still be in the ring (the caller guarantees it).
-        """
-        first = max(start, 0)
-        slots = torch.arange(first, end, device=self.rows_kv.device) % self.ring_size
-        kv, score = self.rows_kv[slots], self.rows_score[slots]
-        if start < 0:  # before the sequence start: weight 0 in the softmax pooling
-            pad = -start
-            kv = torch.cat([kv.new_zeros(pad, kv.shape[1]), kv])
-            score = torch.cat([score.new_full((pad, score.shape[1]), float("-inf")), score])
-        return kv, score
-
-    def write_rows(self, start: int, kv: torch.Tensor, score: torch.Tensor) -> None:
-        """Store rows ``kv, score [S, coff*width]`` of positions ``start..start+S-1``."""
-        keep = min(kv.shape[0], self.ring_size)  # older rows would be overwritten anyway
-        end = start + kv.shape[0]
-        slots = torch.arange(end - keep, end, device=self.rows_kv.device) % self.ring_size
-        self.rows_kv[slots] = kv[-keep:].to(_ROW_DTYPE)
-        self.rows_score[slots] = score[-keep:].to(_ROW_DTYPE)
+    @property
+    def rows(self) -> torch.Tensor:
+        """``[ring_size, 2*coff*width]`` the per-position ``[kv | score]`` rows."""
+        return self.ring.data
 
     def reserve(self, num_tokens: int) -> None:
         """Grow ``entries`` so that ``num_tokens // ratio`` entries fit (doubling)."""
@@ -117,7 +142,7 @@ class CompressorCache:
         self.n_entries = num_tokens // self.ratio
 
     def nbytes_fixed(self) -> int:
-        return _nbytes(self.rows_kv) + _nbytes(self.rows_score)
+        return _nbytes(self.rows)
 
     def nbytes_per_token(self) -> float:
         return self.width * self.entries.element_size() / self.ratio
@@ -146,7 +171,7 @@ class LayerCache:
         self.window = args.sliding_window
         self.compress_ratio = compress_ratio
         self.ring_size = args.sliding_window + max_rollback
-        self.swa = torch.zeros(self.ring_size, args.head_dim, dtype=dtype, device=device)
+        self.swa_ring = Ring(torch.zeros(self.ring_size, args.head_dim, dtype=dtype, device=device))
         self.max_rollback = max_rollback
         self.num_tokens = 0
         self.high_water = 0  # most tokens ever held (see the module docstring)
@@ -164,6 +189,11 @@ class LayerCache:
             else None
         )
 
+    @property
+    def swa(self) -> torch.Tensor:
+        """``[ring_size, head_dim]`` raw K=V rows, position ``p`` in slot ``p % ring_size``."""
+        return self.swa_ring.data
+
     def compressors(self) -> list[CompressorCache]:
         return [c for c in (self.compressor, self.indexer) if c is not None]
 
@@ -173,13 +203,6 @@ class LayerCache:
         first = max(0, start - self.window + 1)
         slots = torch.arange(first, start, device=self.swa.device) % self.ring_size
         return self.swa[slots]
-
-    def write_window(self, start: int, kv: torch.Tensor) -> None:
-        """Store raw rows ``kv [S, head_dim]`` of positions ``start..start+S-1``."""
-        keep = min(kv.shape[0], self.ring_size)
-        end = start + kv.shape[0]
-        slots = torch.arange(end - keep, end, device=self.swa.device) % self.ring_size
-        self.swa[slots] = kv[-keep:].to(self.swa.dtype)
 
     def reserve(self, num_tokens: int) -> None:
         for c in self.compressors():
@@ -316,6 +339,8 @@ class BlockContext:
     ``input_ids [T]`` (hash routing), ``positions [T]`` (rope), ``seq_lens`` rows per
     sequence, ``starts`` tokens each sequence held before this forward, ``caches`` this
     block's :class:`LayerCache` of each sequence (empty until :meth:`for_block`).
+    ``memo`` holds the :class:`BatchLayout` built on first use; :meth:`for_block`
+    copies share it, so every layer of a forward reuses the same index tensors.
     """
 
     input_ids: torch.Tensor  # [T] int64
@@ -323,20 +348,35 @@ class BlockContext:
     seq_lens: list[int]
     starts: list[int]
     caches: list[LayerCache] = field(default_factory=list)
+    memo: dict[str, BatchLayout] = field(default_factory=dict, repr=False, compare=False)
 
     def for_block(self, caches: list[LayerCache]) -> BlockContext:
         """The same batch with the caches of another block."""
         return replace(self, caches=caches)
 
-    def spans(self) -> Iterator[tuple[int, int, int, LayerCache]]:
-        """``(row_begin, row_end, start_position, cache)`` of every non-empty sequence."""
-        r0 = 0
-        for n, start, cache in zip(self.seq_lens, self.starts, self.caches, strict=True):
-            if n and cache.num_tokens != start:
+    def layout(self) -> BatchLayout:
+        """The batch's index tensors (built once per forward)."""
+        if "layout" not in self.memo:
+            self.memo["layout"] = BatchLayout(self.positions, self.seq_lens, self.starts)
+        return self.memo["layout"]
+
+    def live_caches(self) -> list[LayerCache]:
+        """Caches of the sequences with rows (``layout().live`` order), checked against
+        ``starts``; all must share one ring size (they come from one model)."""
+        caches = [self.caches[b] for b in self.layout().live]
+        if len({id(c) for c in caches}) < len(caches):
+            raise ValueError(
+                "the same layer cache appears twice in one batch; pass each sequence once"
+            )
+        for cache, start in zip(caches, self.layout().starts, strict=True):
+            if cache.num_tokens != start:
                 raise ValueError(
                     f"layer cache holds {cache.num_tokens} tokens but the batch appends at "
                     f"position {start}; pass each sequence's own state, once per forward"
                 )
-            if n:
-                yield r0, r0 + n, start, cache
-            r0 += n
+        if len({c.ring_size for c in caches}) > 1:
+            raise ValueError(
+                "caches of one batch have different ring sizes (max_rollback); build every "
+                "sequence's state with the same model / max_rollback"
+            )
+        return caches
