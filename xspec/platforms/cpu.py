@@ -13,11 +13,8 @@ from xspec.platforms.base import Platform
 _CGROUP_UNLIMITED = 1 << 60
 
 
-class CpuPlatform(Platform):
-    """Runs everything on the host CPU with the reference torch kernels."""
-
-    name = "cpu"
-    description = "host CPU, reference torch kernels, gloo collectives"
+class HostDevice:
+    """Device hooks of a platform that executes on the host CPU (mixed in before Platform)."""
 
     def device(self) -> torch.device:
         return torch.device("cpu")
@@ -28,6 +25,13 @@ class CpuPlatform(Platform):
     def synchronize(self) -> None:
         # CPU ops run synchronously; nothing is queued.
         return None
+
+
+class CpuPlatform(HostDevice, Platform):
+    """Runs everything on the host CPU with the reference torch kernels."""
+
+    name = "cpu"
+    description = "host CPU, reference torch kernels, gloo collectives"
 
 
 def host_memory_available() -> int:

@@ -29,7 +29,9 @@ Byte accounting: :meth:`DeepseekV4State.nbytes_fixed` (rings, rows) and
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
+from typing import Any
 
 import torch
 
@@ -151,7 +153,36 @@ class CompressorCache:
         return self.nbytes_fixed() + _nbytes(self.entries)
 
 
-class LayerCache:
+class TokenCount:
+    """Tokens held, and the exact-rollback bound, of a layer cache or a sequence state.
+
+    ``high_water`` is the most tokens ever held: rings stay valid back to
+    ``high_water - max_rollback`` (see the module docstring). ``truncate`` cuts every part
+    returned by :meth:`parts` too.
+    """
+
+    def __init__(self, max_rollback: int) -> None:
+        self.max_rollback = max_rollback
+        self.num_tokens = 0
+        self.high_water = 0
+
+    def parts(self) -> Sequence[Any]:
+        return ()
+
+    def advance(self, n: int) -> None:
+        """Record ``n`` rows appended by a forward."""
+        self.num_tokens += n
+        self.high_water = max(self.high_water, self.num_tokens)
+
+    def truncate(self, num_tokens: int) -> None:
+        """Keep the first ``num_tokens`` tokens (ValueError outside the exact range)."""
+        check_truncate(self.num_tokens, self.high_water, self.max_rollback, num_tokens)
+        self.num_tokens = num_tokens
+        for part in self.parts():
+            part.truncate(num_tokens)
+
+
+class LayerCache(TokenCount):
     """Everything one attention layer keeps for one sequence.
 
     ``swa [window + max_rollback, head_dim]``; ``compressor`` (ratio 4/128) and
@@ -168,13 +199,11 @@ class LayerCache:
         max_rollback: int,
         max_context: int,
     ) -> None:
+        super().__init__(max_rollback)
         self.window = args.sliding_window
         self.compress_ratio = compress_ratio
         self.ring_size = args.sliding_window + max_rollback
         self.swa_ring = Ring(torch.zeros(self.ring_size, args.head_dim, dtype=dtype, device=device))
-        self.max_rollback = max_rollback
-        self.num_tokens = 0
-        self.high_water = 0  # most tokens ever held (see the module docstring)
         common = dict(
             dtype=dtype, device=device, max_rollback=max_rollback, max_context=max_context
         )
@@ -208,17 +237,8 @@ class LayerCache:
         for c in self.compressors():
             c.reserve(num_tokens)
 
-    def advance(self, n: int) -> None:
-        """Record ``n`` rows appended (called by the attention after writing them)."""
-        self.num_tokens += n
-        self.high_water = max(self.high_water, self.num_tokens)
-
-    def truncate(self, num_tokens: int) -> None:
-        """Keep the first ``num_tokens`` tokens (ValueError outside the exact range)."""
-        check_truncate(self.num_tokens, self.high_water, self.max_rollback, num_tokens)
-        self.num_tokens = num_tokens
-        for c in self.compressors():
-            c.truncate(num_tokens)
+    def parts(self) -> list[CompressorCache]:
+        return self.compressors()
 
     def nbytes_fixed(self) -> int:
         return _nbytes(self.swa) + sum(c.nbytes_fixed() for c in self.compressors())
@@ -230,26 +250,15 @@ class LayerCache:
         return _nbytes(self.swa) + sum(c.nbytes_allocated() for c in self.compressors())
 
 
-class DeepseekV4State:
+class DeepseekV4State(TokenCount):
     """Decoding state of one sequence: one :class:`LayerCache` per target layer."""
 
     def __init__(self, layers: list[LayerCache], max_rollback: int) -> None:
+        super().__init__(max_rollback)
         self.layers = layers
-        self.max_rollback = max_rollback
-        self.num_tokens = 0
-        self.high_water = 0  # most tokens ever held: rings are valid back to here - rollback
 
-    def advance(self, n: int) -> None:
-        """Record ``n`` rows appended by a forward."""
-        self.num_tokens += n
-        self.high_water = max(self.high_water, self.num_tokens)
-
-    def truncate(self, num_tokens: int) -> None:
-        """Keep the first ``num_tokens`` tokens (see the module docstring for the bound)."""
-        check_truncate(self.num_tokens, self.high_water, self.max_rollback, num_tokens)
-        self.num_tokens = num_tokens
-        for layer in self.layers:
-            layer.truncate(num_tokens)
+    def parts(self) -> list[LayerCache]:
+        return self.layers
 
     def reserve(self, num_tokens: int) -> None:
         for layer in self.layers:

@@ -12,14 +12,12 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-import torch
-
 from xspec.platforms.base import Capabilities, PlatformSettings
-from xspec.platforms.cpu import host_memory_available
+from xspec.platforms.cpu import HostDevice
 from xspec.platforms.npu.platform import NpuPlatform
 
 
-class NpuPolicyCpuPlatform(NpuPlatform):
+class NpuPolicyCpuPlatform(HostDevice, NpuPlatform):
     """NPU policy, CPU device. Needs neither torch_npu nor CANN."""
 
     name = "npu_emulated"
@@ -46,12 +44,3 @@ class NpuPolicyCpuPlatform(NpuPlatform):
 
     def _device_problems(self) -> list[str]:
         return []
-
-    def device(self) -> torch.device:
-        return torch.device("cpu")
-
-    def memory_available(self) -> int:
-        return host_memory_available()
-
-    def synchronize(self) -> None:
-        return None
