@@ -187,7 +187,7 @@ def test_registries_inventory() -> None:
         assert set(BUILTINS[kind]) <= set(reg.names())
     assert set(BUILTINS["platform"]) == {"auto", "cpu", "cuda", "npu", "npu_emulated"}
     assert set(BUILTINS["model"]) == {"qwen3", "deepseek_v4"}
-    assert set(BUILTINS["spec method"]) == {"none", "mtp", "oracle", "wrong"}
+    assert set(BUILTINS["spec method"]) == {"none", "mtp", "dspark", "dflash", "oracle", "wrong"}
 
 
 # Fresh interpreter: listing must import no implementation (and not even torch);

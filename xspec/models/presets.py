@@ -42,3 +42,31 @@ def dtype_name(value: Any) -> str:
     if name not in DTYPES:
         raise ConfigError(f"model.dtype={name!r} is not supported; use one of {', '.join(DTYPES)}")
     return str(name)
+
+
+def draft_checkpoint_dir(
+    spec_cfg: Any,
+    model_cfg: Any,
+    *,
+    preset_drafts: Mapping[tuple[str, str], Callable[[], Path]],
+    target_dir: Callable[[], Path] | None,
+    example: str,
+) -> Path:
+    """Where the drafter of ``spec_cfg.method`` is read from.
+
+    ``spec.draft_path`` wins; a built-in preset (no ``model.path``) may ship a companion
+    draft directory per method (``preset_drafts[(preset, method)]``); otherwise the
+    target's own directory (``target_dir``, for checkpoints that carry their drafter) or,
+    when the family stores drafters separately (``target_dir`` None), an error.
+    """
+    if spec_cfg.draft_path:
+        return Path(spec_cfg.draft_path)
+    key = (model_cfg.preset, spec_cfg.method)
+    if not model_cfg.path and key in preset_drafts:
+        return preset_drafts[key]()
+    if target_dir is not None:
+        return target_dir()
+    raise CheckpointError(
+        f"spec={spec_cfg.method} reads its draft from a separate directory: set "
+        f"spec.draft_path={example}"
+    )

@@ -32,6 +32,9 @@ class DraftProposal:
     probs: torch.Tensor | None = (
         None  # [B, gamma, V] float32 full q; None = deterministic drafts (one-hot q)
     )
+    # [B, gamma] float32: the draft's own estimate of P(draft k accepted | drafts < k
+    # accepted) (a confidence head); None when the method has none
+    confidence: torch.Tensor | None = None
 
 
 @dataclass

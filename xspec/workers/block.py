@@ -1,0 +1,176 @@
+"""Block drafters: one draft forward proposes a whole block (``spec=dspark``, ``spec=dflash``).
+
+The drafter is conditioned on target hidden states captured at the checkpoint's target
+layers. With the anchor ``a`` (last committed token) at position ``p``:
+
+* ``observe``: every newly committed position gets its context K/V in the draft's caches,
+  projected from the target's captured hidden of that row (``aux [k, K*d]``). Nothing
+  speculative is ever written there, so the draft has nothing to roll back.
+* ``propose``: one forward over the block at positions ``p .. p+W-1``, non-causal inside
+  the block, each row seeing the committed context (the model decides which part: a
+  sliding window for DeepSeek-V4, all of it for Qwen3) and every block row.
+
+  ==========  ======================================  ===========================
+  layout      block rows (width W)                    row i predicts position
+  ==========  ======================================  ===========================
+  dspark      ``[a, noise x (gamma-1)]`` (W = gamma)  ``p+i+1``, rows 0..gamma-1
+  dflash      ``[a, mask x gamma]`` (W = gamma+1)     ``p+i``, rows 1..gamma
+  ==========  ======================================  ===========================
+
+  DSpark samples left to right from the anchor with a Markov bias on the raw logits,
+  ``logits_k = base_k + W2 @ W1[prev_k]`` (``prev_0 = a``, then the sampled draft), and
+  then the request's own temperature / top-k / top-p, so the full q the rejection
+  sampler needs is exactly what each draft was drawn from. DFlash samples each row on
+  its own. The confidence head, where the checkpoint has one, scores every position
+  after the loop, in one batched call.
+
+The model-specific half (DeepSeek-V4 DSpark stages, Qwen3 DSpark / DFlash layers)
+implements :class:`BlockDraftModel`.
+"""
+
+from __future__ import annotations
+
+import enum
+import logging
+from typing import Any, Protocol, runtime_checkable
+
+import torch
+
+from xspec.models.draft_heads import ConfidenceHead, MarkovHead
+from xspec.sampling import SamplingParams, logits_to_probs, sample
+from xspec.workers.drafter import CommittedRows, DraftProposal, DraftRequest
+
+log = logging.getLogger(__name__)
+
+
+class BlockLayout(str, enum.Enum):
+    DSPARK = "dspark"  # sample from the anchor row
+    DFLASH = "dflash"  # the anchor row only conditions; mask rows are sampled
+
+    def width(self, gamma: int) -> int:
+        """Rows of the draft block for ``gamma`` drafts."""
+        return gamma if self is BlockLayout.DSPARK else gamma + 1
+
+    @property
+    def first_row(self) -> int:
+        """The block row that predicts the first draft (position ``p + 1``)."""
+        return 0 if self is BlockLayout.DSPARK else 1
+
+
+@runtime_checkable
+class BlockDraftModel(Protocol):
+    """What a block drafter's model provides. Caches count the context rows written:
+    ``cache.num_tokens`` is the anchor's position ``p`` when ``propose`` runs."""
+
+    fill_token_id: int  # noise (DSpark) / mask (DFlash) id of the rows after the anchor
+    markov: MarkovHead | None
+    confidence: ConfidenceHead | None
+
+    def new_cache(self, gamma: int) -> Any: ...
+
+    def write_context(self, caches: list[Any], aux: torch.Tensor, seq_lens: list[int]) -> None:
+        """Context K/V of ``seq_lens[b]`` new committed positions per sequence from the
+        target's captured hidden ``aux [sum seq_lens, K*d]`` (rows in sequence order)."""
+        ...
+
+    def forward_block(
+        self, caches: list[Any], tokens: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``tokens [B, W]`` at positions ``p_b .. p_b+W-1`` -> (``hidden [B, W, d]``, the
+        confidence head's input; raw ``logits [B, W, V]`` fp32). Writes no cache."""
+        ...
+
+
+def resolve_gamma(requested: int | None, trained: int, method: str) -> int:
+    """``spec.num_speculative_tokens`` or the checkpoint's trained block size (with a
+    warning when the user picks another value)."""
+    if requested is None:
+        return trained
+    if requested != trained:
+        log.warning(
+            "spec.num_speculative_tokens=%d: this %s draft was trained with block size %d; "
+            "other values work but usually accept fewer tokens",
+            requested,
+            method,
+            trained,
+        )
+    return requested
+
+
+def sample_block(
+    logits: torch.Tensor,
+    anchors: torch.Tensor,
+    markov: MarkovHead | None,
+    params: list[SamplingParams],
+    generators: list[torch.Generator | None],
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Draw a block left to right: ``logits [B, G, V]`` raw base logits of the rows that
+    predict positions ``p+1 .. p+G``, ``anchors [B]``.
+
+    Returns ``tokens [B, G]``, ``probs [B, G, V]`` (the processed q each token was drawn
+    from) and ``prev [B, G]`` (the token before each position: the anchor, then drafts).
+    With ``markov`` each position's raw logits get ``bias(prev)`` before processing.
+    """
+    prev, tokens, probs, prevs = anchors, [], [], []
+    for k in range(logits.shape[1]):
+        raw = logits[:, k] if markov is None else logits[:, k] + markov.bias(prev)  # [B, V]
+        q = logits_to_probs(raw, params)  # [B, V]: the request's temperature/top-k/top-p
+        prevs.append(prev)
+        prev = sample(q, generators)  # [B]
+        tokens.append(prev)
+        probs.append(q)
+    return torch.stack(tokens, 1), torch.stack(probs, 1), torch.stack(prevs, 1)
+
+
+class BlockDrafter:
+    """The Drafter protocol on top of a :class:`BlockDraftModel`."""
+
+    def __init__(
+        self,
+        model: BlockDraftModel,
+        *,
+        layout: BlockLayout,
+        gamma: int,
+        capture_layer_ids: list[int],
+        device: torch.device,
+    ) -> None:
+        self.model = model
+        self.layout = layout
+        self.gamma = gamma
+        self.capture_layer_ids = list(capture_layer_ids)
+        self.device = device
+
+    def new_state(self) -> Any:
+        return self.model.new_cache(self.gamma)
+
+    @torch.no_grad()
+    def observe(self, states: list[Any], rows: list[CommittedRows]) -> None:
+        if any(r.aux_hidden is None for r in rows):
+            raise RuntimeError(
+                "a block drafter needs the target's captured hidden states: the step "
+                "did not pass capture points for capture_layer_ids"
+            )
+        aux = torch.cat([r.aux_hidden for r in rows]).to(self.device)  # type: ignore[misc]
+        self.model.write_context(states, aux, [len(r.input_ids) for r in rows])
+
+    @torch.no_grad()
+    def propose(self, states: list[Any], requests: list[DraftRequest]) -> DraftProposal:
+        gamma, first = self.gamma, self.layout.first_row
+        anchors = torch.tensor([r.anchor for r in requests], dtype=torch.long, device=self.device)
+        tokens = torch.full(
+            (len(requests), self.layout.width(gamma)), self.model.fill_token_id, device=self.device
+        )
+        tokens[:, 0] = anchors  # [B, W]: [anchor, fill ...]
+        hidden, logits = self.model.forward_block(states, tokens)  # [B, W, d], [B, W, V]
+        hidden, logits = hidden[:, first : first + gamma], logits[:, first : first + gamma]
+        params = [r.params for r in requests]
+        markov = self.model.markov if self.layout is BlockLayout.DSPARK else None
+        drafts, probs, prev = sample_block(
+            logits, anchors, markov, params, [r.generator for r in requests]
+        )
+        confidence = None
+        if self.model.confidence is not None:
+            embed = self.model.markov.embed(prev) if self.model.confidence.with_markov else None  # type: ignore[union-attr]
+            confidence = self.model.confidence(hidden, embed)  # [B, gamma]
+        greedy = all(p.greedy for p in params)
+        return DraftProposal(tokens=drafts, probs=None if greedy else probs, confidence=confidence)

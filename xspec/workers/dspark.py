@@ -1,0 +1,82 @@
+"""``spec=dspark`` and ``spec=dflash``: block drafters for every target family that has them.
+
+The algorithm lives in :mod:`xspec.workers.block`; each target family provides its draft
+model in a module listed in :data:`FAMILIES` (registry-style ``"module"`` strings, imported
+only when selected) with two functions:
+
+* ``preflight_block_draft(layout, spec_cfg, model_cfg) -> list[str]``: every problem of
+  the draft checkpoint, from config.json and tensor headers only (nothing allocated);
+* ``load_block_draft(layout, spec_cfg, *, target, model_cfg, platform) -> LoadedDraft``
+  (the platform answers device and SAS-mode questions).
+"""
+
+from __future__ import annotations
+
+import importlib
+from dataclasses import dataclass
+from types import ModuleType
+from typing import Any
+
+from xspec.errors import ConfigError
+from xspec.workers.block import BlockDrafter, BlockDraftModel, BlockLayout, resolve_gamma
+
+# model.arch -> the module implementing its block drafts
+FAMILIES = {
+    "deepseek_v4": "xspec.models.deepseek_v4.dspark",
+    "qwen3": "xspec.models.qwen3.dspark",
+}
+# DFlash drafts exist for these families only (DeepSeek-V4 ships DSpark stages)
+DFLASH_FAMILIES = ("qwen3",)
+
+
+@dataclass
+class LoadedDraft:
+    model: BlockDraftModel
+    trained_block_size: int  # gamma when spec.num_speculative_tokens is null
+    capture_layer_ids: list[int]  # raw checkpoint ids, in the order the draft concatenates
+
+
+def _family(layout: BlockLayout, arch: str) -> ModuleType | str:
+    """The family module, or why this target has no such drafter."""
+    families = DFLASH_FAMILIES if layout is BlockLayout.DFLASH else tuple(FAMILIES)
+    if arch not in families:
+        return (
+            f"spec={layout.value} needs a target whose family has {layout.value} drafts "
+            f"(model.arch: {', '.join(families)}), not model.arch={arch}"
+        )
+    return importlib.import_module(FAMILIES[arch])
+
+
+class DSparkDrafter(BlockDrafter):
+    """DSpark: sample from the anchor, Markov head, optional confidence head."""
+
+    layout = BlockLayout.DSPARK
+
+    def __init__(self, cfg: Any, *, target: Any, model_cfg: Any, platform: Any) -> None:
+        family = _family(self.layout, model_cfg.arch)
+        if isinstance(family, str):
+            raise ConfigError(family)
+        loaded: LoadedDraft = family.load_block_draft(
+            self.layout, cfg, target=target, model_cfg=model_cfg, platform=platform
+        )
+        gamma = resolve_gamma(cfg.num_speculative_tokens, loaded.trained_block_size, cfg.method)
+        super().__init__(
+            loaded.model,
+            layout=self.layout,
+            gamma=gamma,
+            capture_layer_ids=loaded.capture_layer_ids,
+            device=platform.device(),
+        )
+
+    @classmethod
+    def preflight(cls, spec_cfg: Any, model_cfg: Any) -> list[str]:
+        family = _family(cls.layout, model_cfg.arch)
+        if isinstance(family, str):
+            return [family]
+        return list(family.preflight_block_draft(cls.layout, spec_cfg, model_cfg))
+
+
+class DFlashDrafter(DSparkDrafter):
+    """DFlash: ``[anchor, mask x gamma]``, every mask row sampled on its own."""
+
+    layout = BlockLayout.DFLASH
