@@ -74,6 +74,25 @@ class SasMode(str, enum.Enum):
         return window - 1
 
 
+class SasIndicesRejected(RuntimeError):
+    """The installed sparse attention operator refused explicit (native) window indices."""
+
+
+class DraftAttentionOp(Protocol):
+    """``q [S, H, D]``, ``parts`` of ``(kv [N, D], index [S, K])`` (-1 = none), ``sink [H]``
+    -> ``[S, H, D]`` fp32 (see ``xspec.models.deepseek_v4.attention.sparse_attention``)."""
+
+    def __call__(
+        self,
+        q: torch.Tensor,
+        parts: list[tuple[torch.Tensor, torch.Tensor]],
+        sink: torch.Tensor,
+        scale: float,
+        *,
+        explicit_indices: bool,
+    ) -> torch.Tensor: ...
+
+
 @dataclass(frozen=True)
 class Capabilities:
     """What a platform can serve. Defaults are the conservative answer.
@@ -176,8 +195,29 @@ class Platform(abc.ABC):
         return CapturePoint(layer=checkpoint_layer_id, site=CaptureSite.OUTPUT)
 
     def sas_mode(self, operator_accepts_ori_sparse_indices: bool | None = None) -> SasMode:
-        """The draft window layout. Default platforms run the compatibility layout."""
-        return SasMode.COMPAT
+        """The draft window layout. Default platforms run the reference attention, which
+        serves any index set: the native layout (the checkpoint's trained semantics)
+        unless ``platform.native_sas=off`` asks for the compatibility one."""
+        return SasMode.COMPAT if self.native_sas == "off" else SasMode.NATIVE
+
+    def draft_attention_op(self) -> DraftAttentionOp:
+        """The sparse attention the DSpark draft window runs on (``explicit_indices``:
+        the native layout's explicit index set). Default: the reference torch attention.
+        An operator that cannot take explicit indices raises :class:`SasIndicesRejected`,
+        and the caller falls back to the compatibility layout (see ``sas_mode``)."""
+        from xspec.models.deepseek_v4.attention import sparse_attention
+
+        def reference(
+            q: torch.Tensor,
+            parts: list[tuple[torch.Tensor, torch.Tensor]],
+            sink: torch.Tensor,
+            scale: float,
+            *,
+            explicit_indices: bool,
+        ) -> torch.Tensor:
+            return sparse_attention(q, parts, sink, scale)
+
+        return reference
 
     def validate(self, *, dtype: str, num_speculative_tokens: int) -> list[str]:
         """Every limit of this platform the run would exceed, as messages naming the key."""
@@ -232,6 +272,7 @@ _HOOKS = (
     "synchronize",
     "capture_point",
     "sas_mode",
+    "draft_attention_op",
     "validate",
     "distributed_backend",
     "manual_seed",

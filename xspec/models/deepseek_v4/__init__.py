@@ -24,7 +24,14 @@ if TYPE_CHECKING:
 
     from xspec.models.deepseek_v4.model import DeepseekV4Model
 
-__all__ = ["PRESETS", "DeepseekV4Args", "DeepseekV4Model", "checkpoint_path", "load_model"]
+__all__ = [
+    "PRESETS",
+    "PRESET_DRAFTS",
+    "DeepseekV4Args",
+    "DeepseekV4Model",
+    "checkpoint_path",
+    "load_model",
+]
 
 
 def _tiny() -> Path:
@@ -33,7 +40,16 @@ def _tiny() -> Path:
     return tiny_dir()
 
 
+def _tiny_dspark() -> Path:
+    from xspec.models.deepseek_v4.tiny import tiny_dspark_dir
+
+    return tiny_dspark_dir()
+
+
 PRESETS: dict[str, Callable[[], Path]] = {"tiny": _tiny}  # model.preset -> its directory
+# (model.preset, spec method) -> a companion draft directory, when spec.draft_path is null:
+# the tiny 0731-layout checkpoint (the same target + DSpark stages mtp.0..2)
+PRESET_DRAFTS: dict[tuple[str, str], Callable[[], Path]] = {("tiny", "dspark"): _tiny_dspark}
 
 
 def __getattr__(name: str) -> Any:  # lazy: keep `import xspec.models.deepseek_v4` torch-free

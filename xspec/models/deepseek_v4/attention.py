@@ -173,15 +173,12 @@ class Attention(nn.Module):
 
     def forward(self, x: torch.Tensor, ctx: BlockContext) -> torch.Tensor:
         """``x [T, d]`` (normed block input) -> ``[T, d]``; appends every row to its cache."""
-        t = x.shape[0]
         caches, layout = ctx.live_caches(), ctx.layout()
         if not caches:  # no rows at all
             return x.new_zeros(x.shape)
         rot = layout.rotation(self.rope)  # cos, sin [T, rd]
-        qr = self.q_norm(F.linear(x, self.wq_a.weight))  # [T, q_lora]
-        q = F.linear(qr, self.wq_b.weight).view(t, self.n_heads, self.head_dim)
-        q = rotate(rms_normalize(q, self.args.rms_norm_eps), *rot)
-        kv = rotate(self.kv_norm(F.linear(x, self.wkv.weight)), *rot)  # [T, D]
+        qr, q = self.query(x, rot)  # [T, q_lora], [T, H, D]
+        kv = self.key_value(x, rot)  # [T, D]
         extra = self._compressed(x, qr, caches, layout) if self.compressor is not None else None
         swa = stack_rings([c.swa_ring for c in caches])  # [B, R, D], row b = caches[b]
         ring, window = swa.shape[1], caches[0].window
@@ -203,7 +200,26 @@ class Attention(nn.Module):
             out = banded_attention(q, local, layout, window, extra, sink, scale)
         for cache, n in zip(caches, layout.lens):
             cache.advance(n)
-        out = rotate(out.to(x.dtype), *rot, inverse=True)
+        return self.output(out, rot, x.dtype)
+
+    def query(
+        self, x: torch.Tensor, rot: tuple[torch.Tensor, torch.Tensor]
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``x [T, d]`` -> (``qr [T, q_lora]``, the indexer's input; roped ``q [T, H, D]``)."""
+        qr = self.q_norm(F.linear(x, self.wq_a.weight))
+        q = F.linear(qr, self.wq_b.weight).view(x.shape[0], self.n_heads, self.head_dim)
+        return qr, rotate(rms_normalize(q, self.args.rms_norm_eps), *rot)
+
+    def key_value(self, x: torch.Tensor, rot: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        """``x [T, d]`` -> the shared, roped K=V row of each input ``[T, D]``."""
+        return rotate(self.kv_norm(F.linear(x, self.wkv.weight)), *rot)
+
+    def output(
+        self, out: torch.Tensor, rot: tuple[torch.Tensor, torch.Tensor], dtype: torch.dtype
+    ) -> torch.Tensor:
+        """Attention result ``out [T, H, D]`` -> ``[T, d]``: inverse RoPE at the query
+        positions (V carries rotated dims), then the grouped low-rank output."""
+        out = rotate(out.to(dtype), *rot, inverse=True)
         return F.linear(self.grouped_out(out), self.wo_b.weight)
 
     def _compressed(

@@ -61,9 +61,14 @@ class Block(nn.Module):
     def forward(self, x: torch.Tensor, ctx: BlockContext) -> torch.Tensor:
         """``x [T, hc, d]`` streams -> ``[T, hc, d]``; ``ctx.caches`` are this block's."""
         u, post, comb = hc_pre(x, self.hc_attn_fn, self.hc_attn_base, self.hc_attn_scale, self.args)
-        x = hc_post(self.attn(self.attn_norm(u), ctx), x, post, comb)
+        x = hc_post(self.attend(self.attn_norm(u), ctx), x, post, comb)
         u, post, comb = hc_pre(x, self.hc_ffn_fn, self.hc_ffn_base, self.hc_ffn_scale, self.args)
         return hc_post(self.ffn(self.ffn_norm(u), ctx.input_ids), x, post, comb)
+
+    def attend(self, x: torch.Tensor, ctx: BlockContext) -> torch.Tensor:
+        """The attention sub-layer on the normed input ``x [T, d]`` -> ``[T, d]`` (the
+        DSpark stages replace it with block attention over their context windows)."""
+        return self.attn(x, ctx)
 
     def new_cache(self, *, max_rollback: int, max_context: int) -> LayerCache:
         """Empty per-sequence cache of this block (truncate it with ``cache.truncate(n)``)."""

@@ -41,7 +41,6 @@ tensors are dequantised while streaming, with the target loader's rules.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -50,16 +49,11 @@ from torch import nn
 
 from xspec.errors import CheckpointError
 from xspec.models.deepseek_v4.args import DeepseekV4Args
+from xspec.models.deepseek_v4.draft_plan import plan_tensors
 from xspec.models.deepseek_v4.mhc import HyperHead, RMSNorm
 from xspec.models.deepseek_v4.model import Block, random_like
 from xspec.models.deepseek_v4.state import BlockContext
-from xspec.models.deepseek_v4.weights import (
-    FLOAT_CODES,
-    QUANT_DESCRIPTION,
-    W8A8_SIBLINGS,
-    W8A8_TYPES,
-    make_converter,
-)
+from xspec.models.deepseek_v4.weights import make_converter
 from xspec.models.loading import CONFIG_NAME, Checkpoint, load_params
 
 EXPORTED_MODEL_TYPE = "deepseek_v4_mtp"
@@ -230,7 +224,15 @@ def plan_mtp(path: str | Path, target_args: DeepseekV4Args | None) -> MtpPlan:
     problems = _config_problems(ckpt, layout, args, layer_id, target_args)
     if problems:  # geometry is off: per-tensor shape messages would only add noise
         raise _error(ckpt, layout, problems)
-    names, dequant, problems = _tensor_plan(ckpt, layout, args, layer_id)
+    names, dequant, problems = plan_tensors(
+        ckpt,
+        lambda name: module_key(layout, name),
+        lambda found: expected_mtp_tensors(
+            args, layer_id, "embed.weight" in found, "head.weight" in found, "rot.weight" in found
+        ),
+        "MTP layer",
+        label=lambda key: layout.prefix + key,
+    )
     if problems:
         raise _error(ckpt, layout, problems)
     return MtpPlan(ckpt, layout, args, layer_id, names, dequant)
@@ -279,113 +281,6 @@ def _config_problems(
                     "target's hidden states and token ids, use the MTP exported from this target"
                 )
     return problems
-
-
-def _tensor_plan(
-    ckpt: Checkpoint, layout: MtpLayout, args: DeepseekV4Args, layer_id: int
-) -> tuple[dict[str, str], dict[str, str], list[str]]:
-    """(checkpoint name -> module key, dequant schemes, problems) from headers."""
-    problems: list[str] = []
-    found: dict[str, str] = {}  # module key -> checkpoint name
-    for name in ckpt.names():
-        key = module_key(layout, name)
-        if key is None:
-            continue
-        if key in found:
-            problems.append(
-                f"tensors {found[key]!r} and {name!r} both provide the MTP's {key!r}; keep one"
-            )
-            continue
-        found[key] = name
-    own = {k: k in found for k in (*VOCAB_KEYS, "rot.weight")}
-    expected = expected_mtp_tensors(
-        args, layer_id, own["embed.weight"], own["head.weight"], own["rot.weight"]
-    )
-    qtypes = ckpt.read_json(QUANT_DESCRIPTION) or {}  # per-tensor quant types (msModelSlim)
-    consumed: set[str] = set()  # quantisation siblings (weight_scale, .scale ...)
-    dequant: dict[str, str] = {}
-    for key, want in expected.items():
-        if key not in found:
-            problems.append(
-                f"missing tensor {layout.prefix}{key} (expected shape {want}) in {ckpt.path}"
-            )
-            continue
-        name = found[key]
-        shape, _ = ckpt.meta(name)
-        if shape != want:
-            problems.append(
-                f"tensor {name!r} in {ckpt.file_of(name).name} has shape {shape}, expected {want}"
-            )
-        elif scheme := _quant_scheme(ckpt, name, want, qtypes.get(name), problems, consumed):
-            dequant[name] = scheme
-    for key, name in found.items():
-        if key not in expected and name not in consumed:
-            problems.append(
-                f"unexpected tensor {name!r} in {ckpt.file_of(name).name}: not part of a "
-                f"DeepSeek-V4 MTP layer for this config.json"
-            )
-    names = {name: key for key, name in found.items() if key in expected}
-    return names, dequant, problems
-
-
-def _quant_scheme(
-    ckpt: Checkpoint,
-    name: str,
-    want: list[int],
-    qtype: str | None,
-    problems: list[str],
-    consumed: set[str],
-) -> str | None:
-    """How ``name`` is stored: None (float), "w8a8" or "fp8" (the target loader's formats:
-    :mod:`xspec.models.deepseek_v4.weights`); anything else is a problem."""
-    _, code = ckpt.meta(name)
-    base, where = name.removesuffix(".weight"), f"tensor {name!r} in {ckpt.file_of(name).name}"
-    if code in FLOAT_CODES:
-        return None
-    if code == "I8" and qtype in W8A8_TYPES and len(want) == 2:
-        consumed.update(f"{base}.{s}" for s in W8A8_SIBLINGS if f"{base}.{s}" in ckpt)
-        scales = [f"{base}.weight_scale"] + [f"{base}.weight_offset"] * (
-            f"{base}.weight_offset" in ckpt
-        )
-        grids = ([want[0], 1], [want[0]])
-        return "w8a8" if _siblings_ok(ckpt, where, scales, grids, problems) else None
-    if code == "F8_E4M3" and f"{base}.scale" in ckpt and len(want) == 2:
-        consumed.add(f"{base}.scale")
-        block = [
-            int(b)
-            for b in (ckpt.config.get("quantization_config") or {}).get(
-                "weight_block_size", [128, 128]
-            )
-        ]
-        grid = [math.ceil(w / b) for w, b in zip(want, block)]
-        return "fp8" if _siblings_ok(ckpt, where, [f"{base}.scale"], (grid,), problems) else None
-    problems.append(
-        f"{where} has unsupported dtype {code} (quant type {qtype}); supported: {list(FLOAT_CODES)}, "
-        f"I8 marked {' / '.join(W8A8_TYPES)} in {QUANT_DESCRIPTION} with X.weight_scale, "
-        "F8_E4M3 with its block X.scale"
-    )
-    return None
-
-
-def _siblings_ok(
-    ckpt: Checkpoint,
-    where: str,
-    names: list[str],
-    shapes: tuple[list[int], ...],
-    problems: list[str],
-) -> bool:
-    """Every scale / offset sibling present with one of ``shapes``."""
-    ok = True
-    for sib in names:
-        if sib not in ckpt:
-            problems.append(f"{where} is quantised but {sib!r} is missing")
-            ok = False
-        elif ckpt.meta(sib)[0] not in shapes:
-            problems.append(
-                f"{sib!r} has shape {ckpt.meta(sib)[0]}; {where} needs one of {list(shapes)}"
-            )
-            ok = False
-    return ok
 
 
 def expected_mtp_tensors(

@@ -12,7 +12,14 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from xspec.platforms.base import Capabilities, PlatformSettings
+import torch
+
+from xspec.platforms.base import (
+    Capabilities,
+    DraftAttentionOp,
+    PlatformSettings,
+    SasIndicesRejected,
+)
 from xspec.platforms.cpu import HostDevice
 from xspec.platforms.npu.platform import NpuPlatform
 
@@ -24,12 +31,38 @@ class NpuPolicyCpuPlatform(HostDevice, NpuPlatform):
     description = "NPU plugin policy (capture +1, SAS mode selection, validation) on the CPU"
 
     def __init__(
-        self, cfg: PlatformSettings, *, operator_accepts_ori_sparse_indices: bool = True
+        self,
+        cfg: PlatformSettings,
+        *,
+        operator_accepts_ori_sparse_indices: bool = True,
+        operator_rejects_at_run_time: bool = False,
     ) -> None:
         # Stands in for the operator probe. Default True: the reference torch attention
         # reproduces explicit index sets, so native SAS is servable on the CPU.
         self._operator_accepts = operator_accepts_ori_sparse_indices
+        # An operator double whose schema declares the argument but which refuses explicit
+        # indices when called (as older CANN releases do): exercises the runtime fallback.
+        self._rejects_at_run_time = operator_rejects_at_run_time
         super().__init__(cfg)
+
+    def draft_attention_op(self) -> DraftAttentionOp:
+        reference = super().draft_attention_op()
+        if not self._rejects_at_run_time:
+            return reference
+
+        def rejecting(
+            q: torch.Tensor,
+            parts: list[tuple[torch.Tensor, torch.Tensor]],
+            sink: torch.Tensor,
+            scale: float,
+            *,
+            explicit_indices: bool,
+        ) -> torch.Tensor:
+            if explicit_indices:
+                raise SasIndicesRejected("operator double: ori_sparse_indices is not supported")
+            return reference(q, parts, sink, scale, explicit_indices=False)
+
+        return rejecting
 
     @classmethod
     def unavailable_reason(cls) -> str | None:

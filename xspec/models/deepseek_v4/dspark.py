@@ -1,0 +1,613 @@
+"""The DeepSeek-V4 DSpark drafter (Flash-0731 layout): S block-diffusion stages.
+
+Checkpoint contract (stored next to the target's tensors, or in ``spec.draft_path``):
+
+* config.json: ``dspark_block_size`` (trained gamma), ``dspark_markov_rank`` r,
+  ``dspark_noise_token_id``, ``dspark_target_layer_ids`` (S = its length = the number of
+  stages), optional ``dspark_capture`` (``layer_output``, the 0731 default, or
+  ``layer_input``: V4.1-style checkpoints read the input of each target layer);
+  ``compress_ratios`` carries one entry per stage after the main layers (stages always
+  run window-only, whatever the entry says).
+* tensors ``mtp.{i}.*`` (i < S): a standard V4 block each (SWA-only attention, learned
+  top-k MoE, never hash routing, mHC); ``mtp.0.main_proj.weight [d, K*d]``,
+  ``mtp.0.main_norm.weight``, optional dedicated ``mtp.0.embed.weight``;
+  ``mtp.{S-1}.norm.weight``, ``mtp.{S-1}.hc_head_{fn,base,scale}``, optional dedicated
+  ``mtp.{S-1}.head.weight``, ``mtp.{S-1}.markov_head.markov_w{1,2}.weight [V, r]``,
+  optional ``mtp.{S-1}.confidence_head.proj.weight [1, d + r]``. A dedicated vocabulary
+  tensor always wins over the target's shared ``embed`` / ``head`` (QuaRot checkpoints
+  ship rotated ones). W8A8 and FP8-block storage load as for the target.
+
+The draft step (official semantics): the target's capture (mean over the hc streams of
+each target layer's output, concatenated: ``aux [T, K*d]``) becomes
+``main_x = main_norm(main_proj(aux))``; each stage writes ``kv_norm(wkv(main_x))``,
+roped at the row's position, into its own ring of ``window`` context rows (slot
+``pos % window``) for **every** committed position. One forward runs the stages over
+the block ``[anchor, noise x (W-1)]`` at positions ``p .. p+W-1``; every block row sees
+the same keys: the committed context window of the SAS mode plus the whole block
+(non-causal), with the attention sink. Then ``hc_head`` (its output, *before* the final
+norm, feeds the confidence head), ``norm``, ``head`` -> base logits.
+
+SAS modes (index sets of the reference attention, the platform picks one):
+native = context ``[p - window, p)`` + the block (``ori_win_left = window + W - 1``),
+compatibility = the last ``window`` positions ending at the block end, i.e. context
+``[p + W - window, p)`` + the block (``ori_win_left = window - 1``). In both, the
+number of visible keys is ``ori_win_left + 1``.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from xspec.errors import CheckpointError, UserError
+from xspec.models.deepseek_v4.args import DeepseekV4Args
+from xspec.models.deepseek_v4.draft_plan import plan_tensors
+from xspec.models.deepseek_v4.layout import BatchLayout
+from xspec.models.deepseek_v4.mhc import HyperHead, RMSNorm
+from xspec.models.deepseek_v4.model import Block, random_like
+from xspec.models.deepseek_v4.state import Ring, scatter_rows, stack_rings
+from xspec.models.deepseek_v4.weights import make_converter
+from xspec.models.draft_heads import ConfidenceHead, MarkovHead
+from xspec.models.loading import CONFIG_NAME, Checkpoint, load_params
+from xspec.platforms.base import DraftAttentionOp, SasIndicesRejected, SasMode
+
+log = logging.getLogger(__name__)
+
+PREFIX = "mtp."
+CAPTURE_MODES = ("layer_output", "layer_input")
+# Spellings of the dedicated vocabulary tensors under a stage prefix (grafted exports).
+VOCAB_ALIASES = {
+    "emb.tok_emb.weight": "embed.weight",
+    "embed_tokens.weight": "embed.weight",
+    "shared_head.head.weight": "head.weight",
+}
+
+
+# -- index sets of the draft window ------------------------------------------------------
+
+
+def context_index(starts: torch.Tensor, ring: int, visible: int) -> torch.Tensor:
+    """Rows of a ring stack ``[B * ring, D]`` holding context positions
+    ``[p_b - visible, p_b)`` of each sequence: ``starts [B]`` (= ``p_b``) -> ``[B, visible]``,
+    ``b * ring + pos % ring`` (the remainder wraps, never clamps), -1 before position 0."""
+    pos = starts[:, None] - visible + torch.arange(visible, device=starts.device)  # [B, C]
+    index = torch.arange(len(starts), device=starts.device)[:, None] * ring + pos.remainder(ring)
+    return index.masked_fill_(pos < 0, -1)
+
+
+def block_index(batch: int, width: int, device: torch.device) -> torch.Tensor:
+    """Each block row sees its whole block: ``[B * W, W]`` rows of the ``[B * W, D]`` block K/V."""
+    rows = torch.arange(batch * width, device=device) // width * width  # first row of its block
+    return rows[:, None] + torch.arange(width, device=device)
+
+
+def visible_context(mode: SasMode, window: int, width: int) -> int:
+    """Context positions a block row sees: ``ori_win_left + 1 - W`` (native: ``window``,
+    compatibility: ``window - W``)."""
+    return max(0, mode.ori_win_left(window, width) + 1 - width)
+
+
+class DraftWindow:
+    """The SAS mode and attention operator of the draft window, with the runtime fallback:
+    an operator that rejects explicit (native) indices switches the draft to the
+    compatibility layout once, with a logged reason (``platform.native_sas=on`` raises)."""
+
+    def __init__(self, platform: Any) -> None:
+        self.platform = platform
+        self.mode: SasMode = platform.sas_mode()
+        self.op: DraftAttentionOp = platform.draft_attention_op()
+
+    def attend(
+        self,
+        q: torch.Tensor,
+        kv: torch.Tensor,
+        ctx: BlockRows,
+        sink: torch.Tensor,
+        scale: float,
+    ) -> torch.Tensor:
+        """``q [B*W, H, D]``, the block's own ``kv [B*W, D]`` -> ``[B*W, H, D]`` fp32."""
+        assert ctx.ring is not None
+        parts = [(ctx.ring, ctx.context(self.mode)), (kv, ctx.block)]
+        try:
+            return self.op(q, parts, sink, scale, explicit_indices=self.mode is SasMode.NATIVE)
+        except SasIndicesRejected as e:
+            self.mode = self.platform.sas_mode(False)  # under native_sas=on: PlatformError
+            log.warning(
+                "DSpark draft window: the sparse attention operator rejected explicit indices "
+                "(%s); falling back to the compatibility layout (window - gamma context rows)",
+                e,
+            )
+            parts = [(ctx.ring, ctx.context(self.mode)), (kv, ctx.block)]
+            return self.op(q, parts, sink, scale, explicit_indices=False)
+
+
+@dataclass
+class BlockRows:
+    """One draft forward: ``B`` blocks of ``W`` rows, flattened to ``[B*W]``."""
+
+    input_ids: torch.Tensor  # [B*W]
+    rot: tuple[torch.Tensor, torch.Tensor]  # RoPE cos, sin [B*W, rd]
+    starts: torch.Tensor  # [B] anchor positions
+    width: int
+    window: int
+    block: torch.Tensor  # [B*W, W] block_index
+    ring: torch.Tensor | None = None  # [B*window, D] the current stage's ring stack, flattened
+    _context: dict[SasMode, torch.Tensor] = field(default_factory=dict)
+
+    def context(self, mode: SasMode) -> torch.Tensor:
+        """``[B*W, C]`` ring rows of the context each block row sees under ``mode``."""
+        if mode not in self._context:
+            visible = visible_context(mode, self.window, self.width)
+            index = context_index(self.starts, self.window, visible)  # [B, C]
+            self._context[mode] = index.repeat_interleave(self.width, dim=0)
+        return self._context[mode]
+
+
+# -- modules ------------------------------------------------------------------------------
+
+
+class DSparkStage(Block, HyperHead):
+    """Stage ``i`` of ``S``: a window-only V4 block whose attention reads the draft window.
+    Stage 0 also owns ``main_proj`` / ``main_norm`` (and maybe ``embed``); the last stage
+    owns ``norm``, ``hc_head_*``, the Markov and confidence heads (and maybe ``head``)."""
+
+    def __init__(
+        self,
+        args: DeepseekV4Args,
+        index: int,
+        *,
+        num_stages: int,
+        capture_width: int,
+        markov_rank: int,
+        confidence: bool,
+        own_embed: bool,
+        own_head: bool,
+        dtype: torch.dtype,
+        device: torch.device | str,
+    ) -> None:
+        super().__init__(args, args.num_hidden_layers + index, 0, False, dtype=dtype, device=device)
+        d, vocab, eps = args.hidden_size, args.vocab_size, args.rms_norm_eps
+        kw: dict = dict(dtype=dtype, device=device)
+        if index == 0:
+            self.main_proj = nn.Linear(capture_width, d, bias=False, **kw)
+            self.main_norm = RMSNorm(d, eps, device=device)
+            if own_embed:
+                self.embed = nn.Embedding(vocab, d, **kw)
+        if index == num_stages - 1:
+            self.norm = RMSNorm(d, eps, device=device)
+            self.init_hyper_head(args, device)
+            if own_head:
+                self.head = nn.Linear(d, vocab, bias=False, **kw)
+            self.markov_head = MarkovHead(vocab, markov_rank, **kw)
+            if confidence:
+                self.confidence_head = ConfidenceHead(d, markov_rank, bias=False, **kw)
+        self.window: DraftWindow | None = None  # set by DSparkDraft
+
+    def attend(self, x: torch.Tensor, ctx: Any) -> torch.Tensor:
+        """Block attention: ``x [B*W, d]`` -> ``[B*W, d]``; writes no cache."""
+        assert self.window is not None
+        attn = self.attn
+        _, q = attn.query(x, ctx.rot)  # [B*W, H, D]
+        kv = attn.key_value(x, ctx.rot)  # [B*W, D]
+        out = self.window.attend(q, kv, ctx, attn.attn_sink, attn.head_dim**-0.5)
+        return attn.output(out, ctx.rot, x.dtype)
+
+
+class DSparkCache:
+    """One sequence's draft context: per stage a ring ``[window, head_dim]`` of context
+    K/V, position ``p`` in slot ``p % window``. ``num_tokens``: context rows written (the
+    anchor's position when drafting). Only committed positions are written: no rollback."""
+
+    def __init__(self, rings: list[Ring]) -> None:
+        self.rings = rings
+        self.num_tokens = 0
+
+
+class DSparkDraft(nn.Module):
+    """The S stages (state_dict keys = the official ``mtp.{i}.*`` names) as a
+    :class:`~xspec.workers.block.BlockDraftModel`. ``embed`` / ``head``: the target's, used
+    where the checkpoint has no dedicated tensor."""
+
+    def __init__(
+        self,
+        args: DeepseekV4Args,
+        *,
+        num_stages: int,
+        markov_rank: int,
+        noise_token_id: int,
+        confidence: bool,
+        embed: nn.Embedding | None,
+        head: nn.Linear | None,
+        window: DraftWindow | None = None,
+        dtype: torch.dtype = torch.float32,
+        device: torch.device | str = "cpu",
+    ) -> None:
+        super().__init__()
+        self.args = args
+        self.fill_token_id = noise_token_id
+        self.mtp = nn.ModuleList(
+            DSparkStage(
+                args,
+                i,
+                num_stages=num_stages,
+                capture_width=num_stages * args.hidden_size,
+                markov_rank=markov_rank,
+                confidence=confidence,
+                own_embed=embed is None,
+                own_head=head is None,
+                dtype=dtype,
+                device=device,
+            )
+            for i in range(num_stages)
+        )
+        first, last = self.stages[0], self.stages[-1]
+        # shared vocabulary modules in a tuple: not registered, so not part of state_dict
+        self._vocab: tuple[nn.Embedding, nn.Linear] = (
+            embed if embed is not None else first.embed,
+            head if head is not None else last.head,
+        )
+        if window is not None:
+            self.set_window(window)
+
+    @property
+    def stages(self) -> list[DSparkStage]:
+        return list(self.mtp)  # type: ignore[arg-type]
+
+    @property
+    def markov(self) -> MarkovHead:
+        return self.stages[-1].markov_head
+
+    @property
+    def confidence(self) -> ConfidenceHead | None:
+        return getattr(self.stages[-1], "confidence_head", None)
+
+    def set_window(self, window: DraftWindow) -> None:
+        for stage in self.stages:
+            stage.window = window
+
+    # -- BlockDraftModel ------------------------------------------------------------------
+
+    def new_cache(self, gamma: int) -> DSparkCache:
+        w, hd = self.args.sliding_window, self.args.head_dim
+        ref = self.stages[0].attn.wkv.weight
+        return DSparkCache(
+            [Ring(ref.new_zeros(w, hd)) for _ in self.stages]  # one ring per stage
+        )
+
+    def write_context(
+        self, caches: list[DSparkCache], aux: torch.Tensor, seq_lens: list[int]
+    ) -> None:
+        """Context K/V of the new committed positions: ``aux [sum seq_lens, K*d]``."""
+        first = self.stages[0]
+        dtype = first.main_proj.weight.dtype
+        main_x = first.main_norm(first.main_proj(aux.to(dtype)))  # [T, d]
+        starts = [c.num_tokens for c in caches]
+        positions = torch.cat(
+            [torch.arange(s, s + n, device=aux.device) for s, n in zip(starts, seq_lens)]
+        )
+        layout = BatchLayout(positions, seq_lens, starts)
+        live = [caches[b] for b in layout.live]
+        window = self.args.sliding_window
+        for i, stage in enumerate(self.stages):
+            kv = stage.attn.key_value(main_x, layout.rotation(stage.attn.rope))  # [T, D]
+            ring = stack_rings([c.rings[i] for c in live])  # [B, window, D]
+            scatter_rows(ring, kv, layout.ring_slots(window))  # the last `window` rows
+        for cache, n in zip(caches, seq_lens):
+            cache.num_tokens += n
+
+    def forward_block(
+        self, caches: list[DSparkCache], tokens: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``tokens [B, W]`` at positions ``p_b .. p_b+W-1`` -> (hc_head output before the
+        final norm ``[B, W, d]``, raw logits ``[B, W, V]`` fp32)."""
+        batch, width = tokens.shape
+        device = tokens.device
+        starts = torch.tensor([c.num_tokens for c in caches], device=device)  # [B]
+        positions = (starts[:, None] + torch.arange(width, device=device)).flatten()  # [B*W]
+        limit = int(starts.max()) + width
+        ids = tokens.flatten()
+        rows = BlockRows(
+            input_ids=ids,
+            rot=self.stages[0].attn.rope.rotation(positions, limit),
+            starts=starts,
+            width=width,
+            window=self.args.sliding_window,
+            block=block_index(batch, width, device),
+        )
+        x = self._vocab[0](ids)  # [B*W, d]
+        x = x.unsqueeze(1).expand(-1, self.args.hc_mult, -1).contiguous()  # [B*W, hc, d]
+        for i, stage in enumerate(self.stages):
+            rows.ring = stack_rings([c.rings[i] for c in caches]).flatten(0, 1)
+            x = stage(x, rows)
+        last = self.stages[-1]
+        h = last.hyper_head(x)  # [B*W, d], before the final norm
+        logits = self._vocab[1](last.norm(h)).float()  # [B*W, V]
+        return h.view(batch, width, -1), logits.view(batch, width, -1)
+
+    @torch.no_grad()
+    def init_random_(self, seed: int) -> None:
+        """Deterministic random weights, the target's scheme (tests, the tiny preset)."""
+        gen = torch.Generator().manual_seed(seed)
+        for name, t in self.state_dict(keep_vars=True).items():
+            t.copy_(random_like(name, t, gen, self.args))
+
+
+# -- planning from headers -------------------------------------------------------------------
+
+
+@dataclass
+class DSparkPlan:
+    ckpt: Checkpoint
+    args: DeepseekV4Args  # the draft checkpoint's config.json
+    num_stages: int
+    block_size: int
+    markov_rank: int
+    noise_token_id: int
+    capture_layer_ids: list[int]  # raw checkpoint ids (output semantics), config order
+    confidence: bool
+    own_embed: bool
+    own_head: bool
+    names: dict[str, str]  # checkpoint name -> module key
+    dequant: dict[str, str]
+
+
+def stage_key(name: str, num_stages: int) -> str | None:
+    """The :class:`DSparkDraft` key of checkpoint tensor ``name``; None = not a stage
+    tensor, or a vocabulary copy on a stage that does not own one (ignored)."""
+    if not name.startswith(PREFIX):
+        return None
+    stage, _, rest = name[len(PREFIX) :].partition(".")
+    if not stage.isdigit():
+        return None
+    rest = VOCAB_ALIASES.get(rest, rest)
+    owner = {"embed.weight": 0, "head.weight": num_stages - 1}.get(rest)
+    if owner is not None and int(stage) != owner:
+        return None
+    return f"{PREFIX}{stage}.{rest}"
+
+
+def expected_tensors(
+    args: DeepseekV4Args,
+    *,
+    num_stages: int,
+    markov_rank: int,
+    confidence: bool,
+    own_embed: bool,
+    own_head: bool,
+) -> dict[str, list[int]]:
+    """Module key -> shape of every stage tensor (built on the meta device)."""
+    meta = nn.Embedding(args.vocab_size, args.hidden_size, device="meta")
+    meta_head = nn.Linear(args.hidden_size, args.vocab_size, bias=False, device="meta")
+    draft = DSparkDraft(
+        args,
+        num_stages=num_stages,
+        markov_rank=markov_rank,
+        noise_token_id=0,
+        confidence=confidence,
+        embed=None if own_embed else meta,
+        head=None if own_head else meta_head,
+        device="meta",
+    )
+    return {k: list(v.shape) for k, v in draft.state_dict().items()}
+
+
+def plan_dspark(path: str | Path, target_args: DeepseekV4Args | None) -> DSparkPlan:
+    """Validate a DSpark checkpoint from config.json and tensor headers only; one
+    CheckpointError lists every problem. ``target_args``: the target's config, to check
+    that hidden states and token ids cross over (None skips those checks)."""
+    ckpt = Checkpoint(path)
+    where = ckpt.path / CONFIG_NAME
+    args = DeepseekV4Args.from_config(ckpt.config, where)
+    problems = _config_problems(ckpt, args, target_args)
+    if problems:
+        raise _error(ckpt, problems)
+    ids = list(args.dspark_target_layer_ids or [])
+    stages = len(ids)
+    rank = int(args.dspark_markov_rank or 0)
+    last = f"{PREFIX}{stages - 1}."
+    found = {stage_key(n, stages) for n in ckpt.names()} - {None}
+    confidence = f"{last}confidence_head.proj.weight" in found
+    own_embed, own_head = f"{PREFIX}0.embed.weight" in found, f"{last}head.weight" in found
+    expected = expected_tensors(
+        args,
+        num_stages=stages,
+        markov_rank=rank,
+        confidence=confidence,
+        own_embed=own_embed,
+        own_head=own_head,
+    )
+    problems += _markov_problems(ckpt, last, rank)
+    extra = sorted({int(n[len(PREFIX) :].split(".")[0]) for n in found if n} - set(range(stages)))  # type: ignore[union-attr]
+    if extra:
+        problems.append(
+            f"the checkpoint stores stages mtp.{extra} beyond the {stages} stages that "
+            f"dspark_target_layer_ids {ids} declares (one stage per target layer id)"
+        )
+    names, dequant, tensor_problems = plan_tensors(
+        ckpt, lambda n: stage_key(n, stages), lambda _: expected, "DSpark stage"
+    )
+    problems += [p for p in tensor_problems if not extra or "unexpected tensor" not in p]
+    if problems:
+        raise _error(ckpt, problems)
+    capture = str(args.extra.get("dspark_capture", "layer_output"))
+    return DSparkPlan(
+        ckpt=ckpt,
+        args=args,
+        num_stages=stages,
+        block_size=int(args.dspark_block_size),  # type: ignore[arg-type]
+        markov_rank=rank,
+        noise_token_id=int(args.dspark_noise_token_id),  # type: ignore[arg-type]
+        # layer_input of L is the output of L-1 (-1: the embedding output)
+        capture_layer_ids=ids if capture == "layer_output" else [i - 1 for i in ids],
+        confidence=confidence,
+        own_embed=own_embed,
+        own_head=own_head,
+        names=names,
+        dequant=dequant,
+    )
+
+
+def _error(ckpt: Checkpoint, problems: list[str]) -> CheckpointError:
+    return CheckpointError(
+        f"DSpark checkpoint {ckpt.path} (Flash-0731 layout, {PREFIX}{{0..S-1}}.*) cannot be used",
+        problems=problems,
+    )
+
+
+def _config_problems(
+    ckpt: Checkpoint, args: DeepseekV4Args, target_args: DeepseekV4Args | None
+) -> list[str]:
+    where = ckpt.path / CONFIG_NAME
+    keys = (
+        "dspark_block_size",
+        "dspark_markov_rank",
+        "dspark_noise_token_id",
+        "dspark_target_layer_ids",
+    )
+    missing = [k for k in keys if getattr(args, k) is None]
+    if missing:
+        hint = (
+            "; this directory holds an MTP layer: use spec=mtp"
+            if f"{PREFIX}0.e_proj.weight" in ckpt
+            else "; spec=dspark needs a DeepSeek-V4-Flash-0731 checkpoint (or spec.draft_path to one)"
+        )
+        return [f"{where}: no DSpark drafter: config.json lacks {', '.join(missing)}{hint}"]
+    problems: list[str] = []
+    ids = args.dspark_target_layer_ids or []
+    if not ids:
+        problems.append(
+            f"{where}: dspark_target_layer_ids is empty; it lists one target layer per stage"
+        )
+    if not 1 <= int(args.dspark_block_size or 0) <= 16:  # type: ignore[operator]
+        problems.append(f"{where}: dspark_block_size={args.dspark_block_size} must be in 1..16")
+    if not 0 <= int(args.dspark_noise_token_id) < args.vocab_size:  # type: ignore[arg-type]
+        problems.append(
+            f"{where}: dspark_noise_token_id={args.dspark_noise_token_id} is outside the "
+            f"vocabulary [0, {args.vocab_size})"
+        )
+    if int(args.dspark_markov_rank or 0) < 1:
+        problems.append(
+            f"{where}: dspark_markov_rank must be >= 1 (the V4 Markov head is required)"
+        )
+    capture = args.extra.get("dspark_capture", "layer_output")
+    if capture not in CAPTURE_MODES:
+        problems.append(
+            f"{where}: dspark_capture={capture!r}; use one of {', '.join(CAPTURE_MODES)}"
+        )
+    if target_args is not None:
+        for key in ("hidden_size", "vocab_size", "hc_mult"):
+            mine, theirs = getattr(args, key), getattr(target_args, key)
+            if mine != theirs:
+                problems.append(
+                    f"{where}: {key} is {mine} but the target's is {theirs}; the draft consumes "
+                    "the target's hidden states and token ids, use the draft of this target"
+                )
+        n = target_args.num_hidden_layers
+        if bad := [i for i in ids if not 0 <= i < n]:
+            problems.append(
+                f"{where}: dspark_target_layer_ids {bad} are outside the target's layers 0..{n - 1}"
+            )
+    return problems
+
+
+def _markov_problems(ckpt: Checkpoint, last: str, rank: int) -> list[str]:
+    """W1 / W2 must share the rank ``dspark_markov_rank`` names."""
+    w1, w2 = f"{last}markov_head.markov_w1.weight", f"{last}markov_head.markov_w2.weight"
+    if w1 not in ckpt or w2 not in ckpt:
+        return []  # reported as missing tensors
+    r1, r2 = ckpt.meta(w1)[0][-1], ckpt.meta(w2)[0][-1]
+    if r1 != r2 or r1 != rank:
+        return [
+            f"Markov head rank mismatch: {w1} has rank {r1}, {w2} has rank {r2}, "
+            f"config.json dspark_markov_rank is {rank}; they must agree"
+        ]
+    return []
+
+
+def load_dspark(
+    plan: DSparkPlan,
+    *,
+    embed: nn.Embedding,
+    head: nn.Linear,
+    window: DraftWindow | None,
+    dtype: torch.dtype,
+    device: torch.device | str,
+) -> DSparkDraft:
+    """Allocate the stages of ``plan`` and stream their weights in."""
+    draft = DSparkDraft(
+        plan.args,
+        num_stages=plan.num_stages,
+        markov_rank=plan.markov_rank,
+        noise_token_id=plan.noise_token_id,
+        confidence=plan.confidence,
+        embed=None if plan.own_embed else embed,
+        head=None if plan.own_head else head,
+        window=window,
+        dtype=dtype,
+        device=device,
+    )
+    convert = make_converter(plan.ckpt, plan.dequant) if plan.dequant else None
+    load_params(draft, plan.ckpt, plan.names.get, convert=convert)
+    return draft.eval()
+
+
+# -- the family hooks of xspec.workers.dspark ------------------------------------------------
+
+
+def _draft_dir(spec_cfg: Any, model_cfg: Any) -> Path:
+    from xspec.models.deepseek_v4 import PRESET_DRAFTS, checkpoint_path
+    from xspec.models.presets import draft_checkpoint_dir
+
+    return draft_checkpoint_dir(
+        spec_cfg,
+        model_cfg,
+        preset_drafts=PRESET_DRAFTS,
+        target_dir=lambda: checkpoint_path(model_cfg),
+        example="/dir/of/DeepSeek-V4-Flash-0731",
+    )
+
+
+def preflight_block_draft(layout: Any, spec_cfg: Any, model_cfg: Any) -> list[str]:
+    """Every problem of ``spec=dspark`` on this DeepSeek-V4 target, from headers only."""
+    from xspec.models.deepseek_v4 import checkpoint_path
+
+    problems: list[str] = []
+    try:
+        target = Checkpoint(checkpoint_path(model_cfg))
+        target_args = DeepseekV4Args.from_config(target.config, target.path / CONFIG_NAME)
+    except UserError:
+        target_args = None  # the target loader reports its own checkpoint precisely
+    try:
+        draft_dir = _draft_dir(spec_cfg, model_cfg)
+        plan_dspark(draft_dir, target_args)
+    except UserError as e:
+        where = f"spec.draft_path={spec_cfg.draft_path}: " if spec_cfg.draft_path else ""
+        problems += [f"{where}{p}" for p in e.problems] or [f"{where}{e}"]
+    return problems
+
+
+def load_block_draft(
+    layout: Any, spec_cfg: Any, *, target: Any, model_cfg: Any, platform: Any
+) -> Any:
+    from xspec.models.deepseek_v4.model import DeepseekV4Model
+    from xspec.workers.dspark import LoadedDraft
+
+    if not isinstance(target, DeepseekV4Model):
+        raise CheckpointError(
+            f"spec=dspark on model.arch=deepseek_v4 needs its target, got {type(target).__name__}"
+        )
+    plan = plan_dspark(_draft_dir(spec_cfg, model_cfg), target.args)
+    draft = load_dspark(
+        plan,
+        embed=target.embed,
+        head=target.head,
+        window=DraftWindow(platform),
+        dtype=target.dtype,
+        device=platform.device(),
+    )
+    return LoadedDraft(draft, plan.block_size, plan.capture_layer_ids)
