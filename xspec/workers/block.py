@@ -63,8 +63,12 @@ class BlockDraftModel(Protocol):
     ``cache.num_tokens`` is the anchor's position ``p`` when ``propose`` runs."""
 
     fill_token_id: int  # noise (DSpark) / mask (DFlash) id of the rows after the anchor
-    markov: MarkovHead | None
-    confidence: ConfidenceHead | None
+
+    @property
+    def markov(self) -> MarkovHead | None: ...
+
+    @property
+    def confidence(self) -> ConfidenceHead | None: ...
 
     def new_cache(self, gamma: int) -> Any: ...
 

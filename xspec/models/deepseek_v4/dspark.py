@@ -422,7 +422,7 @@ def plan_dspark(path: str | Path, target_args: DeepseekV4Args | None) -> DSparkP
         own_head=own_head,
     )
     problems += _markov_problems(ckpt, last, rank)
-    extra = sorted({int(n[len(PREFIX) :].split(".")[0]) for n in found if n} - set(range(stages)))  # type: ignore[union-attr]
+    extra = sorted({int(n[len(PREFIX) :].split(".")[0]) for n in found if n} - set(range(stages)))
     if extra:
         problems.append(
             f"the checkpoint stores stages mtp.{extra} beyond the {stages} stages that "
@@ -483,7 +483,7 @@ def _config_problems(
         problems.append(
             f"{where}: dspark_target_layer_ids is empty; it lists one target layer per stage"
         )
-    if not 1 <= int(args.dspark_block_size or 0) <= 16:  # type: ignore[operator]
+    if not 1 <= int(args.dspark_block_size or 0) <= 16:
         problems.append(f"{where}: dspark_block_size={args.dspark_block_size} must be in 1..16")
     if not 0 <= int(args.dspark_noise_token_id) < args.vocab_size:  # type: ignore[arg-type]
         problems.append(
