@@ -1,0 +1,271 @@
+"""``spec=dspark`` on DeepSeek-V4 (dsv4_tiny + its 0731-layout companion): exact greedy
+equality with the baseline at every gamma and SAS mode, with drafts that really get
+accepted; the Markov loop's q; the distribution through the Markov loop; gamma defaults;
+the NPU runtime SAS fallback; CLI on the NPU policy."""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import subprocess
+import sys
+from collections import Counter, defaultdict
+from pathlib import Path
+
+import pytest
+import torch
+
+import xspec
+from tests.platforms.conformance import NativeSas, PlatformCfg
+from xspec.errors import PlatformError
+from xspec.models.deepseek_v4.args import DeepseekV4Args
+from xspec.models.deepseek_v4.dspark import DraftWindow
+from xspec.models.deepseek_v4.tiny import dspark_config, dspark_tensors
+from xspec.models.draft_heads import MarkovHead
+from xspec.models.loading import Checkpoint, write_checkpoint
+from xspec.platforms.base import SasMode
+from xspec.platforms.npu.emulated import NpuPolicyCpuPlatform
+from xspec.sampling import SamplingParams, logits_to_probs
+from xspec.workers.block import sample_block
+from xspec.workers.verify import rejection_sample
+
+
+def ids(n: int, seed: int) -> list[int]:
+    return torch.randint(2, 511, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+# 115 + 20 crosses the 128-token window while decoding, 250 wraps it in prefill and crosses
+# the 256 (2 x 128 compression) boundary; ratio-4 boundaries are crossed every 4 tokens.
+PROMPTS = [ids(115, 1), ids(250, 2), ids(7, 3)]
+NEW = 20
+RANK = 128  # > distinct tokens of the baseline's output: one Markov direction each
+
+
+@pytest.fixture(scope="module")
+def baseline() -> list[list[int]]:
+    llm = xspec.LLM(model="dsv4_tiny", spec="none", platform="cpu")
+    return [g.token_ids for g in llm.generate(PROMPTS, NEW, ignore_eos=True)]
+
+
+@pytest.fixture(scope="module")
+def forced_draft(tmp_path_factory: pytest.TempPathFactory, baseline: list[list[int]]) -> Path:
+    """A 0731-layout draft whose Markov head encodes the baseline's bigrams (weight 100):
+    its drafts follow the target's greedy text where that text is a function of the
+    previous token, so verify steps accept, reject and roll back at every depth."""
+    config = dspark_config(DeepseekV4Args.tiny(), markov_rank=RANK)
+    tensors = dspark_tensors(config, 11)
+    nxt: dict[int, Counter] = defaultdict(Counter)
+    for prompt, out in zip(PROMPTS, baseline):
+        seq = prompt[-1:] + out
+        for a, b in itertools.pairwise(seq):
+            nxt[a][b] += 1
+    w1 = torch.zeros(512, RANK)
+    w2 = torch.zeros(512, RANK)
+    for slot, (a, counts) in enumerate(sorted(nxt.items())):
+        w1[a, slot], w2[counts.most_common(1)[0][0], slot] = 10.0, 10.0
+    tensors["mtp.2.markov_head.markov_w1.weight"] = w1
+    tensors["mtp.2.markov_head.markov_w2.weight"] = w2
+    path = tmp_path_factory.mktemp("forced_dspark")
+    write_checkpoint(path, tensors, config)
+    return path
+
+
+@pytest.mark.parametrize("native_sas", ["auto", "off"])  # CPU: native, compatibility
+@pytest.mark.parametrize("gamma", [1, 2, 3, 4, 5, 6])
+def test_greedy_equals_baseline(
+    baseline: list[list[int]], forced_draft: Path, gamma: int, native_sas: str
+) -> None:
+    llm = xspec.LLM(
+        model="dsv4_tiny",
+        spec="dspark",
+        platform="cpu",
+        overrides={
+            "spec.draft_path": str(forced_draft),
+            "spec.num_speculative_tokens": gamma,
+            "platform.native_sas": native_sas,
+        },
+    )
+    mode = llm._built.drafter.model.stages[0].window.mode  # type: ignore[attr-defined]
+    assert mode is (SasMode.NATIVE if native_sas == "auto" else SasMode.COMPAT)
+    out = llm.generate(PROMPTS, NEW, ignore_eos=True)
+    assert [g.token_ids for g in out] == baseline
+    rep = llm.metrics.report()
+    assert rep.num_accepted_tokens > 0 and rep.num_full_blocks < rep.num_drafts  # accepts, rejects
+    counts = rep.accepted_per_position
+    assert all(a >= b for a, b in itertools.pairwise(counts))
+    assert rep.num_committed_tokens == rep.num_accepted_tokens + rep.num_row_steps
+
+
+def test_continuous_batching_and_default_preset(baseline: list[list[int]]) -> None:
+    """The preset companion (random stages, gamma = the trained 5), requests admitted as
+    others finish."""
+    llm = xspec.LLM(model="dsv4_tiny", spec="dspark", platform="cpu")
+    assert llm._built.drafter.gamma == 5
+    out = llm.generate(PROMPTS, NEW, ignore_eos=True, concurrency=2)
+    assert [g.token_ids for g in out] == baseline
+
+
+def test_gamma_override_warns(caplog: pytest.LogCaptureFixture) -> None:
+    with caplog.at_level(logging.WARNING):
+        llm = xspec.LLM(
+            model="dsv4_tiny",
+            spec="dspark",
+            platform="cpu",
+            overrides={"spec.num_speculative_tokens": 3},
+        )
+    assert llm._built.drafter.gamma == 3
+    assert "trained with block size 5" in caplog.text
+
+
+def test_capture_points_follow_the_platform() -> None:
+    """Raw ids [2, 3, 4] in config order: output of L on the CPU, input of L+1 on the NPU
+    policy; both read the same hidden states, so the drafts agree."""
+    cpu = xspec.LLM(model="dsv4_tiny", spec="dspark", platform="cpu")
+    npu = xspec.LLM(model="dsv4_tiny", spec="dspark", platform="npu_emulated")
+    assert cpu._built.drafter.capture_layer_ids == [2, 3, 4]
+    assert [p.layer for p in npu._built.capture] == [3, 4, 5]
+    prompts = PROMPTS[2:]
+    a = cpu.generate(prompts, 8, temperature=0.9, seed=3, ignore_eos=True)
+    b = npu.generate(prompts, 8, temperature=0.9, seed=3, ignore_eos=True)
+    assert a[0].token_ids == b[0].token_ids
+
+
+def test_npu_runtime_fallback_to_compatibility(
+    baseline: list[list[int]], forced_draft: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The probe says native, the operator rejects explicit indices when called: the draft
+    falls back once, with a logged reason, and the output is unchanged."""
+    llm = xspec.LLM(
+        model="dsv4_tiny",
+        spec="dspark",
+        platform="npu_emulated",
+        overrides={"spec.draft_path": str(forced_draft)},
+    )
+    rejecting = NpuPolicyCpuPlatform(
+        PlatformCfg(name="npu_emulated", native_sas=NativeSas.auto),
+        operator_rejects_at_run_time=True,
+    )
+    window = DraftWindow(rejecting)
+    assert window.mode is SasMode.NATIVE
+    llm._built.drafter.model.set_window(window)  # type: ignore[attr-defined]
+    with caplog.at_level(logging.WARNING):
+        out = llm.generate(PROMPTS, NEW, ignore_eos=True)
+    assert [g.token_ids for g in out] == baseline
+    assert window.mode is SasMode.COMPAT
+    assert caplog.text.count("falling back to the compatibility layout") == 1
+
+    strict = NpuPolicyCpuPlatform(
+        PlatformCfg(name="npu_emulated", native_sas=NativeSas.on),
+        operator_rejects_at_run_time=True,
+    )
+    llm._built.drafter.model.set_window(DraftWindow(strict))  # type: ignore[attr-defined]
+    with pytest.raises(PlatformError, match="native_sas=on"):
+        llm.generate(PROMPTS[2:], 4, ignore_eos=True)
+
+
+def test_cli_headline_on_the_npu_policy(tmp_path: Path) -> None:
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "xspec",
+            "model=dsv4_tiny",
+            "spec=dspark",
+            "platform=npu_emulated",
+            "workload.max_new_tokens=6",
+            "workload.num_requests=2",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=tmp_path,
+        env={**__import__("os").environ, "PYTHONPATH": str(Path(__file__).parents[2])},
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert "spec=dspark gamma=5" in proc.stdout and "survival[4]" in proc.stdout
+
+
+# -- the Markov loop -------------------------------------------------------------------------
+
+
+def crafted_head(vocab: int, bias_row: list[float], prev: int) -> MarkovHead:
+    """A rank-1 head whose bias for ``prev`` is ``bias_row`` (0 for other tokens)."""
+    head = MarkovHead(vocab, 1, dtype=torch.float32, device="cpu")
+    with torch.no_grad():
+        head.markov_w1.weight.zero_()
+        head.markov_w1.weight[prev, 0] = 1.0
+        head.markov_w2.weight[:, 0] = torch.tensor(bias_row)
+    return head
+
+
+def test_markov_bias_goes_on_raw_logits_before_temperature() -> None:
+    base = torch.tensor([[[2.0, 0.0, 0.0, 0.0]]])  # [1, 1, V]
+    head = crafted_head(4, [0.0, 3.0, 0.0, 0.0], prev=2)
+    greedy, _, _ = sample_block(base, torch.tensor([2]), head, [SamplingParams()], [None])
+    assert greedy.tolist() == [[1]]  # 2 + 0 < 0 + 3: the bias flips the argmax
+    params = SamplingParams(temperature=0.5, seed=0)
+    gen = torch.Generator().manual_seed(0)
+    _, probs, prev = sample_block(base, torch.tensor([2]), head, [params], [gen])
+    want = torch.softmax(torch.tensor([2.0, 3.0, 0.0, 0.0]) / 0.5, -1)
+    torch.testing.assert_close(probs[0, 0], want)  # softmax((U + B) / T)
+    assert prev.tolist() == [[2]]
+
+
+def test_markov_loop_follows_the_sampled_drafts() -> None:
+    """prev_0 = anchor, then each position's own sampled token; q is what was sampled from."""
+    gen = torch.Generator().manual_seed(1)
+    vocab, g = 6, 4
+    head = MarkovHead(vocab, 3, dtype=torch.float32, device="cpu")
+    torch.nn.init.normal_(head.markov_w1.weight, generator=gen)
+    torch.nn.init.normal_(head.markov_w2.weight, generator=gen)
+    base = torch.randn(2, g, vocab, generator=gen)
+    params = [SamplingParams(temperature=0.8, top_k=4, seed=s) for s in (1, 2)]
+    gens = [torch.Generator().manual_seed(s) for s in (1, 2)]
+    tokens, probs, prev = sample_block(base, torch.tensor([0, 5]), head, params, gens)
+    assert prev[:, 0].tolist() == [0, 5] and torch.equal(prev[:, 1:], tokens[:, :-1])
+    for k in range(g):
+        want = logits_to_probs(base[:, k] + head.bias(prev[:, k]), params)
+        torch.testing.assert_close(probs[:, k], want)
+
+
+def test_sampled_output_follows_the_target_through_the_markov_loop() -> None:
+    """Fixed target distributions p_0, p_1 (history-independent) and a Markov-biased draft:
+    the committed tokens at positions 0 and 1 are distributed as p_0 and p_1 (chi-square,
+    40k samples) because verification uses the dense q of the Markov loop."""
+    gen = torch.Generator().manual_seed(5)
+    vocab, g, n = 6, 3, 40_000
+    head = MarkovHead(vocab, 2, dtype=torch.float32, device="cpu")
+    torch.nn.init.normal_(head.markov_w1.weight, std=1.5, generator=gen)
+    torch.nn.init.normal_(head.markov_w2.weight, std=1.5, generator=gen)
+    base = torch.randn(1, g, vocab, generator=gen).expand(n, -1, -1)
+    p = torch.softmax(torch.randn(g + 1, vocab, generator=gen), -1)  # [g+1, V]
+    shared = torch.Generator().manual_seed(6)  # one generator, rows draw in order
+    params = [SamplingParams(temperature=1.0)] * n
+    drafts, q, _ = sample_block(base, torch.zeros(n, dtype=torch.long), head, params, [shared] * n)
+    out = rejection_sample(p.expand(n, -1, -1), drafts, q, [shared] * n).output_tokens
+    for pos in (0, 1):
+        col = out[:, pos]
+        seen = torch.bincount(col[col >= 0], minlength=vocab).float()
+        if pos == 1:  # position 1 is committed only when position 0 was accepted
+            assert seen.sum() > n / 10
+        expected = p[pos] * seen.sum()
+        chi2 = float(((seen - expected) ** 2 / expected).sum())
+        assert chi2 < 25.0, (pos, chi2)  # dof 5: p-value ~1e-4
+
+
+def test_checkpoint_directory_holds_target_and_stages() -> None:
+    """The tiny companion is a real 0731 checkpoint: usable as model.path with spec=dspark
+    (draft read from the target's own directory)."""
+    from xspec.models.deepseek_v4.tiny import tiny_dspark_dir
+
+    path = tiny_dspark_dir()
+    names = Checkpoint(path).names()
+    assert "embed.weight" in names and "mtp.2.markov_head.markov_w1.weight" in names
+    llm = xspec.LLM(
+        model="dsv4_flash",
+        spec="dspark",
+        platform="cpu",
+        overrides={"model.path": str(path), "model.dtype": "float32"},
+    )
+    assert llm._built.drafter.gamma == 5
+    assert len(llm.generate([[5, 6, 7]], 4, ignore_eos=True)[0].token_ids) == 4
