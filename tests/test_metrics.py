@@ -150,3 +150,20 @@ def test_format_is_an_aligned_table() -> None:
 def test_bad_matrices_raise(out: list[list[int]], drafted: list[int], match: str) -> None:
     with pytest.raises(ValueError, match=match):
         SpecDecodeMetrics().observe_step(torch.tensor(out), torch.tensor(drafted))
+
+
+def test_confidence_calibration_per_position() -> None:
+    """Predicted survival prod_{i<=k} c_i vs realised acceptance, over the rows that drafted k."""
+    m = SpecDecodeMetrics()
+    out = torch.tensor([[5, 6, 7, -1], [8, -1, -1, -1]])  # accepted 2 of 3, 0 of 2
+    conf = torch.tensor([[0.5, 0.5, 0.5], [1.0, 0.8, 0.3]])
+    m.observe_step(out, torch.tensor([3, 2]), conf)
+    cal = m.report().calibration
+    assert len(cal) == 3
+    for (pred, real), (want_pred, want_real) in zip(
+        cal, [(0.75, 0.5), ((0.25 + 0.8) / 2, 0.5), (0.125, 0.0)]
+    ):
+        assert pred == pytest.approx(want_pred) and real == pytest.approx(want_real)
+    assert "confidence[2]" in m.report().format()
+    assert "predicted_accepted_tokens_per_pos" in m.exposition()
+    assert SpecDecodeMetrics().report().calibration == []

@@ -23,7 +23,7 @@ row-steps, never to drafts.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import prometheus_client
 import torch
@@ -59,6 +59,10 @@ class AcceptanceReport:
     survival: list[float]  # accepted_per_position[k] / drafts
     full_block_fraction: float  # full blocks / drafts
     zero_accept_fraction: float  # zero accepts / drafts
+    # per position k, over rows whose draft had a confidence head and >= k+1 drafts:
+    # (mean predicted survival prod_{i<=k} c_i, realised fraction accepting >= k+1); empty
+    # when no draft reported confidences
+    calibration: list[tuple[float, float]] = field(default_factory=list)
 
     def format(self) -> str:
         """A small aligned two-column table (names as in xllm_dspark.md section 7)."""
@@ -78,6 +82,10 @@ class AcceptanceReport:
         rows += [
             (f"survival[{k}]", f"{s:.4f}  ({c})")
             for k, (s, c) in enumerate(zip(self.survival, self.accepted_per_position))
+        ]
+        rows += [
+            (f"confidence[{k}]", f"predicted {p:.4f}  realised {r:.4f}")
+            for k, (p, r) in enumerate(self.calibration)
         ]
         width = max(len(name) for name, _ in rows)
         return "\n".join(f"{name:<{width}}  {value}" for name, value in rows)
@@ -111,6 +119,12 @@ class SpecDecodeMetrics:
             ["position"],
             registry=reg,
         )
+        self._predicted_per_pos = Counter(
+            f"{_PREFIX}_predicted_accepted_tokens_per_pos",
+            "Sum of the draft's predicted survival prod_{i<=position} c_i (confidence head)",
+            ["position"],
+            registry=reg,
+        )
         self._tokens_per_step = Gauge(
             f"{_PREFIX}_mean_tokens_per_step",
             "Committed tokens per verify row so far",
@@ -126,12 +140,22 @@ class SpecDecodeMetrics:
         self._num_full = 0
         self._num_zero = 0
         self._per_position: list[int] = []
+        # calibration, per position: rows with a confidence, sum of predicted survival,
+        # rows that really accepted >= k+1
+        self._calib: list[list[float]] = []
 
-    def observe_step(self, output_tokens: Tensor, num_draft_tokens: Tensor) -> None:
+    def observe_step(
+        self,
+        output_tokens: Tensor,
+        num_draft_tokens: Tensor,
+        confidence: Tensor | None = None,
+    ) -> None:
         """Record one decode step.
 
         output_tokens: [B, gamma+1] int64, committed tokens per row then -1 padding
         num_draft_tokens: [B] int64, draft tokens each row carried (0 = baseline row)
+        confidence: [B, >= max drafts] the draft's conditional acceptance estimates c_k
+          (a confidence head), or None
         """
         committed, drafted = _check_step(output_tokens, num_draft_tokens)  # [B], [B]
         accepted = committed - 1  # [B] the last committed token is the correction/bonus
@@ -153,11 +177,29 @@ class SpecDecodeMetrics:
             self._per_position[k] += count
             self._per_pos.labels(position=str(k)).inc(count)
 
+        if confidence is not None:
+            self._observe_confidence(confidence, accepted, drafted)
+
         self._drafts.inc(int(has_drafts.sum()))
         self._draft_tokens.inc(int(drafted.sum()))
         self._accepted.inc(int(accepted.sum()))
         self._committed.inc(int(committed.sum()))
         self._tokens_per_step.set(_ratio(self._num_committed, self._row_steps))
+
+    def _observe_confidence(self, confidence: Tensor, accepted: Tensor, drafted: Tensor) -> None:
+        """Predicted survival ``prod_{i<=k} c_i`` vs realised acceptance, per position."""
+        conf = confidence.detach().to("cpu", torch.float64)  # [B, G]
+        width = min(conf.shape[1], int(drafted.max())) if drafted.numel() else 0
+        predicted = conf[:, :width].cumprod(dim=1)  # [B, width]
+        for k in range(width):
+            rows = drafted > k  # [B] rows that drafted position k
+            if len(self._calib) <= k:
+                self._calib.append([0.0, 0.0, 0.0])
+            entry = self._calib[k]
+            entry[0] += int(rows.sum())
+            entry[1] += float(predicted[rows, k].sum())
+            entry[2] += int((accepted[rows] > k).sum())
+            self._predicted_per_pos.labels(position=str(k)).inc(float(predicted[rows, k].sum()))
 
     def report(self) -> AcceptanceReport:
         drafts = self._num_drafts
@@ -177,6 +219,7 @@ class SpecDecodeMetrics:
             survival=[_ratio(c, drafts) for c in self._per_position],
             full_block_fraction=_ratio(self._num_full, drafts),
             zero_accept_fraction=_ratio(self._num_zero, drafts),
+            calibration=[(_ratio(p, n), _ratio(r, n)) for n, p, r in self._calib],
         )
 
     def exposition(self) -> str:

@@ -94,6 +94,8 @@ def test_greedy_equals_baseline(
     counts = rep.accepted_per_position
     assert all(a >= b for a, b in itertools.pairwise(counts))
     assert rep.num_committed_tokens == rep.num_accepted_tokens + rep.num_row_steps
+    assert len(rep.calibration) == gamma  # the draft's confidence head, per position
+    assert all(0.0 <= p <= 1.0 and 0.0 <= r <= 1.0 for p, r in rep.calibration)
 
 
 def test_continuous_batching_and_default_preset(baseline: list[list[int]]) -> None:

@@ -143,4 +143,6 @@ def decode_step(
 
     # 5. the drafter catches up on what was committed; 6. metrics from the output matrix
     drafter.observe([s.draft_state for s in seqs], committed)
-    metrics.observe_step(result.output_tokens, torch.full((B,), gamma, dtype=torch.long))
+    metrics.observe_step(
+        result.output_tokens, torch.full((B,), gamma, dtype=torch.long), proposal.confidence
+    )

@@ -1,0 +1,119 @@
+"""Draft cost on dsv4_tiny: a DSpark block draft and an MTP draft vs one target decode step.
+
+    python benchmarks/bench_draft_step.py [--context 512] [--batch 1 8] [--gamma 5] [--reps 30]
+
+For each batch size the sequences are prefilled to ``--context`` tokens through the real
+speculative step (so every cache is in its decode-time state), then these are timed
+round-robin (median of ``--reps``; target steps are rolled back after each call, draft
+``observe`` calls are not: the draft context grows by ``--reps`` rows, which is noise):
+
+* ``target``: one target decode step (1 row per sequence), the unit;
+* ``dspark propose``: the whole DSpark draft of ``--gamma`` tokens (3 stages over the
+  block, Markov loop, confidence head);
+* ``dspark observe``: writing one committed position's context K/V into the 3 stages;
+* ``mtp observe`` / ``mtp propose``: the MTP's per-step work at gamma 1 (its one block
+  forward happens in observe; propose only samples the kept logits).
+
+Ratios are measured side by side in one run; nothing is asserted.
+"""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Callable
+
+import torch
+from bench_verify_step import interleaved
+
+import xspec
+from xspec.models.base import ForwardBatch
+from xspec.sampling import SamplingParams
+from xspec.workers.drafter import CommittedRows, DraftRequest
+from xspec.workers.step import Sequence as Running
+from xspec.workers.step import prefill
+
+
+def setup(spec: str, gamma: int | None, context: int, batch: int) -> tuple[xspec.LLM, list]:
+    overrides = {"spec.num_speculative_tokens": gamma} if gamma else {}
+    llm = xspec.LLM(model="dsv4_tiny", spec=spec, platform="cpu", overrides=overrides)
+    b = llm._built
+    gen = torch.Generator().manual_seed(0)
+    seqs = [
+        Running(
+            token_ids=torch.randint(2, 511, (context,), generator=gen).tolist(),
+            target_state=b.target.new_state(),
+            draft_state=b.drafter.new_state(),
+            params=SamplingParams(),
+            generator=None,
+        )
+        for _ in range(batch)
+    ]
+    prefill(b.target, b.drafter, seqs, b.capture, 2048)
+    return llm, seqs
+
+
+def timers(llm: xspec.LLM, seqs: list, name: str) -> dict[str, Callable[[], None]]:
+    b = llm._built
+    target, drafter = b.target, b.drafter
+    requests = [DraftRequest(s.anchor, s.params, None) for s in seqs]
+    anchors = torch.tensor([s.anchor for s in seqs])
+    n0 = [s.target_state.num_tokens for s in seqs]
+    out = target.forward(
+        ForwardBatch(anchors, [1] * len(seqs), [s.target_state for s in seqs], b.capture)
+    )
+    for s, n in zip(seqs, n0):
+        target.truncate(s.target_state, n)
+    rows = [
+        CommittedRows(
+            anchors[i : i + 1],
+            anchors[i : i + 1],
+            out.hidden[i : i + 1],
+            None if out.aux_hidden is None else out.aux_hidden[i : i + 1],
+        )
+        for i in range(len(seqs))
+    ]
+    states = [s.draft_state for s in seqs]
+
+    def target_step() -> None:
+        target.forward(ForwardBatch(anchors, [1] * len(seqs), [s.target_state for s in seqs]))
+        for s, n in zip(seqs, n0):
+            target.truncate(s.target_state, n)
+
+    def propose() -> None:
+        drafter.propose(states, requests)
+
+    def observe() -> None:  # not undone: the draft context grows by one row per call
+        drafter.observe(states, rows)
+
+    return {"target": target_step, f"{name} propose": propose, f"{name} observe": observe}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--context", type=int, default=512)
+    ap.add_argument("--batch", type=int, nargs="+", default=[1, 8])
+    ap.add_argument("--gamma", type=int, default=5)
+    ap.add_argument("--reps", type=int, default=30)
+    ap.add_argument("--threads", type=int, default=None)
+    a = ap.parse_args()
+    if a.threads:
+        torch.set_num_threads(a.threads)
+    torch.set_grad_enabled(False)
+    print(
+        f"dsv4_tiny float32 on cpu ({torch.get_num_threads()} threads), context {a.context}, "
+        f"median of {a.reps} interleaved reps; fractions of one target decode step"
+    )
+    print(f"{'batch':>5} {'what':<16} {'ms':>8} {'x target':>9}")
+    for batch in a.batch:
+        fns: dict[str, Callable[[], None]] = {}
+        for spec, gamma in (("dspark", a.gamma), ("mtp", None)):
+            llm, seqs = setup(spec, gamma, a.context, batch)
+            fns |= timers(llm, seqs, spec if spec == "mtp" else f"dspark g={a.gamma}")
+        interleaved(fns, 3, lambda: None)  # warm-up
+        med = interleaved(fns, a.reps, lambda: None)
+        for k, v in med.items():
+            print(f"{batch:>5} {k:<16} {v * 1e3:>8.2f} {v / med['target']:>9.2f}")
+
+
+if __name__ == "__main__":
+    main()
