@@ -271,3 +271,39 @@ def test_checkpoint_directory_holds_target_and_stages() -> None:
     )
     assert llm._built.drafter.gamma == 5
     assert len(llm.generate([[5, 6, 7]], 4, ignore_eos=True)[0].token_ids) == 4
+
+
+def test_dspark_keys_do_not_change_the_target() -> None:
+    """The 0731 directory's target scores exactly like the plain tiny target: block
+    attention is never armed on the target."""
+    from xspec.models.deepseek_v4.tiny import tiny_dspark_dir
+
+    plain = xspec.LLM(model="dsv4_tiny", spec="none", platform="cpu")
+    flash = xspec.LLM(
+        model="dsv4_flash",
+        spec="none",
+        platform="cpu",
+        overrides={"model.path": str(tiny_dspark_dir()), "model.dtype": "float32"},
+    )
+    tokens = PROMPTS[0][:40]
+    assert torch.equal(plain.score(tokens), flash.score(tokens))
+
+
+def test_dflash_on_deepseek_v4_is_a_config_error() -> None:
+    from xspec.errors import ConfigError
+
+    with pytest.raises(ConfigError, match=r"spec=dflash needs a target .*model.arch: qwen3"):
+        xspec.LLM(model="dsv4_tiny", spec="dflash", platform="cpu")
+
+
+def test_mtp_checkpoint_under_spec_dspark_says_which_method() -> None:
+    from xspec.errors import ConfigError
+    from xspec.models.deepseek_v4.tiny import tiny_dir
+
+    with pytest.raises(ConfigError, match="holds an MTP layer: use spec=mtp"):
+        xspec.LLM(
+            model="dsv4_tiny",
+            spec="dspark",
+            platform="cpu",
+            overrides={"spec.draft_path": str(tiny_dir())},
+        )
