@@ -40,6 +40,11 @@ def cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
         (["platform=npu"], ["torch_npu"]),
         (["platform=cpu", "platform.native_sas=on"], ["native_sas"]),
         (["workload.prompts=[]"], ["workload.prompts"]),
+        # wrong-typed overrides name the expected type / the allowed values
+        (["model.dtype=float64"], ["model.dtype", "float32, bfloat16, float16"]),
+        (["workload.num_requests=abc"], ["workload.num_requests", "Integer"]),
+        (["workload.prompts=['a','']"], ["workload.prompts[1] is an empty string"]),
+        (["--cfg", "job", "model.dtype=float64"], ["model.dtype", "float32"]),
     ],
 )
 def test_user_errors_exit_2(args: list[str], needles: list[str], cache: Path) -> None:

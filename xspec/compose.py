@@ -49,8 +49,15 @@ def _value(v: Any) -> str:
 
 
 def user_message(e: BaseException) -> str:
-    """The first useful lines of a Hydra/OmegaConf error, without stack noise."""
+    """The first useful lines of a Hydra/OmegaConf error, without stack noise.
+
+    Hydra wraps the real reason of a failed override ("Error merging override K=V") around
+    OmegaConf's (expected type, allowed enum values): the direct cause is appended.
+    """
     msg = str(e).strip()
+    cause = e.__cause__ or e.__context__  # the first cause only: deeper ones are templates
+    if cause is not None and str(cause).strip() and str(cause).strip() not in msg:
+        msg = f"{msg}: {str(cause).strip()}"
     lines = [
         ln
         for ln in msg.splitlines()
