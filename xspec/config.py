@@ -179,7 +179,9 @@ def validate(cfg: RunConfig) -> None:
             problems.append(f"{key} must be >= 1 (got {value})")
     for i, prompt in enumerate(w.prompts):
         if not prompt:
-            problems.append(f"workload.prompts[{i}] is an empty string; give some text or remove it")
+            problems.append(
+                f"workload.prompts[{i}] is an empty string; give some text or remove it"
+            )
     if cfg.model.path is None and cfg.model.preset is None:
         problems.append(
             "model.path is required (this model has no built-in preset): set model.path=/dir/of/checkpoint"
