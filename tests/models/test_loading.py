@@ -341,7 +341,7 @@ def test_cache_dir_not_writable(tmp_path: Path, monkeypatch) -> None:
     def denied(dst: Path) -> None:
         raise PermissionError(13, "Permission denied", str(dst))
 
-    with pytest.raises(CheckpointError, match="Permission denied.*XSPEC_CACHE_DIR"):
+    with pytest.raises(CheckpointError, match=r"Permission denied.*XSPEC_CACHE_DIR"):
         preset_dir("toy", "v1", denied)
 
 
@@ -360,5 +360,5 @@ def test_overflow_into_model_dtype_is_refused(tmp_path: Path) -> None:
     src = _tensors()
     src["a.weight"][0, 0] = 1e6  # finite in float32, inf in float16
     ckpt = Checkpoint(_write(tmp_path / "c", src))
-    with pytest.raises(CheckpointError, match="overflow torch.float16"):
+    with pytest.raises(CheckpointError, match=r"overflow torch\.float16"):
         load_params(Tiny().half(), ckpt, _identity)
