@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 
@@ -112,3 +114,37 @@ def test_continuous_batching_with_staggered_finishes(base: xspec.LLM) -> None:
     alone = [base._built.engine.run([r], concurrency=1)[0] for r in requests]
     assert [len(g.token_ids) for g in staggered] == lengths
     assert [g.token_ids for g in staggered] == [g.token_ids for g in alone]
+
+
+@pytest.mark.parametrize(("spec", "when"), [("none", "prefill"), ("oracle", "decode")])
+def test_nonfinite_logits_fail_one_request_only(
+    base: xspec.LLM, monkeypatch: pytest.MonkeyPatch, spec: str, when: str
+) -> None:
+    """A request whose target logits turn NaN ends alone with ``error`` set; its batch mates
+    finish with exactly the tokens they get without it."""
+    llm = base if spec == "none" else xspec.LLM(model="qwen3_tiny", spec=spec, platform="cpu")
+    target = llm._built.target
+    ref = llm.generate(PROMPTS, max_new_tokens=8, ignore_eos=True)
+    marked: list[object] = []  # request 1's decoding state
+    forward = target.forward
+
+    def faulty(batch):  # NaN logits for request 1, from its prefill or its first decode step
+        out = forward(batch)
+        start = 0
+        for n, state in zip(batch.seq_lens, batch.states):
+            if int(batch.input_ids[start]) == PROMPTS[1][0] and n == len(PROMPTS[1]):
+                marked.append(state)  # request 1's prefill
+                poison = when == "prefill"
+            else:
+                poison = when == "decode" and any(state is m for m in marked)
+            if poison:
+                out.logits[start : start + n] = math.nan
+            start += n
+        return out
+
+    monkeypatch.setattr(target, "forward", faulty)
+    outs = llm.generate(PROMPTS, max_new_tokens=8, ignore_eos=True)
+    assert outs[1].error is not None and "request 1" in outs[1].error and "NaN" in outs[1].error
+    assert [o.error for o in (outs[0], outs[2])] == [None, None]
+    assert [outs[0].token_ids, outs[2].token_ids] == [ref[0].token_ids, ref[2].token_ids]
+    assert len(outs[1].token_ids) < 8

@@ -83,6 +83,9 @@ def run_workload(
     if w.print_outputs:
         for i, (t, g) in enumerate(zip(texts, gens)):
             print(f"[{i}] {t!r} -> {g.text!r}", file=out)
+    for g in gens:
+        if g.error is not None:
+            print(f"xspec: {g.error}", file=sys.stderr)  # the request stopped; the others ran
     print(format_timings(gens), file=out)
     if built.drafter.gamma > 0:
         print(built.engine.metrics.report().format(), file=out)
