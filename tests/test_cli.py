@@ -97,7 +97,9 @@ def test_bad_dsv4_checkpoint_exits_2(tmp_path: Path, cache: Path) -> None:
     del cfg["hidden_size"]
     cfg["compress_ratios"][2] = 16  # not a DeepSeek-V4 ratio
     (bad / "config.json").write_text(json.dumps(cfg))
-    r = run_cli("model=dsv4_flash", f"model.path={bad}", "platform=cpu", cache=cache)
+    r = run_cli(
+        "model=dsv4_flash", f"model.path={bad}", "model.tokenizer=byte", "platform=cpu", cache=cache
+    )
     assert r.returncode == 2, r.stderr
     assert "Traceback" not in r.stderr
     assert "hidden_size" in r.stderr and "compress_ratios" in r.stderr and "config.json" in r.stderr

@@ -38,6 +38,13 @@ class NativeSas(str, enum.Enum):
     off = "off"
 
 
+class TokenizerKind(str, enum.Enum):
+    """``model.tokenizer``: where text <-> ids comes from (see xspec/tokenizer.py)."""
+
+    auto = "auto"  # the checkpoint's tokenizer.json (required for model.path); presets: bytes
+    byte = "byte"  # raw UTF-8 bytes as ids, explicitly (toy checkpoints without a tokenizer)
+
+
 @dataclass(kw_only=True)
 class ModelConfig:
     """``model=<preset>``: which architecture, which checkpoint."""
@@ -47,6 +54,7 @@ class ModelConfig:
     preset: str | None = None  # built-in tiny checkpoint generated on first use
     dtype: DType = DType.float32
     max_context: int | None = None  # null = the model's limit (capped to keep caches small)
+    tokenizer: TokenizerKind = TokenizerKind.auto
 
 
 @dataclass(kw_only=True)
