@@ -49,9 +49,8 @@ def build(cfg: RunConfig) -> Built:
         problems += preflight(cfg.spec, cfg.model)
     if problems:
         raise ConfigError("this run cannot be built:", problems=problems)
-    if cfg.model.path and cfg.model.tokenizer.value == "auto" and Path(cfg.model.path).is_dir():
-        if problem := missing_tokenizer(Path(cfg.model.path)):  # before loading any weights
-            raise CheckpointError(problem)
+    if problem := _tokenizer_problem(cfg.model):  # before loading any weights
+        raise CheckpointError(problem)
 
     torch.set_grad_enabled(False)
     max_rollback = max(gamma or 0, DEFAULT_MAX_ROLLBACK)
@@ -70,6 +69,14 @@ def build(cfg: RunConfig) -> Built:
         target, drafter, capture, eos_id=tokenizer.eos_id, synchronize=platform.synchronize
     )
     return Built(cfg, platform, target, drafter, capture, tokenizer, engine)
+
+
+def _tokenizer_problem(model_cfg: Any) -> str | None:
+    """A user checkpoint (``model.path``) without tokenizer.json, unless model.tokenizer=byte."""
+    path = Path(model_cfg.path) if model_cfg.path else None
+    if path is None or not path.is_dir() or model_cfg.tokenizer.value != "auto":
+        return None
+    return missing_tokenizer(path)
 
 
 def _tokenizer(target: TargetModel, model_cfg: Any) -> Tokenizer:
