@@ -24,14 +24,14 @@ def test_family_of() -> None:
 @pytest.mark.parametrize("config", [QWEN3, QWEN3_MOE])
 def test_qwen3_config_under_dsv4(config: dict) -> None:
     with pytest.raises(
-        CheckpointError, match="this is a Qwen3 checkpoint.*use it with model=qwen3"
+        CheckpointError, match=r"this is a Qwen3 checkpoint.*use it with model=qwen3"
     ) as e:
         DeepseekV4Args.from_config(config, "/q/config.json")
     assert e.value.problems == []  # one line, not a list of missing keys
 
 
 def test_dsv4_config_under_qwen3() -> None:
-    with pytest.raises(CheckpointError, match="DeepSeek-V4 checkpoint.*model=dsv4_flash"):
+    with pytest.raises(CheckpointError, match=r"DeepSeek-V4 checkpoint.*model=dsv4_flash"):
         Qwen3Args.from_config(DSV4, "/d/config.json")
-    with pytest.raises(CheckpointError, match="MTP drafter.*spec.draft_path"):
+    with pytest.raises(CheckpointError, match=r"MTP drafter.*spec.draft_path"):
         Qwen3Args.from_config(DSV4 | {"model_type": "deepseek_v4_mtp"}, "/m/config.json")
