@@ -15,7 +15,7 @@ from xspec.tokenizer import ByteTokenizer, HFTokenizer, load_tokenizer, stop_ids
 VOCAB = 512
 
 
-def _word_tokenizer(path: Path) -> None:
+def write_word_tokenizer(path: Path) -> None:
     from tokenizers import Tokenizer
     from tokenizers.models import WordLevel
     from tokenizers.pre_tokenizers import Whitespace
@@ -48,7 +48,7 @@ def test_byte_tokenizer_takes_a_list_of_stop_ids() -> None:
 
 
 def test_checkpoint_tokenizer_and_stop_ids(tmp_path: Path) -> None:
-    _word_tokenizer(tmp_path / "tokenizer.json")
+    write_word_tokenizer(tmp_path / "tokenizer.json")
     (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": [3, 4]}))
     tok = load_tokenizer(tmp_path, VOCAB, None, 3, required=True)
     assert isinstance(tok, HFTokenizer)
