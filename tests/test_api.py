@@ -72,12 +72,17 @@ def _llm(*overrides: str, model: str = "qwen3_tiny") -> xspec.LLM:
 
 @pytest.fixture(scope="module")
 def bad_dirs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    """Damaged copies of the Qwen3 tiny preset (each with a tokenizer.json unless noted)."""
+    return make_bad_dirs(tmp_path_factory.mktemp("bad"))
+
+
+def make_bad_dirs(root: Path) -> dict[str, Path]:
+    """Copies of the Qwen3 tiny preset under ``root`` (each with a tokenizer.json unless
+    noted): no_tokenizer, truncated (a shard), nan (one weight), ok; and a_file (a file)."""
     from safetensors.torch import load_file, save_file
 
     from xspec.models.qwen3.tiny import tiny_dir
 
-    src, root = tiny_dir(False), tmp_path_factory.mktemp("bad")
+    src = tiny_dir(False)
     out = {}
     for name in ("no_tokenizer", "truncated", "nan", "ok"):
         out[name] = root / name
