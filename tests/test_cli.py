@@ -105,6 +105,7 @@ def test_runs_and_reports_timings(cache: Path) -> None:
     assert r.returncode == 0, r.stderr
     assert "TTFT" in r.stdout and "TPOT" in r.stdout and "tok/s" in r.stdout
     assert "platform=cpu" in r.stdout  # auto picks the CPU here
+    assert "model=qwen3_tiny (qwen3, preset tiny)" in r.stdout  # the option picked, then what
 
 
 def test_multirun(cache: Path) -> None:

@@ -74,8 +74,8 @@ def run(cfg: RunConfig, choices: dict[str, str] | None = None) -> None:
     from xspec.engine.report import run_workload, summarize
 
     built = build(cfg)
-    gens = run_workload(built, cfg.workload, cfg.sampling)
     model = (choices or {}).get("model", cfg.model.arch)
+    gens = run_workload(built, cfg.workload, cfg.sampling, model_option=model)
     label = f"model={model} spec={cfg.spec.method} gamma={built.drafter.gamma}"
     _SUMMARIES.append(summarize(label, built, gens))
 

@@ -59,7 +59,11 @@ def comparison_table(rows: list[RunSummary]) -> str:
 
 
 def run_workload(
-    built: Built, w: WorkloadConfig, s: SamplingConfig, out: TextIO = sys.stdout
+    built: Built,
+    w: WorkloadConfig,
+    s: SamplingConfig,
+    out: TextIO = sys.stdout,
+    model_option: str | None = None,  # the model=<option> the user picked (e.g. dsv4_tiny)
 ) -> list[Generation]:
     if not w.prompts:
         raise ConfigError(
@@ -75,8 +79,10 @@ def run_workload(
     for g in gens:
         g.text = built.tokenizer.decode(g.token_ids)
     cfg = built.cfg
+    source = cfg.model.path or f"preset {cfg.model.preset}"
     print(
-        f"xspec: model={cfg.model.arch} ({cfg.model.path or cfg.model.preset}) spec={cfg.spec.method} "
+        f"xspec: model={model_option or cfg.model.arch} ({cfg.model.arch}, {source}) "
+        f"spec={cfg.spec.method} "
         f"gamma={built.drafter.gamma} platform={built.platform.name} device={built.platform.device()}",
         file=out,
     )
