@@ -31,7 +31,7 @@ class DType(str, enum.Enum):
 
 
 class NativeSas(str, enum.Enum):
-    """DSv4 draft-window sparse attention mode (NPU only; see DESIGN.md section 6)."""
+    """DSv4 draft-window sparse attention mode (NPU only; see docs/npu.md)."""
 
     auto = "auto"
     on = "on"

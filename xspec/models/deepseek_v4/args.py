@@ -239,7 +239,7 @@ class DeepseekV4Args:
 
     @classmethod
     def tiny(cls) -> DeepseekV4Args:
-        """The tiny config of dsv4_arch.md section 10: every Flash feature at toy size."""
+        """The tiny preset config: every Flash feature (SWA, CSA, HCA, hash layers) at toy size."""
         return cls(
             vocab_size=512,
             hidden_size=256,
