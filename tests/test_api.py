@@ -2,11 +2,17 @@
 
 from __future__ import annotations
 
+import json
+import math
+import shutil
+from pathlib import Path
+
 import pytest
 import torch
 
 import xspec
-from xspec.errors import RequestError
+from tests.test_tokenizer import write_word_tokenizer
+from xspec.errors import CheckpointError, ConfigError, RequestError
 
 PROMPTS = [[5, 17, 42, 99, 3], list(range(60, 100)), [300, 7]]
 
@@ -57,21 +63,96 @@ def test_seeded_sampling_reproducible(base: xspec.LLM) -> None:
     assert [o.token_ids for o in a] != [o.token_ids for o in c]
 
 
+NAN_TENSOR = "model.layers.1.mlp.up_proj.weight"
+
+
+def _llm(*overrides: str, model: str = "qwen3_tiny") -> xspec.LLM:
+    return xspec.LLM(model=model, spec="none", platform="cpu", overrides=list(overrides))
+
+
+@pytest.fixture(scope="module")
+def bad_dirs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    return make_bad_dirs(tmp_path_factory.mktemp("bad"))
+
+
+def make_bad_dirs(root: Path) -> dict[str, Path]:
+    """Copies of the Qwen3 tiny preset under ``root`` (each with a tokenizer.json unless
+    noted): no_tokenizer, truncated (a shard), nan (one weight), ok; and a_file (a file)."""
+    from safetensors.torch import load_file, save_file
+
+    from xspec.models.qwen3.tiny import tiny_dir
+
+    src = tiny_dir(False)
+    out = {}
+    for name in ("no_tokenizer", "truncated", "nan", "ok"):
+        out[name] = root / name
+        shutil.copytree(src, out[name])
+        if name != "no_tokenizer":
+            write_word_tokenizer(out[name] / "tokenizer.json")
+    shard = out["truncated"] / "model-00001-of-00003.safetensors"
+    shard.write_bytes(shard.read_bytes()[:-100])
+    index = json.loads((src / "model.safetensors.index.json").read_text())
+    shard = out["nan"] / index["weight_map"][NAN_TENSOR]
+    tensors = load_file(shard)
+    tensors[NAN_TENSOR][3, 5] = math.nan
+    save_file(tensors, str(shard), metadata={"format": "pt"})
+    (root / "a_file").write_text("not a directory")
+    out["a_file"] = root / "a_file"
+    return out
+
+
+# One row per bad input: (id, call, the typed error, a substring of its message).
+BAD_INPUTS = [
+    ("empty ids", lambda llm, d: llm.generate([[]]), RequestError, "empty prompt"),
+    ("empty text", lambda llm, d: llm.generate([""]), RequestError, "empty prompt"),
+    ("id >= vocab", lambda llm, d: llm.generate([[1, 2, 100000]]), RequestError, "outside the vocabulary"),
+    ("negative id", lambda llm, d: llm.generate([[-1]]), RequestError, "outside the vocabulary"),
+    ("too long", lambda llm, d: llm.generate([[1] * 5000]), RequestError, "exceeds the model context"),
+    ("max_new_tokens=0", lambda llm, d: llm.generate([[1, 2]], max_new_tokens=0), RequestError, "max_new_tokens"),
+    ("temperature<0", lambda llm, d: llm.generate([[1, 2]], temperature=-1.0), RequestError, "temperature"),
+    ("float ids", lambda llm, d: llm.generate([[1.7, 2.2]]), RequestError, "token ids must be integers, got 1.7"),
+    ("float ids, one prompt", lambda llm, d: llm.generate([1.0, 2]), RequestError, "must be integers"),
+    ("max_new_tokens=2.5", lambda llm, d: llm.generate([[1]], max_new_tokens=2.5), RequestError, "max_new_tokens must be an integer"),
+    ("max_new_tokens='4'", lambda llm, d: llm.generate([[1]], max_new_tokens="4"), RequestError, "max_new_tokens must be an integer"),
+    ("concurrency=0", lambda llm, d: llm.generate([[1]], concurrency=0), RequestError, "concurrency must be an integer >= 1"),
+    ("concurrency=-1", lambda llm, d: llm.generate([[1]], concurrency=-1), RequestError, "concurrency must be an integer >= 1"),
+    ("seed='abc'", lambda llm, d: llm.generate([[1]], seed="abc"), RequestError, "seed must be null or an integer"),
+    ("ignore_eos='no'", lambda llm, d: llm.generate([[1]], ignore_eos="no"), RequestError, "ignore_eos"),
+    ("generate(None)", lambda llm, d: llm.generate(None), RequestError, "prompts must be a string"),
+    ("generate(123)", lambda llm, d: llm.generate(123), RequestError, "prompts must be a string"),
+    ("a None prompt", lambda llm, d: llm.generate([[1], None]), RequestError, "request 1: a prompt is"),
+    ("score ragged", lambda llm, d: llm.score([[1, 2], [3]]), RequestError, "score takes one sequence"),
+    ("score float", lambda llm, d: llm.score([1, 2.5]), RequestError, "must be integers"),
+    ("overrides str", lambda llm, d: xspec.LLM(model="qwen3_tiny", overrides="model.dtype=float16"), ConfigError, "overrides must be a mapping"),
+    ("override int", lambda llm, d: _llm(7), ConfigError, "'key=value' strings"),
+    ("prompts ids", lambda llm, d: xspec.LLM(model="qwen3_tiny", overrides={"workload.prompts": [1, 2]}), ConfigError, "workload.prompts holds text"),
+    ("dtype float64", lambda llm, d: _llm("model.dtype=float64"), ConfigError, "float32, bfloat16, float16"),
+    ("num_requests=abc", lambda llm, d: _llm("workload.num_requests=abc"), ConfigError, "Integer"),
+    ("empty prompt text", lambda llm, d: _llm("workload.prompts=[a,'']"), ConfigError, "workload.prompts[1] is an empty string"),
+    ("device_index=99", lambda llm, d: _llm("platform.device_index=99"), ConfigError, "platform.device_index=99"),
+    ("no tokenizer.json", lambda llm, d: _llm(f"model.path={d['no_tokenizer']}", model="qwen3"), CheckpointError, "tokenizer.json is missing"),
+    ("truncated shard", lambda llm, d: _llm(f"model.path={d['truncated']}", model="qwen3"), CheckpointError, "model-00001-of-00003.safetensors is truncated"),
+    ("NaN weight", lambda llm, d: _llm(f"model.path={d['nan']}", model="qwen3"), CheckpointError, "'model.layers.1.mlp.up_proj.weight' in"),
+    ("qwen3 as dsv4", lambda llm, d: _llm(f"model.path={d['ok']}", model="dsv4_flash"), CheckpointError, "this is a Qwen3 checkpoint"),
+    ("qwen3 as draft", lambda llm, d: xspec.LLM(model="dsv4_tiny", spec="mtp", platform="cpu", overrides={"spec.draft_path": str(d["ok"])}), ConfigError, "this is a Qwen3 checkpoint"),
+]  # fmt: skip
+
+
 @pytest.mark.parametrize(
-    ("prompt", "kwargs", "needle"),
-    [
-        ([], {}, "empty prompt"),
-        ("", {}, "empty prompt"),
-        ([1, 2, 100000], {}, "outside the vocabulary"),
-        ([-1], {}, "outside the vocabulary"),
-        ([1] * 5000, {}, "exceeds the model context"),
-        ([1, 2], {"max_new_tokens": 0}, "max_new_tokens"),
-        ([1, 2], {"temperature": -1.0}, "temperature"),
-    ],
+    ("call", "error", "needle"), [row[1:] for row in BAD_INPUTS], ids=[row[0] for row in BAD_INPUTS]
 )
-def test_bad_requests(base: xspec.LLM, prompt: object, kwargs: dict, needle: str) -> None:
-    with pytest.raises(RequestError, match=needle):
-        base.generate([prompt], **kwargs)
+def test_bad_inputs_raise_typed_errors(
+    base: xspec.LLM, bad_dirs: dict[str, Path], call, error: type, needle: str
+) -> None:
+    with pytest.raises(error) as e:
+        call(base, bad_dirs)
+    assert needle in str(e.value), str(e.value)
+
+
+def test_unusable_cache_dir(bad_dirs: dict[str, Path], monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("XSPEC_CACHE_DIR", str(bad_dirs["a_file"]))
+    with pytest.raises(CheckpointError, match="set XSPEC_CACHE_DIR to a writable directory"):
+        _llm()
 
 
 @pytest.mark.parametrize("gamma", [1, 3])
@@ -112,3 +193,37 @@ def test_continuous_batching_with_staggered_finishes(base: xspec.LLM) -> None:
     alone = [base._built.engine.run([r], concurrency=1)[0] for r in requests]
     assert [len(g.token_ids) for g in staggered] == lengths
     assert [g.token_ids for g in staggered] == [g.token_ids for g in alone]
+
+
+@pytest.mark.parametrize(("spec", "when"), [("none", "prefill"), ("oracle", "decode")])
+def test_nonfinite_logits_fail_one_request_only(
+    base: xspec.LLM, monkeypatch: pytest.MonkeyPatch, spec: str, when: str
+) -> None:
+    """A request whose target logits turn NaN ends alone with ``error`` set; its batch mates
+    finish with exactly the tokens they get without it."""
+    llm = base if spec == "none" else xspec.LLM(model="qwen3_tiny", spec=spec, platform="cpu")
+    target = llm._built.target
+    ref = llm.generate(PROMPTS, max_new_tokens=8, ignore_eos=True)
+    marked: list[object] = []  # request 1's decoding state
+    forward = target.forward
+
+    def faulty(batch):  # NaN logits for request 1, from its prefill or its first decode step
+        out = forward(batch)
+        start = 0
+        for n, state in zip(batch.seq_lens, batch.states):
+            if int(batch.input_ids[start]) == PROMPTS[1][0] and n == len(PROMPTS[1]):
+                marked.append(state)  # request 1's prefill
+                poison = when == "prefill"
+            else:
+                poison = when == "decode" and any(state is m for m in marked)
+            if poison:
+                out.logits[start : start + n] = math.nan
+            start += n
+        return out
+
+    monkeypatch.setattr(target, "forward", faulty)
+    outs = llm.generate(PROMPTS, max_new_tokens=8, ignore_eos=True)
+    assert outs[1].error is not None and "request 1" in outs[1].error and "NaN" in outs[1].error
+    assert [o.error for o in (outs[0], outs[2])] == [None, None]
+    assert [outs[0].token_ids, outs[2].token_ids] == [ref[0].token_ids, ref[2].token_ids]
+    assert len(outs[1].token_ids) < 8

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -29,6 +30,28 @@ def cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return tmp_path_factory.mktemp("xspec_cache")
 
 
+@pytest.fixture(scope="module")
+def bad(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """Damaged checkpoints (see tests/test_api.py) and a cache holding a truncated preset."""
+    from tests.test_api import make_bad_dirs
+    from xspec.models.qwen3.tiny import tiny_dir
+
+    root = tmp_path_factory.mktemp("bad")
+    out = make_bad_dirs(root)
+    preset = root / "bad_cache" / "presets" / tiny_dir(False).name
+    shutil.copytree(tiny_dir(False), preset)
+    shard = preset / "model-00001-of-00003.safetensors"
+    shard.write_bytes(shard.read_bytes()[:-100])
+    return out | {"bad_cache": root / "bad_cache", "bad_preset": preset}
+
+
+RUN = ["model=qwen3_tiny", "spec=none", "platform=cpu", "workload.max_new_tokens=2"]
+QWEN3 = ["model=qwen3", "spec=none", "platform=cpu", "workload.max_new_tokens=2"]
+
+
+# Every bad input reachable from the command line: (arguments, substrings of the message).
+# "{name}" in an argument is a path from the ``bad`` fixture; "CACHE={name}" sets
+# XSPEC_CACHE_DIR instead of passing an argument.
 @pytest.mark.parametrize(
     ("args", "needles"),
     [
@@ -40,10 +63,28 @@ def cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
         (["platform=npu"], ["torch_npu"]),
         (["platform=cpu", "platform.native_sas=on"], ["native_sas"]),
         (["workload.prompts=[]"], ["workload.prompts"]),
+        # wrong-typed overrides name the expected type / the allowed values
+        (["model.dtype=float64"], ["model.dtype", "float32, bfloat16, float16"]),
+        (["workload.num_requests=abc"], ["workload.num_requests", "Integer"]),
+        (["workload.prompts=['a','']"], ["workload.prompts[1] is an empty string"]),
+        (["--cfg", "job", "model.dtype=float64"], ["model.dtype", "float32"]),
+        ([*RUN, "platform.device_index=99"], ["platform.device_index=99"]),
+        ([*QWEN3, "model.path={no_tokenizer}"], ["tokenizer.json is missing", "model.tokenizer=byte"]),
+        ([*QWEN3, "model.path={truncated}"], ["model-00001-of-00003.safetensors is truncated"]),
+        ([*QWEN3, "model.path={nan}"], ["model.layers.1.mlp.up_proj.weight", "NaN or Inf"]),
+        ([*QWEN3[1:], "model=dsv4_flash", "model.path={ok}"], ["this is a Qwen3 checkpoint", "model=qwen3"]),
+        (["model=dsv4_tiny", "spec=mtp", "platform=cpu", "spec.draft_path={ok}"], ["this is a Qwen3 checkpoint"]),
+        ([*RUN, "CACHE={bad_cache}"], ["is truncated", "delete {bad_preset}"]),
+        ([*RUN, "CACHE={a_file}"], ["XSPEC_CACHE_DIR to a writable directory"]),
     ],
-)
-def test_user_errors_exit_2(args: list[str], needles: list[str], cache: Path) -> None:
-    r = run_cli(*args, cache=cache)
+)  # fmt: skip
+def test_user_errors_exit_2(
+    args: list[str], needles: list[str], cache: Path, bad: dict[str, Path]
+) -> None:
+    args = [a.format(**bad) for a in args]
+    needles = [n.format(**bad) for n in needles]
+    cache = next((Path(a[6:]) for a in args if a.startswith("CACHE=")), cache)
+    r = run_cli(*[a for a in args if not a.startswith("CACHE=")], cache=cache)
     assert r.returncode == 2, r.stderr + r.stdout
     assert "Traceback" not in r.stderr
     for n in needles:
@@ -64,6 +105,7 @@ def test_runs_and_reports_timings(cache: Path) -> None:
     assert r.returncode == 0, r.stderr
     assert "TTFT" in r.stdout and "TPOT" in r.stdout and "tok/s" in r.stdout
     assert "platform=cpu" in r.stdout  # auto picks the CPU here
+    assert "model=qwen3_tiny (qwen3, preset tiny)" in r.stdout  # the option picked, then what
 
 
 def test_multirun(cache: Path) -> None:
@@ -92,7 +134,9 @@ def test_bad_dsv4_checkpoint_exits_2(tmp_path: Path, cache: Path) -> None:
     del cfg["hidden_size"]
     cfg["compress_ratios"][2] = 16  # not a DeepSeek-V4 ratio
     (bad / "config.json").write_text(json.dumps(cfg))
-    r = run_cli("model=dsv4_flash", f"model.path={bad}", "platform=cpu", cache=cache)
+    r = run_cli(
+        "model=dsv4_flash", f"model.path={bad}", "model.tokenizer=byte", "platform=cpu", cache=cache
+    )
     assert r.returncode == 2, r.stderr
     assert "Traceback" not in r.stderr
     assert "hidden_size" in r.stderr and "compress_ratios" in r.stderr and "config.json" in r.stderr

@@ -243,3 +243,10 @@ def test_processing_matches_plain_python_reference_with_many_ties() -> None:
         assert _support(probs[i : i + 1]) == _support(ref[None]), f"row {i} {sp}: support differs"
         diff = (probs[i] - ref).abs().max().item()
         assert diff < 1e-6, f"row {i} {sp}: max abs diff {diff}"
+
+
+def test_nonfinite_rows() -> None:
+    from xspec.sampling import nonfinite_rows
+
+    logits = torch.tensor([[0.0, 1.0], [math.nan, 1.0], [2.0, math.inf], [-math.inf, 0.0]])
+    assert nonfinite_rows(logits).tolist() == [False, True, True, True]

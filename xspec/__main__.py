@@ -30,7 +30,7 @@ def _override_sets(args: list[str]) -> list[list[str]]:
     """Every combination a (multi)run will compose, for the up-front check."""
     from hydra.core.override_parser.overrides_parser import OverridesParser
 
-    overrides = [a for a in args if not a.startswith("-")]
+    overrides = overrides_of(args)
     try:
         parsed = OverridesParser.create().parse_overrides(overrides)
     except Exception as e:  # hydra raises OverrideParseException with a clear text
@@ -47,6 +47,24 @@ def _override_sets(args: list[str]) -> list[list[str]]:
     return [list(c) for c in itertools.product(*choices)]
 
 
+# Hydra flags followed by a value that is not an override (``--cfg job``, ``-p model``).
+_FLAGS_WITH_VALUE = frozenset(
+    {"--cfg", "-c", "--package", "-p", "--config-path", "-cp", "--config-name", "-cn",
+     "--config-dir", "-cd", "--experimental-rerun"}
+)  # fmt: skip
+
+
+def overrides_of(args: list[str]) -> list[str]:
+    """The ``key=value`` overrides among Hydra's command-line arguments."""
+    out, skip = [], False
+    for a in args:
+        if skip or a.startswith("-"):
+            skip = not skip and a in _FLAGS_WITH_VALUE
+            continue
+        out.append(a)
+    return out
+
+
 _SUMMARIES: list = []  # one RunSummary per job of this process (multirun)
 
 
@@ -56,8 +74,8 @@ def run(cfg: RunConfig, choices: dict[str, str] | None = None) -> None:
     from xspec.engine.report import run_workload, summarize
 
     built = build(cfg)
-    gens = run_workload(built, cfg.workload, cfg.sampling)
     model = (choices or {}).get("model", cfg.model.arch)
+    gens = run_workload(built, cfg.workload, cfg.sampling, model_option=model)
     label = f"model={model} spec={cfg.spec.method} gamma={built.drafter.gamma}"
     _SUMMARIES.append(summarize(label, built, gens))
 
@@ -74,9 +92,9 @@ def _hydra_entry(cfg: DictConfig) -> None:
 
 def main() -> None:
     args = sys.argv[1:]
+    # --cfg job prints the composed config: composing it is checked like a run
     info_only = any(
-        a in ("--help", "-h", "--hydra-help", "--info", "-i")
-        or a.startswith(("--cfg", "-c", "--shell"))
+        a in ("--help", "-h", "--hydra-help", "--info", "-i") or a.startswith("--shell")
         for a in args
     )
     if not info_only:

@@ -7,12 +7,15 @@
     out[0].token_ids, out[0].text, out[0].ttft_s, out[0].tpot_s
     logits = llm.score([1, 2, 3])          # [T, vocab] target logits
 
-Token-id prompts are used exactly as given (no BOS added); text prompts go through the
-model's tokenizer.
+A prompt is a ``str`` (encoded with the model's tokenizer) or a sequence of int token ids
+(used exactly as given, no BOS added); ``generate`` takes one prompt or a list of prompts.
+Every bad argument raises a :class:`~xspec.errors.UserError` subclass (RequestError for
+generation arguments, ConfigError for the configuration), never a bare TypeError.
 """
 
 from __future__ import annotations
 
+import numbers
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any, cast
 
@@ -66,7 +69,14 @@ class LLM:
         """One :class:`Generation` per prompt, in order. Request ``i`` samples with
         seed ``seed + i`` (reproducible; ``seed=None`` for fresh randomness)."""
         items = _as_prompt_list(prompts)
+        max_new_tokens = _integer("max_new_tokens", max_new_tokens, minimum=1)
+        if concurrency is not None:
+            concurrency = _integer("concurrency", concurrency, minimum=1)
+        if not isinstance(ignore_eos, bool):
+            raise RequestError(f"ignore_eos must be True or False (got {ignore_eos!r})")
         params = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed)
+        if problems := params.problems():
+            raise RequestError("invalid sampling arguments:", problems=problems)
         requests = [
             Request(self._ids(p, i), max_new_tokens, seeded(params, i), ignore_eos)
             for i, p in enumerate(items)
@@ -76,9 +86,17 @@ class LLM:
             g.text = self.tokenizer.decode(g.token_ids)
         return outs
 
-    def score(self, token_ids: Sequence[int]) -> torch.Tensor:
-        """Target logits ``[T, vocab]`` (float32) for one sequence, from a fresh state."""
+    def score(self, token_ids: Prompt) -> torch.Tensor:
+        """Target logits ``[T, vocab]`` (float32) for one sequence (ids, or text through the
+        tokenizer), from a fresh state."""
         target = self._built.target
+        if isinstance(token_ids, torch.Tensor):
+            token_ids = token_ids.tolist()
+        if not isinstance(token_ids, str) and not _is_id_sequence(token_ids):
+            raise RequestError(
+                f"score takes one sequence of int token ids (or a string), got "
+                f"{_describe(token_ids)}; score several sequences one call each"
+            )
         ids = self._ids(token_ids, 0)
         if len(ids) > target.max_context:
             raise RequestError(
@@ -92,7 +110,7 @@ class LLM:
             if not prompt:
                 raise RequestError(f"request {index}: empty prompt")
             return self.tokenizer.encode(prompt)
-        ids = [int(t) for t in prompt]
+        ids = [_token(t, index) for t in prompt]
         vocab = self._built.target.vocab_size
         if not ids:
             raise RequestError(f"request {index}: empty prompt")
@@ -107,6 +125,54 @@ def _as_prompt_list(prompts: Prompt | Sequence[Prompt]) -> list[Prompt]:
     """One prompt (a string or a list of ids) or a list of prompts -> a list of prompts."""
     if isinstance(prompts, str):
         return [prompts]
-    if len(prompts) > 0 and all(isinstance(t, int) for t in prompts):
-        return [cast(Sequence[int], prompts)]
-    return [cast(Prompt, p) for p in prompts]
+    if isinstance(prompts, torch.Tensor):
+        prompts = prompts.tolist()
+    if not isinstance(prompts, Sequence):
+        raise RequestError(
+            f"prompts must be a string, a list of int token ids, or a list of those; got "
+            f"{_describe(prompts)}"
+        )
+    if len(prompts) > 0 and all(_is_number(t) for t in prompts):
+        return [cast(Sequence[int], prompts)]  # one token-id prompt (each id checked later)
+    out: list[Prompt] = []
+    for i, p in enumerate(prompts):
+        if isinstance(p, torch.Tensor):
+            p = p.tolist()
+        if not isinstance(p, str) and not _is_id_sequence(p):
+            raise RequestError(
+                f"request {i}: a prompt is a string or a list of int token ids; got {_describe(p)}"
+            )
+        out.append(cast(Prompt, p))
+    return out
+
+
+def _is_number(x: Any) -> bool:
+    return isinstance(x, numbers.Number) or (isinstance(x, torch.Tensor) and x.dim() == 0)
+
+
+def _is_id_sequence(x: Any) -> bool:
+    """A flat sequence of numbers (ids are checked one by one in ``_token``)."""
+    return isinstance(x, Sequence) and not isinstance(x, str) and all(_is_number(t) for t in x)
+
+
+def _token(t: Any, index: int) -> int:
+    """An int token id: ints (numpy / torch integer scalars too), never floats or bools."""
+    if isinstance(t, torch.Tensor):
+        t = t.item()
+    if isinstance(t, bool) or not isinstance(t, numbers.Integral):
+        raise RequestError(
+            f"request {index}: token ids must be integers, got {t!r} ({type(t).__name__}); "
+            "floats are not rounded"
+        )
+    return int(t)
+
+
+def _integer(name: str, value: Any, *, minimum: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < minimum:
+        raise RequestError(f"{name} must be an integer >= {minimum} (got {value!r})")
+    return int(value)
+
+
+def _describe(x: Any) -> str:
+    text = repr(x)
+    return f"{type(x).__name__} {text if len(text) <= 40 else text[:37] + '...'}"

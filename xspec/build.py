@@ -15,12 +15,12 @@ import torch
 
 from xspec.config import RunConfig, validate
 from xspec.engine.engine import Engine
-from xspec.errors import ConfigError
+from xspec.errors import CheckpointError, ConfigError
 from xspec.models.base import CapturePoint, TargetModel
 from xspec.platforms import get_platform
 from xspec.platforms.base import Platform
 from xspec.registry import models, spec_methods
-from xspec.tokenizer import Tokenizer, load_tokenizer
+from xspec.tokenizer import Tokenizer, load_tokenizer, missing_tokenizer
 from xspec.workers.drafter import Drafter
 
 # Rows a decoding state can roll back when the method's gamma is not set explicitly.
@@ -49,6 +49,8 @@ def build(cfg: RunConfig) -> Built:
         problems += preflight(cfg.spec, cfg.model)
     if problems:
         raise ConfigError("this run cannot be built:", problems=problems)
+    if problem := _tokenizer_problem(cfg.model):  # before loading any weights
+        raise CheckpointError(problem)
 
     torch.set_grad_enabled(False)
     max_rollback = max(gamma or 0, DEFAULT_MAX_ROLLBACK)
@@ -62,14 +64,22 @@ def build(cfg: RunConfig) -> Built:
             f"were sized for {max_rollback}; set spec.num_speculative_tokens={drafter.gamma} explicitly"
         )
     capture = [platform.capture_point(layer_id) for layer_id in drafter.capture_layer_ids]
-    tokenizer = _tokenizer(target)
+    tokenizer = _tokenizer(target, cfg.model)
     engine = Engine(
         target, drafter, capture, eos_id=tokenizer.eos_id, synchronize=platform.synchronize
     )
     return Built(cfg, platform, target, drafter, capture, tokenizer, engine)
 
 
-def _tokenizer(target: TargetModel) -> Tokenizer:
+def _tokenizer_problem(model_cfg: Any) -> str | None:
+    """A user checkpoint (``model.path``) without tokenizer.json, unless model.tokenizer=byte."""
+    path = Path(model_cfg.path) if model_cfg.path else None
+    if path is None or not path.is_dir() or model_cfg.tokenizer.value != "auto":
+        return None
+    return missing_tokenizer(path)
+
+
+def _tokenizer(target: TargetModel, model_cfg: Any) -> Tokenizer:
     args = getattr(target, "args", None)
     ckpt = getattr(target, "checkpoint_dir", None)
     return load_tokenizer(
@@ -77,4 +87,6 @@ def _tokenizer(target: TargetModel) -> Tokenizer:
         target.vocab_size,
         getattr(args, "bos_token_id", None),
         getattr(args, "eos_token_id", None),
+        kind=model_cfg.tokenizer.value,
+        required=model_cfg.path is not None,  # a user checkpoint; presets have no tokenizer
     )

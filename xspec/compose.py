@@ -27,13 +27,37 @@ def overrides_from(
     platform: str | None = None,
     overrides: Mapping[str, Any] | Iterable[str] | None = None,
 ) -> list[str]:
-    """Python-API arguments as Hydra override strings."""
+    """Python-API arguments as Hydra override strings.
+
+    ``overrides``: a mapping ``{"model.dtype": "float16"}`` or a list of ``"key=value"``
+    strings. ``workload.prompts`` holds text only (token-id prompts go to ``generate``).
+    """
     out = [f"{k}={v}" for k, v in (("model", model), ("spec", spec), ("platform", platform)) if v]
     if isinstance(overrides, Mapping):
+        for k, v in overrides.items():
+            _check_override_value(str(k), v)
         out += [f"{k}={_value(v)}" for k, v in overrides.items()]
+    elif isinstance(overrides, str | bytes) or not isinstance(overrides, Iterable | None):
+        raise ConfigError(
+            f"overrides must be a mapping {{'model.dtype': 'float16'}} or a list of 'key=value' "
+            f"strings, not {type(overrides).__name__} {overrides!r}; e.g. overrides=[{overrides!r}]"
+        )
     elif overrides is not None:
-        out += list(overrides)
+        items = list(overrides)
+        if bad := [o for o in items if not isinstance(o, str)]:
+            raise ConfigError(f"overrides must be 'key=value' strings; got {bad[:4]!r}")
+        out += items
     return out
+
+
+def _check_override_value(key: str, value: Any) -> None:
+    if key.lstrip("+~") != "workload.prompts" or not isinstance(value, list | tuple):
+        return
+    if bad := [p for p in value if not isinstance(p, str)]:
+        raise ConfigError(
+            f"workload.prompts holds text prompts; got {bad[:4]!r}. Pass token-id prompts "
+            "to LLM.generate, or write numbers as strings to use them as text"
+        )
 
 
 def _value(v: Any) -> str:
@@ -49,8 +73,15 @@ def _value(v: Any) -> str:
 
 
 def user_message(e: BaseException) -> str:
-    """The first useful lines of a Hydra/OmegaConf error, without stack noise."""
+    """The first useful lines of a Hydra/OmegaConf error, without stack noise.
+
+    Hydra wraps the real reason of a failed override ("Error merging override K=V") around
+    OmegaConf's (expected type, allowed enum values): the direct cause is appended.
+    """
     msg = str(e).strip()
+    cause = e.__cause__ or e.__context__  # the first cause only: deeper ones are templates
+    if cause is not None and str(cause).strip() and str(cause).strip() not in msg:
+        msg = f"{msg}: {str(cause).strip()}"
     lines = [
         ln
         for ln in msg.splitlines()

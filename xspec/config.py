@@ -31,11 +31,18 @@ class DType(str, enum.Enum):
 
 
 class NativeSas(str, enum.Enum):
-    """DSv4 draft-window sparse attention mode (NPU only; see DESIGN.md section 6)."""
+    """DSv4 draft-window sparse attention mode (NPU only; see docs/npu.md)."""
 
     auto = "auto"
     on = "on"
     off = "off"
+
+
+class TokenizerKind(str, enum.Enum):
+    """``model.tokenizer``: where text <-> ids comes from (see xspec/tokenizer.py)."""
+
+    auto = "auto"  # the checkpoint's tokenizer.json (required for model.path); presets: bytes
+    byte = "byte"  # raw UTF-8 bytes as ids, explicitly (toy checkpoints without a tokenizer)
 
 
 @dataclass(kw_only=True)
@@ -47,6 +54,7 @@ class ModelConfig:
     preset: str | None = None  # built-in tiny checkpoint generated on first use
     dtype: DType = DType.float32
     max_context: int | None = None  # null = the model's limit (capped to keep caches small)
+    tokenizer: TokenizerKind = TokenizerKind.auto
 
 
 @dataclass(kw_only=True)
@@ -177,6 +185,11 @@ def validate(cfg: RunConfig) -> None:
     ):
         if value < 1:
             problems.append(f"{key} must be >= 1 (got {value})")
+    for i, prompt in enumerate(w.prompts):
+        if not prompt:
+            problems.append(
+                f"workload.prompts[{i}] is an empty string; give some text or remove it"
+            )
     if cfg.model.path is None and cfg.model.preset is None:
         problems.append(
             "model.path is required (this model has no built-in preset): set model.path=/dir/of/checkpoint"

@@ -65,7 +65,7 @@ class AcceptanceReport:
     calibration: list[tuple[float, float]] = field(default_factory=list)
 
     def format(self) -> str:
-        """A small aligned two-column table (names as in xllm_dspark.md section 7)."""
+        """A small aligned two-column table (each line is explained in docs/metrics.md)."""
         rows: list[tuple[str, str]] = [
             ("decode steps", str(self.num_steps)),
             ("verify rows", str(self.num_row_steps)),

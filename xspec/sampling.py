@@ -29,6 +29,7 @@ __all__ = [
     "inverse_cdf",
     "logits_to_probs",
     "make_generator",
+    "nonfinite_rows",
     "sample",
 ]
 
@@ -70,6 +71,15 @@ class SamplingParams:
         # Like vLLM, temperatures below 1e-5 are greedy: logits / 1e-30 overflows to inf
         # and the softmax would be NaN.
         return self.temperature < _GREEDY_BELOW
+
+
+def nonfinite_rows(logits: Tensor) -> Tensor:
+    """``logits [N, V]`` -> ``[N]`` bool: rows holding a NaN or an infinity.
+
+    Raw model logits are finite; a row that is not is a numerical fault of its request
+    (overflow in a low-precision dtype, a bad weight), which must end that request only.
+    """
+    return ~torch.isfinite(logits).all(dim=-1)
 
 
 def make_generator(

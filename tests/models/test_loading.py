@@ -297,3 +297,68 @@ def test_preset_dir_lost_race_reuses_winner(tmp_path: Path, monkeypatch) -> None
     assert preset_dir("toy", "v1", racing) == final
     assert torch.equal(Checkpoint(final).get("a.weight"), _tensors(seed=1)["a.weight"])
     assert sorted(p.name for p in final.parent.iterdir()) == ["toy-v1"]
+
+
+def _truncate(file: Path, nbytes: int) -> None:
+    data = file.read_bytes()
+    file.write_bytes(data[:-nbytes])
+
+
+def test_truncated_shard_names_the_file(tmp_path: Path) -> None:
+    path = _write(tmp_path / "c", _tensors())
+    _truncate(path / "model.safetensors", 16)
+    with pytest.raises(CheckpointError, match=r"model\.safetensors is truncated.*re-download"):
+        Checkpoint(path)
+
+
+def test_unreadable_tensor_data_is_a_checkpoint_error(tmp_path: Path) -> None:
+    """A shard damaged after its header was read (e.g. replaced mid-run) names the tensor."""
+    path = _write(tmp_path / "c", _tensors())
+    ckpt = Checkpoint(path)
+    _truncate(path / "model.safetensors", 16)
+    with pytest.raises(CheckpointError, match=r"cannot read tensor .* from .*model\.safetensors"):
+        load_params(Tiny(), ckpt, _identity)
+
+
+def test_truncated_preset_says_how_to_clear_the_cache(tmp_path: Path, monkeypatch) -> None:
+    monkeypatch.setenv("XSPEC_CACHE_DIR", str(tmp_path / "cache"))
+    d = preset_dir("toy", "v1", lambda dst: _write(dst, _tensors()))
+    _truncate(d / "model.safetensors", 16)
+    with pytest.raises(CheckpointError, match=f"delete {d}"):
+        Checkpoint(d)
+
+
+def test_cache_dir_that_is_a_file(tmp_path: Path, monkeypatch) -> None:
+    (tmp_path / "file").write_text("x")
+    monkeypatch.setenv("XSPEC_CACHE_DIR", str(tmp_path / "file"))
+    with pytest.raises(CheckpointError, match="XSPEC_CACHE_DIR to a writable directory"):
+        preset_dir("toy", "v1", lambda dst: _write(dst, _tensors()))
+
+
+def test_cache_dir_not_writable(tmp_path: Path, monkeypatch) -> None:
+    monkeypatch.setenv("XSPEC_CACHE_DIR", str(tmp_path / "cache"))
+
+    def denied(dst: Path) -> None:
+        raise PermissionError(13, "Permission denied", str(dst))
+
+    with pytest.raises(CheckpointError, match=r"Permission denied.*XSPEC_CACHE_DIR"):
+        preset_dir("toy", "v1", denied)
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")])
+def test_non_finite_weights_are_refused(tmp_path: Path, bad: float) -> None:
+    src = _tensors()
+    src["b.weight"][2, 1] = bad
+    ckpt = Checkpoint(_write(tmp_path / "c", src))
+    with pytest.raises(
+        CheckpointError, match=r"'b\.weight' in .*model\.safetensors holds NaN or Inf"
+    ):
+        load_params(Tiny(), ckpt, _identity)
+
+
+def test_overflow_into_model_dtype_is_refused(tmp_path: Path) -> None:
+    src = _tensors()
+    src["a.weight"][0, 0] = 1e6  # finite in float32, inf in float16
+    ckpt = Checkpoint(_write(tmp_path / "c", src))
+    with pytest.raises(CheckpointError, match=r"overflow torch\.float16"):
+        load_params(Tiny().half(), ckpt, _identity)

@@ -84,6 +84,15 @@ def test_bad_config_values_name_the_key() -> None:
         CpuPlatform(PlatformCfg(name="cpu", device_index=-1))
 
 
+@pytest.mark.parametrize("name", ["cpu", "npu_emulated"])
+def test_host_platforms_have_one_device(name: str) -> None:
+    ok = get_platform(PlatformCfg(name=name))
+    assert ok.validate(dtype="float32", num_speculative_tokens=1) == []
+    bad = get_platform(PlatformCfg(name=name, device_index=1))
+    problems = bad.validate(dtype="float32", num_speculative_tokens=1)
+    assert any("platform.device_index=1: the host CPU is one device" in p for p in problems)
+
+
 def test_unavailable_platform_raises_its_reason() -> None:
     class Missing(CpuPlatform):
         name = "missing"

@@ -1,4 +1,4 @@
-"""Core code never branches on platform identity (DESIGN.md sections 3-4).
+"""Core code never branches on platform identity (docs/architecture.md, "Platforms").
 
 Scans every module under xspec/ except xspec/platforms/ (the one place allowed to know
 device names) with the ``ast`` module, so comments and docstrings that *mention* the

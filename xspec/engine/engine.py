@@ -39,6 +39,7 @@ class Generation:
     latency_s: float  # time to the last token
     num_steps: int  # decode steps this request took part in
     text: str = ""
+    error: str | None = None  # why the request stopped early (e.g. NaN logits); None = fine
 
     @property
     def tpot_s(self) -> float:
@@ -122,7 +123,10 @@ class Engine:
                 for i in stepped:
                     steps[i] += 1
             for i in stepped:  # only these committed tokens in this iteration
-                if self._take(requests[i], running[i], out[i], now):
+                if (error := running[i].error) is not None:  # fails alone, the rest go on
+                    out[i].error, out[i].latency_s = f"request {i}: {error}", now
+                    del running[i]
+                elif self._take(requests[i], running[i], out[i], now):
                     del running[i]
         for i, g in out.items():
             g.num_steps = steps[i]

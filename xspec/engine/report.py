@@ -59,7 +59,11 @@ def comparison_table(rows: list[RunSummary]) -> str:
 
 
 def run_workload(
-    built: Built, w: WorkloadConfig, s: SamplingConfig, out: TextIO = sys.stdout
+    built: Built,
+    w: WorkloadConfig,
+    s: SamplingConfig,
+    out: TextIO = sys.stdout,
+    model_option: str | None = None,  # the model=<option> the user picked (e.g. dsv4_tiny)
 ) -> list[Generation]:
     if not w.prompts:
         raise ConfigError(
@@ -75,14 +79,19 @@ def run_workload(
     for g in gens:
         g.text = built.tokenizer.decode(g.token_ids)
     cfg = built.cfg
+    source = cfg.model.path or f"preset {cfg.model.preset}"
     print(
-        f"xspec: model={cfg.model.arch} ({cfg.model.path or cfg.model.preset}) spec={cfg.spec.method} "
+        f"xspec: model={model_option or cfg.model.arch} ({cfg.model.arch}, {source}) "
+        f"spec={cfg.spec.method} "
         f"gamma={built.drafter.gamma} platform={built.platform.name} device={built.platform.device()}",
         file=out,
     )
     if w.print_outputs:
         for i, (t, g) in enumerate(zip(texts, gens)):
             print(f"[{i}] {t!r} -> {g.text!r}", file=out)
+    for g in gens:
+        if g.error is not None:
+            print(f"xspec: {g.error}", file=sys.stderr)  # the request stopped; the others ran
     print(format_timings(gens), file=out)
     if built.drafter.gamma > 0:
         print(built.engine.metrics.report().format(), file=out)

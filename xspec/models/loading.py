@@ -89,15 +89,34 @@ def _read_header(file: Path) -> dict[str, tuple[list[int], str, int]]:
             if n > 1 << 30:  # real headers are at most a few MB; a huge n means garbage
                 raise ValueError(f"header length {n} is implausible")
             header = json.loads(f.read(n))
-    except (OSError, ValueError, struct.error) as e:
+        header.pop("__metadata__", None)
+        out = {
+            name: (list(info["shape"]), info["dtype"], int(info["data_offsets"][0]))
+            for name, info in header.items()
+        }
+        end = max((int(info["data_offsets"][1]) for info in header.values()), default=0)
+        size = file.stat().st_size
+    except (OSError, ValueError, struct.error, TypeError, KeyError, IndexError) as e:
         raise CheckpointError(
-            f"{file} is not a readable safetensors file ({e}); re-download the shard"
+            f"{file} is not a readable safetensors file ({e}); {_refetch_hint(file)}"
         ) from e
-    header.pop("__metadata__", None)
-    return {
-        name: (list(info["shape"]), info["dtype"], int(info["data_offsets"][0]))
-        for name, info in header.items()
-    }
+    if size < 8 + n + end:  # a truncated download or an interrupted copy
+        raise CheckpointError(
+            f"{file} is truncated: its header describes {8 + n + end} bytes but the file has "
+            f"{size}; {_refetch_hint(file)}"
+        )
+    return out
+
+
+def _refetch_hint(file: Path) -> str:
+    """How to replace a damaged file: regenerate a cached preset, re-download a checkpoint."""
+    presets = cache_root() / "presets"
+    try:
+        rel = file.resolve().relative_to(presets.resolve())
+    except (OSError, ValueError):
+        return "re-download or re-copy the shard"
+    preset = presets / rel.parts[0]
+    return f"it belongs to a cached preset: delete {preset} and the next run regenerates it"
 
 
 class Checkpoint:
@@ -221,11 +240,19 @@ class Checkpoint:
             header = self._headers[file]
             ordered = sorted(by_file[file], key=lambda n: header[n][2])  # sequential reads
             for name in ordered:
-                yield name, self._open(file).get_tensor(name)
+                yield name, self._read(file, name)
 
     def get(self, name: str) -> torch.Tensor:
         """One tensor (e.g. a ``*.weight_scale`` sibling needed by a convert hook)."""
-        return self._open(self.file_of(name)).get_tensor(name)
+        return self._read(self.file_of(name), name)
+
+    def _read(self, file: Path, name: str) -> torch.Tensor:
+        try:
+            return self._open(file).get_tensor(name)
+        except Exception as e:  # safetensors raises SafetensorError (an Exception) on bad files
+            raise CheckpointError(
+                f"cannot read tensor {name!r} from {file} ({e}); {_refetch_hint(file)}"
+            ) from e
 
     def _open(self, file: Path) -> Any:
         """A safe_open handle, cached for the last two shards: a convert hook reading sibling
@@ -335,6 +362,12 @@ def load_params(
                 )
             target.copy_(tensor)
             del tensor  # drop it before the next read: at most one tensor alive
+            if target.is_floating_point() and not bool(torch.isfinite(target).all()):
+                raise CheckpointError(
+                    f"tensor {name!r} in {ckpt.file_of(name)} holds NaN or Inf values once "
+                    f"loaded as {target.dtype}; the file is corrupt, or its values overflow "
+                    f"{target.dtype} (try model.dtype=float32)"
+                )
 
 
 @contextlib.contextmanager
@@ -431,10 +464,16 @@ def preset_dir(name: str, version: str, generate: Callable[[Path], None]) -> Pat
     final = cache_root() / "presets" / f"{name}-{version}"
     if (final / CONFIG_NAME).is_file():
         return final
-    final.parent.mkdir(parents=True, exist_ok=True)
     tmp = final.parent / f".{final.name}.gen-{os.getpid()}-{uuid.uuid4().hex[:8]}"
     try:
-        generate(tmp)
+        try:
+            final.parent.mkdir(parents=True, exist_ok=True)
+            generate(tmp)
+        except OSError as e:  # a file in the way, no permission, disk full
+            raise CheckpointError(
+                f"cannot write preset {name!r} under the cache directory {cache_root()} ({e}); "
+                "set XSPEC_CACHE_DIR to a writable directory (default ~/.cache/xspec)"
+            ) from e
         if not (tmp / CONFIG_NAME).is_file():
             raise CheckpointError(
                 f"preset generator for {name!r} wrote no {CONFIG_NAME} into {tmp}"

@@ -49,7 +49,7 @@ class PlatformSettings(Protocol):
 
 
 class SasMode(str, enum.Enum):
-    """Which key window the DSv4 draft's sliding-window attention sees (DESIGN.md section 6).
+    """Which key window the DSv4 draft's sliding-window attention sees (docs/npu.md).
 
     NATIVE: context positions ``[p - window, p)`` plus the whole draft block, given to the
     kernel as explicit ``ori_sparse_indices``. COMPAT: the last ``window`` positions ending

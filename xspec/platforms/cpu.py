@@ -26,12 +26,26 @@ class HostDevice:
         # CPU ops run synchronously; nothing is queued.
         return None
 
+    def _device_problems(self) -> list[str]:
+        # torch has one "cpu" device (all cores); an index > 0 would select nothing different
+        device_index = getattr(self, "device_index", 0)
+        if device_index != 0:
+            return [
+                f"platform.device_index={device_index}: the host CPU is one device, index 0; "
+                "drop the override (threads: torch.set_num_threads / OMP_NUM_THREADS)"
+            ]
+        return []
+
 
 class CpuPlatform(HostDevice, Platform):
     """Runs everything on the host CPU with the reference torch kernels."""
 
     name = "cpu"
     description = "host CPU, reference torch kernels, gloo collectives"
+
+    def validate(self, *, dtype: str, num_speculative_tokens: int) -> list[str]:
+        problems = super().validate(dtype=dtype, num_speculative_tokens=num_speculative_tokens)
+        return problems + self._device_problems()
 
 
 def host_memory_available() -> int:

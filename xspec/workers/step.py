@@ -14,7 +14,7 @@ import torch
 
 from xspec.metrics import SpecDecodeMetrics
 from xspec.models.base import CapturePoint, DecodeState, ForwardBatch, ModelOutput, TargetModel
-from xspec.sampling import SamplingParams, logits_to_probs, sample
+from xspec.sampling import SamplingParams, logits_to_probs, nonfinite_rows, sample
 from xspec.workers.drafter import CommittedRows, Drafter, DraftRequest
 from xspec.workers.verify import rejection_sample
 
@@ -29,10 +29,23 @@ class Sequence:
     params: SamplingParams
     generator: torch.Generator | None
     new_tokens: list[int] = field(default_factory=list)  # committed this step
+    error: str | None = None  # set when its logits turned non-finite; the engine drops it
 
     @property
     def anchor(self) -> int:
         return self.token_ids[-1]
+
+
+def _flag_nonfinite(seqs: list[Sequence], logits: torch.Tensor) -> torch.Tensor:
+    """``logits [B, R, V]``: a sequence with a non-finite row gets ``error`` set and its rows
+    zeroed, so this batch's sampling runs; its tokens of this step are discarded."""
+    bad = nonfinite_rows(logits.flatten(0, 1)).view(logits.shape[:2]).any(dim=1)  # [B]
+    if not bool(bad.any()):
+        return logits
+    for b in bad.nonzero().flatten().tolist():
+        pos = seqs[b].target_state.num_tokens
+        seqs[b].error = f"the target's logits became NaN/Inf near position {pos}"
+    return logits.masked_fill(bad[:, None, None], 0.0)
 
 
 def _rows(out: ModelOutput, start: int, stop: int) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -73,7 +86,8 @@ def prefill(
             end += len(c)
             last_logits[i] = out.logits[end - 1]
     # the first generated token comes from the last prompt row
-    probs = logits_to_probs(torch.stack(last_logits), [s.params for s in seqs])  # [B, V]
+    logits = _flag_nonfinite(seqs, torch.stack(last_logits)[:, None])[:, 0]  # [B, V]
+    probs = logits_to_probs(logits, [s.params for s in seqs])  # [B, V]
     first = sample(probs, [s.generator for s in seqs])  # [B]
     rows = []
     for i, s in enumerate(seqs):
@@ -117,7 +131,8 @@ def decode_step(
         ForwardBatch(rows.flatten(), [gamma + 1] * B, [s.target_state for s in seqs], capture)
     )
     row_params = [p for p in params for _ in range(gamma + 1)]
-    p = logits_to_probs(out.logits, row_params).view(B, gamma + 1, -1)  # [B, gamma+1, V]
+    logits = _flag_nonfinite(seqs, out.logits.view(B, gamma + 1, -1))  # [B, gamma+1, V]
+    p = logits_to_probs(logits.flatten(0, 1), row_params).view(B, gamma + 1, -1)
 
     # 3. accept: the accepted prefix + one correction (on rejection) or bonus token
     result = rejection_sample(p, drafts, proposal.probs, generators)

@@ -24,7 +24,8 @@ from xspec.models.deepseek_v4.state import BlockContext, DeepseekV4State, kv_byt
 
 
 def test_sinkhorn_comb_is_doubly_stochastic(dsv4):
-    model = dsv4.model("tiny", 0)
+    model = DeepseekV4Model(DeepseekV4Args.tiny())  # not the cached one: weights change
+    model.init_random_(0)
     block = model.layers[2]
     x = torch.randn(
         64, model.args.hc_mult, model.hidden_size, generator=torch.Generator().manual_seed(0)
@@ -108,7 +109,8 @@ def test_swiglu_clamp():
 def test_compressor_entries_equal_the_formula(dsv4, layer):
     """Entries emitted chunk by chunk equal a direct per-entry evaluation of the pooling
     formula (incl. the empty previous window of CSA entry 0) + norm + rope at w*m."""
-    model = dsv4.model("tiny", 0)
+    model = DeepseekV4Model(DeepseekV4Args.tiny())  # not the cached one: weights change
+    model.init_random_(0)
     comp = model.layers[layer].attn.compressor
     m, width, coff = comp.ratio, comp.width, comp.coff
     n = 300
@@ -144,6 +146,25 @@ def test_stable_topk_breaks_ties_towards_lower_index():
     assert stable_topk(inf, 2).tolist() == [[0, 1]]
 
 
+def test_stable_topk_ranks_nan_last():
+    nan = math.nan
+    scores = torch.tensor([[nan, 3.0, nan, 1.0, 2.0], [nan, nan, nan, nan, nan]])
+    assert stable_topk(scores, 2).tolist() == [[1, 4], [0, 1]]
+
+
+def test_indexer_survives_nan_scores(dsv4):
+    """A NaN in the indexer's scores (a numerical fault) never reaches top-k as a pick: the
+    forward completes, and the NaN query row selects nothing it should not."""
+    model = DeepseekV4Model(DeepseekV4Args.tiny())  # not the cached one: weights change
+    model.init_random_(0)
+    layer = next(i for i, r in enumerate(model.args.target_compress_ratios) if r == 4)
+    indexer = model.layers[layer].attn.indexer
+    with torch.no_grad():
+        indexer.weights_proj.weight[0, 0] = math.nan  # every query's head-0 weight is NaN
+    ids = dsv4.ids(64, model.args.vocab_size, 1)
+    dsv4.run(model, ids, model.new_state())  # raised a shape error in stable_topk before
+
+
 # -- RoPE ----------------------------------------------------------------------------------
 
 
@@ -175,7 +196,8 @@ def test_inverse_rope_undoes_rope_and_keeps_the_nope_part():
 
 
 def test_capture_returns_residual_stream_means(dsv4):
-    model = dsv4.model("tiny", 0)
+    model = DeepseekV4Model(DeepseekV4Args.tiny())  # not the cached one: weights change
+    model.init_random_(0)
     ids = dsv4.ids(20, model.vocab_size, 6)
     L = model.num_layers
     points = [CapturePoint(0, CaptureSite.INPUT)]

@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from xspec.errors import CheckpointError
+from xspec.models.families import check_family
 
 COMPRESS_RATIOS = (0, 4, 128)  # SWA-only, CSA (overlapping, indexer), HCA
 SCORING_FUNCS = ("sqrtsoftplus", "sigmoid", "softmax")
@@ -137,6 +138,7 @@ class DeepseekV4Args:
     @classmethod
     def from_config(cls, config: dict, where: Path | str) -> DeepseekV4Args:
         """Validate a parsed config.json; ``where`` (the file) is named in the error."""
+        check_family(config, where, ("deepseek_v4", "deepseek_v4_mtp"))
         problems: list[str] = []
         kw: dict[str, Any] = {}
         for key in _REQUIRED_INTS:
@@ -237,7 +239,7 @@ class DeepseekV4Args:
 
     @classmethod
     def tiny(cls) -> DeepseekV4Args:
-        """The tiny config of dsv4_arch.md section 10: every Flash feature at toy size."""
+        """The tiny preset config: every Flash feature (SWA, CSA, HCA, hash layers) at toy size."""
         return cls(
             vocab_size=512,
             hidden_size=256,

@@ -176,9 +176,13 @@ class Indexer(nn.Module):
         scores = (scores * weights.unsqueeze(-1)).sum(dim=1)  # [T, n]
         visible = layout.visible(4)[:, None]  # entries < visible are causal
         future = torch.arange(n, device=q.device)[None, :] >= visible
-        picks = stable_topk(scores.masked_fill(future, float("-inf")), k)
-        # padding (other sequences' keys, or none) is never causal, so never a valid pick
-        return picks.masked_fill(picks >= visible, -1)
+        # a NaN score (a numerical fault upstream) ranks like a future entry: never selected
+        scores = scores.masked_fill(future | scores.isnan(), float("-inf"))
+        picks = stable_topk(scores, k)
+        # padding (other sequences' keys, or none) is never causal, so never a valid pick;
+        # -inf entries only fill the k slots when fewer than k entries are selectable
+        never = (picks >= visible) | scores.gather(1, picks).isneginf()
+        return picks.masked_fill(never, -1)
 
 
 def stable_topk(scores: torch.Tensor, k: int) -> torch.Tensor:
@@ -188,7 +192,9 @@ def stable_topk(scores: torch.Tensor, k: int) -> torch.Tensor:
     exactly 0 often; ``torch.topk`` breaks such ties differently for different row
     lengths, which would make the selection (and the logits) depend on how a sequence
     was chunked. The official top-k leaves ties unspecified, so any fixed rule is valid.
+    NaN ranks as -inf (``torch.topk`` would rank it first, and it equals nothing).
     """
+    scores = scores.masked_fill(scores.isnan(), float("-inf"))
     kth = scores.topk(k, dim=-1).values[:, -1:]  # [S, 1]
     above = scores > kth
     tied = scores == kth

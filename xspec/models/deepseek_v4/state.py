@@ -1,6 +1,6 @@
 """Per-sequence decoding state of DeepSeek-V4, with exact rollback.
 
-Organised by cache kind (DESIGN.md section 8), one :class:`LayerCache` per layer:
+Organised by cache kind (docs/architecture.md, "KV state and rollback"), one :class:`LayerCache` per layer:
 
 * **SWA ring** (every layer): raw K=V rows ``[window + max_rollback, D]``, position
   ``p`` in slot ``p % ring_size``. The ``max_rollback`` extra slots mean a rollback of up

@@ -1,6 +1,6 @@
 """The ``tiny`` DeepSeek-V4 preset: a small random checkpoint with every Flash feature.
 
-``DeepseekV4Args.tiny()`` (dsv4_arch.md section 10: SWA, CSA and HCA layers, 3 hash
+``DeepseekV4Args.tiny()`` (SWA, CSA and HCA layers, 3 hash
 layers, hc_mult 4, index_topk 8) with ``init_random_(seed)`` weights, written in the
 official layout as 2+ safetensors shards (so the index path is always exercised) with
 ``config.json = args.to_config()``. Generation is deterministic: same bytes every run.

@@ -64,7 +64,7 @@ W8A8_SIBLINGS = (
     "quant_bias",
     "deq_scale",
 )
-# The Huawei reference quantises these linears (§8 of dsv4_arch.md); the rest stay FLOAT.
+# The linears the reference W8A8 release quantises (docs/checkpoints.md); the rest stay FLOAT.
 DEFAULT_QUANTIZED = re.compile(
     r"^(layers|mtp)\.\d+\.(attn\.(wq_a|wq_b|wkv|indexer\.wq_b)|"
     r"ffn\.(experts\.\d+|shared_experts)\.w[123])\.weight$"

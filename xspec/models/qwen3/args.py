@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from xspec.errors import CheckpointError
+from xspec.models.families import check_family
 
 MODEL_TYPES = ("qwen3", "qwen3_moe")
 ROPE_TYPES = ("default", "linear", "yarn")
@@ -78,6 +79,7 @@ class Qwen3Args:
     @classmethod
     def from_config(cls, config: dict, where: str | Path) -> Qwen3Args:
         """Validate a parsed config.json; ``where`` (the file) is named in the error."""
+        check_family(config, where, ("qwen3",))
         problems: list[str] = []
         if "num_experts" not in config and "num_local_experts" in config:
             # transformers >= 5 saves Qwen3MoeConfig.num_experts under this alias

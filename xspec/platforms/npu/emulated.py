@@ -74,6 +74,3 @@ class NpuPolicyCpuPlatform(HostDevice, NpuPlatform):
 
     def _probe_sparse_attention_operator(self) -> bool:
         return self._operator_accepts
-
-    def _device_problems(self) -> list[str]:
-        return []
