@@ -267,7 +267,7 @@ def test_checkpoint_directory_holds_target_and_stages() -> None:
         model="dsv4_flash",
         spec="dspark",
         platform="cpu",
-        overrides={"model.path": str(path), "model.dtype": "float32"},
+        overrides={"model.path": str(path), "model.dtype": "float32", "model.tokenizer": "byte"},
     )
     assert llm._built.drafter.gamma == 5
     assert len(llm.generate([[5, 6, 7]], 4, ignore_eos=True)[0].token_ids) == 4
@@ -283,7 +283,11 @@ def test_dspark_keys_do_not_change_the_target() -> None:
         model="dsv4_flash",
         spec="none",
         platform="cpu",
-        overrides={"model.path": str(tiny_dspark_dir()), "model.dtype": "float32"},
+        overrides={
+            "model.path": str(tiny_dspark_dir()),
+            "model.dtype": "float32",
+            "model.tokenizer": "byte",
+        },
     )
     tokens = PROMPTS[0][:40]
     assert torch.equal(plain.score(tokens), flash.score(tokens))
