@@ -311,3 +311,35 @@ def test_mtp_checkpoint_under_spec_dspark_says_which_method() -> None:
             platform="cpu",
             overrides={"spec.draft_path": str(tiny_dir())},
         )
+
+
+def test_capture_order_is_the_config_order(tmp_path: Path) -> None:
+    """Unsorted dspark_target_layer_ids keep their order: the drafter asks for them in that
+    order and the target concatenates its captures the same way."""
+    config = dspark_config(DeepseekV4Args.tiny())
+    tensors = dspark_tensors(config, 3)
+    config["dspark_target_layer_ids"] = [4, 1, 3]
+    write_checkpoint(tmp_path, tensors, config)
+    llm = xspec.LLM(
+        model="dsv4_tiny",
+        spec="dspark",
+        platform="npu_emulated",
+        overrides={"spec.draft_path": str(tmp_path)},
+    )
+    assert llm._built.drafter.capture_layer_ids == [4, 1, 3]
+    assert [p.layer for p in llm._built.capture] == [5, 2, 4]  # NPU: input of L+1
+    from xspec.models.base import CapturePoint, CaptureSite, ForwardBatch
+
+    target = llm._built.target
+    ids = torch.tensor(PROMPTS[2])
+    both = target.forward(
+        ForwardBatch(ids, [len(ids)], [target.new_state()], llm._built.capture)
+    ).aux_hidden
+    d = target.hidden_size
+    for k, layer in enumerate([4, 1, 3]):
+        one = target.forward(
+            ForwardBatch(
+                ids, [len(ids)], [target.new_state()], [CapturePoint(layer, CaptureSite.OUTPUT)]
+            )
+        ).aux_hidden
+        torch.testing.assert_close(both[:, k * d : (k + 1) * d], one)
