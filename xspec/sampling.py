@@ -130,8 +130,9 @@ def logits_to_probs(logits: Tensor, params: Sequence[SamplingParams]) -> Tensor:
     k_rows = [j for j, sp in enumerate(rand_params) if 0 < sp.top_k < vocab]
     if k_rows:
         sub = torch.tensor(k_rows, device=device)
-        k = torch.tensor([rand_params[j].top_k for j in k_rows], device=device)  # [Mk]
-        keep = _top_k_mask(scaled[sub], k)  # [Mk, V]
+        k_host = [rand_params[j].top_k for j in k_rows]
+        k = torch.tensor(k_host, device=device)  # [Mk]
+        keep = _top_k_mask(scaled[sub], k, max(k_host))  # [Mk, V]
         scaled[sub] = scaled[sub].masked_fill(~keep, float("-inf"))
 
     # Rows with top_p == 1 skip this: float cumsums can reach 1.0 early and drop a tail.
@@ -166,12 +167,13 @@ def _ranked(scores: Tensor, cap: int) -> tuple[Tensor, Tensor]:
     return values, ids.gather(1, perm2)  # ... then value descending, stable keeps index order
 
 
-def _top_k_mask(scores: Tensor, k: Tensor) -> Tensor:
+def _top_k_mask(scores: Tensor, k: Tensor, k_max: int) -> Tensor:
     """Exactly ``k[i]`` best tokens per row, ties at the boundary to the lowest indices.
 
-    scores [M, V], k [M] int64 in [1, V) -> keep [M, V] bool.
+    scores [M, V], k [M] int64 in [1, V), k_max = max(k) (a host int: no device read)
+    -> keep [M, V] bool.
     """
-    kth = scores.topk(int(k.max()), dim=-1).values.gather(1, (k - 1)[:, None])  # [M, 1]
+    kth = scores.topk(k_max, dim=-1).values.gather(1, (k - 1)[:, None])  # [M, 1]
     above = scores > kth  # [M, V] certainly kept
     tied = scores == kth  # [M, V] kept in index order while room is left
     room = k[:, None] - above.sum(dim=-1, keepdim=True)  # [M, 1] >= 1
@@ -215,8 +217,9 @@ def draw_uniforms(
         groups.setdefault(id(gen), (gen, []))[1].append(i)
     for gen, rows in groups.values():
         rows_t = torch.tensor(rows, device=device)  # [M]
-        n_t = torch.tensor([counts[i] for i in rows], device=device)  # [M]
-        flat = torch.rand(int(n_t.sum()), generator=gen, device=gen.device).to(device)  # [sum n]
+        n_host = [counts[i] for i in rows]
+        n_t = torch.tensor(n_host, device=device)  # [M]
+        flat = torch.rand(sum(n_host), generator=gen, device=gen.device).to(device)  # [sum n]
         mask = torch.arange(width, device=device)[None, :] < n_t[:, None]  # [M, W]
         block = torch.zeros(len(rows), width, device=device)
         block[mask] = flat  # row-major fill: row r gets its n_r draws in order

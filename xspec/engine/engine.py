@@ -17,8 +17,7 @@ from xspec.metrics import SpecDecodeMetrics
 from xspec.models.base import CapturePoint, TargetModel
 from xspec.sampling import SamplingParams, make_generator
 from xspec.workers.drafter import Drafter
-from xspec.workers.step import Sequence as RunningSeq
-from xspec.workers.step import decode_step, prefill
+from xspec.workers.step import RunningSeq, decode_step, prefill
 
 
 @dataclass
@@ -103,7 +102,7 @@ class Engine:
             ]
             if admitted:  # prefill the newcomers; the others wait one iteration
                 seqs = [self._start(requests[i]) for i in admitted]
-                prefill(self.target, self.drafter, seqs, self.capture, self.prefill_chunk)
+                result = prefill(self.target, self.drafter, seqs, self.capture, self.prefill_chunk)
                 now = elapsed()
                 for i, s in zip(admitted, seqs):
                     out[i] = Generation(requests[i].prompt_ids, [], now, now, 0)
@@ -111,7 +110,7 @@ class Engine:
                 stepped = admitted
             else:
                 stepped = list(running)
-                decode_step(
+                result = decode_step(
                     self.target,
                     self.drafter,
                     [running[i] for i in stepped],
@@ -121,8 +120,8 @@ class Engine:
                 now = elapsed()
                 for i in stepped:
                     steps[i] += 1
-            for i in stepped:  # only these committed tokens in this iteration
-                if self._take(requests[i], running[i], out[i], now):
+            for j, i in enumerate(stepped):  # only these committed tokens in this iteration
+                if self._take(requests[i], result.new_tokens[j], out[i], now):
                     del running[i]
         for i, g in out.items():
             g.num_steps = steps[i]
@@ -135,11 +134,15 @@ class Engine:
             draft_state=self.drafter.new_state(),
             params=req.params,
             generator=make_generator(req.params),
+            max_len=len(req.prompt_ids) + req.max_new_tokens,
         )
 
-    def _take(self, req: Request, seq: RunningSeq, gen: Generation, now: float) -> bool:
-        """Append the step's committed tokens; True when the request is finished."""
-        for t in seq.new_tokens:
+    def _take(self, req: Request, new_tokens: list[int], gen: Generation, now: float) -> bool:
+        """Append one step's committed tokens; True when the request is finished.
+
+        The step never commits past ``max_new_tokens``; stopping here as well keeps the
+        limit even for a step that committed more (and drops what follows a stop id)."""
+        for t in new_tokens:
             gen.token_ids.append(t)
             gen.latency_s = now
             if len(gen.token_ids) >= req.max_new_tokens or (

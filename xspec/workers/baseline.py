@@ -28,5 +28,8 @@ class NoDrafter:
     def observe(self, states: list[Any], rows: list[CommittedRows]) -> None:
         pass
 
-    def propose(self, states: list[Any], requests: list[DraftRequest]) -> DraftProposal:
+    def propose(
+        self, states: list[Any], requests: list[DraftRequest], num_tokens: int
+    ) -> DraftProposal:
+        # Never called by the step (gamma 0 skips drafting); kept for the protocol.
         return DraftProposal(tokens=torch.empty(len(requests), 0, dtype=torch.long))

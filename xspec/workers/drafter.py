@@ -2,10 +2,13 @@
 
 A drafter keeps its own per-sequence state. The step talks to it twice per decode step:
 
-* ``propose``: gamma draft tokens per sequence (and their full draft distributions q
-  when the drafts were sampled), starting after the anchor (the last committed token,
-  not yet seen by the target). Any speculative rows it appends to its own state while
-  drafting it must roll back itself before returning.
+* ``propose(states, requests, num_tokens)``: ``num_tokens`` draft tokens per sequence
+  (``1 <= num_tokens <= self.gamma``: the step asks for fewer when no request in the
+  batch can use ``gamma``, see ``DraftRequest.max_drafts``), and their full draft
+  distributions q when the drafts were sampled, starting after the anchor (the last
+  committed token, not yet seen by the target). Tokens and q live on the target's
+  device (``TargetModel.device``). Any speculative rows it appends to its own state
+  while drafting it must roll back itself before returning.
 * ``observe``: the context committed since the last call. For every target row that
   was kept (the prompt after prefill; anchor + accepted drafts after a verify step) it
   gets the row's input token, the *next* token (the one at position + 1, the last of
@@ -28,9 +31,11 @@ from xspec.sampling import SamplingParams
 
 @dataclass
 class DraftProposal:
-    tokens: torch.Tensor  # [B, gamma] int64
+    """``num_tokens`` drafts per sequence, on the target's device."""
+
+    tokens: torch.Tensor  # [B, num_tokens] int64
     probs: torch.Tensor | None = (
-        None  # [B, gamma, V] float32 full q; None = deterministic drafts (one-hot q)
+        None  # [B, num_tokens, V] float32 full q; None = deterministic drafts (one-hot q)
     )
 
 
@@ -51,6 +56,9 @@ class DraftRequest:
     anchor: int  # last committed token; the target has not seen it yet
     params: SamplingParams
     generator: torch.Generator | None  # the request's own generator (None: greedy)
+    # Drafts this request can still use (its remaining token budget - 1): the step
+    # verifies at most this many, so a drafter may stop early for it; informational.
+    max_drafts: int
 
 
 @runtime_checkable
@@ -62,4 +70,6 @@ class Drafter(Protocol):
 
     def observe(self, states: list[Any], rows: list[CommittedRows]) -> None: ...
 
-    def propose(self, states: list[Any], requests: list[DraftRequest]) -> DraftProposal: ...
+    def propose(
+        self, states: list[Any], requests: list[DraftRequest], num_tokens: int
+    ) -> DraftProposal: ...

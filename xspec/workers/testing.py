@@ -35,11 +35,14 @@ class OracleDrafter:
         self.target.forward(ForwardBatch(ids, [len(r.input_ids) for r in rows], states))
 
     @torch.no_grad()
-    def propose(self, states: list[Any], requests: list[DraftRequest]) -> DraftProposal:
+    def propose(
+        self, states: list[Any], requests: list[DraftRequest], num_tokens: int
+    ) -> DraftProposal:
         start = [s.num_tokens for s in states]
-        tok = torch.tensor([r.anchor for r in requests], dtype=torch.long)  # [B]
+        device = self.target.device
+        tok = torch.tensor([r.anchor for r in requests], dtype=torch.long, device=device)  # [B]
         drafts = []
-        for _ in range(self.gamma):
+        for _ in range(num_tokens):
             logits = self.target.forward(
                 ForwardBatch(tok, [1] * len(states), states)
             ).logits  # [B, V]
@@ -48,7 +51,7 @@ class OracleDrafter:
             tok = greedy  # follow the target's own continuation
         for s, n in zip(states, start):
             self.target.truncate(s, n)
-        return DraftProposal(tokens=torch.stack(drafts, 1))  # [B, gamma]
+        return DraftProposal(tokens=torch.stack(drafts, 1))  # [B, num_tokens] on the device
 
 
 class WrongDrafter(OracleDrafter):
