@@ -7,6 +7,7 @@ any weights or caches are allocated.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -63,10 +64,32 @@ def build(cfg: RunConfig) -> Built:
         )
     capture = [platform.capture_point(layer_id) for layer_id in drafter.capture_layer_ids]
     tokenizer = _tokenizer(target)
-    engine = Engine(
-        target, drafter, capture, eos_id=tokenizer.eos_id, synchronize=platform.synchronize
+    stop_ids = stop_ids_of(
+        getattr(tokenizer, "stop_ids", None),
+        getattr(tokenizer, "eos_id", None),
+        getattr(getattr(target, "args", None), "eos_token_id", None),
     )
+    engine = Engine(target, drafter, capture, stop_ids=stop_ids, synchronize=platform.synchronize)
     return Built(cfg, platform, target, drafter, capture, tokenizer, engine)
+
+
+def stop_ids_of(*sources: object) -> frozenset[int]:
+    """Every token id that ends a generation, from whatever the tokenizer and the model
+    config expose: None, one id, or a list/set of ids (``eos_token_id`` of Qwen3
+    instruct checkpoints lists several)."""
+    ids: set[int] = set()
+    for source in sources:
+        if source is None:
+            continue
+        if isinstance(source, int) and not isinstance(source, bool):
+            ids.add(source)
+        elif isinstance(source, Iterable) and not isinstance(source, str | bytes):
+            ids.update(stop_ids_of(*source))
+        else:
+            raise ConfigError(
+                f"a stop / eos token id must be an int or a list of ints, got {source!r}"
+            )
+    return frozenset(ids)
 
 
 def _tokenizer(target: TargetModel) -> Tokenizer:

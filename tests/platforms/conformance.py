@@ -111,7 +111,7 @@ def generate_on(platform: Platform, method: str, gamma: int | None) -> list[list
         model_cfg=ModelConfig(arch="deepseek_v4", preset="tiny"),
         platform=platform,
     )
-    engine = Engine(target, drafter, [], eos_id=None, synchronize=platform.synchronize)
+    engine = Engine(target, drafter, [], stop_ids=frozenset(), synchronize=platform.synchronize)
     requests = [Request(p, GENERATION_TOKENS, SamplingParams()) for p in GENERATION_PROMPTS]
     return [g.token_ids for g in engine.run(requests, concurrency=2)]
 

@@ -82,7 +82,7 @@ def test_engine_never_exceeds_max_new_tokens(oracle: xspec.LLM) -> None:
     """Even a step result longer than the budget is cut at max_new_tokens."""
     gen = Generation([1], [], 0.0, 0.0, 0)
     built = oracle._built
-    engine = Engine(built.target, built.drafter, [], eos_id=None)
+    engine = Engine(built.target, built.drafter, [], stop_ids=frozenset())
     assert engine._take(Request([1], 2, SamplingParams()), [7, 8, 9], gen, 1.0)
     assert gen.token_ids == [7, 8]
 

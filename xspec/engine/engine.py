@@ -53,12 +53,12 @@ class Engine:
         drafter: Drafter,
         capture: list[CapturePoint],
         *,
-        eos_id: int | None,
+        stop_ids: frozenset[int],
         synchronize: Callable[[], None] = lambda: None,
         prefill_chunk: int = 2048,
     ) -> None:
         self.target, self.drafter, self.capture = target, drafter, capture
-        self.eos_id = eos_id
+        self.stop_ids = frozenset(stop_ids)  # a request ends at any of these (unless ignore_eos)
         self.synchronize = synchronize
         self.prefill_chunk = prefill_chunk
         self.metrics = SpecDecodeMetrics()
@@ -146,7 +146,7 @@ class Engine:
             gen.token_ids.append(t)
             gen.latency_s = now
             if len(gen.token_ids) >= req.max_new_tokens or (
-                t == self.eos_id and not req.ignore_eos
+                t in self.stop_ids and not req.ignore_eos
             ):
                 return True
         return False
