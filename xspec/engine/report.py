@@ -58,13 +58,21 @@ def comparison_table(rows: list[RunSummary]) -> str:
     return "\n".join(lines)
 
 
+def workload_problems(w: WorkloadConfig) -> list[str]:
+    """What the CLI's main job cannot run with (checked before any job starts)."""
+    problems = []
+    if not w.prompts:
+        problems.append(
+            "workload.prompts is empty; give at least one prompt, e.g. 'workload.prompts=[Hello]'"
+        )
+    return problems
+
+
 def run_workload(
     built: Built, w: WorkloadConfig, s: SamplingConfig, out: TextIO = sys.stdout
 ) -> list[Generation]:
-    if not w.prompts:
-        raise ConfigError(
-            "workload.prompts is empty; give at least one prompt, e.g. 'workload.prompts=[Hello]'"
-        )
+    if problems := workload_problems(w):
+        raise ConfigError("cannot run the workload:", problems=problems)
     params = SamplingParams(temperature=s.temperature, top_k=s.top_k, top_p=s.top_p, seed=s.seed)
     texts = [w.prompts[i % len(w.prompts)] for i in range(w.num_requests)]
     requests = [

@@ -15,6 +15,11 @@ A drafter keeps its own per-sequence state. The step talks to it twice per decod
   which is the new anchor), and the target's hidden rows (pre-head hidden, and the aux
   hidden captured at ``capture_layer_ids`` when the drafter asked for any).
 
+Optional class-level hooks, read by :mod:`xspec.build` before anything is loaded:
+``preflight(spec_cfg, model_cfg) -> list[str]`` (checkpoint problems from headers) and
+``default_gamma(spec_cfg, model_cfg) -> int`` (the gamma the drafter will use when
+``spec.num_speculative_tokens`` is null), checked against the platform's limits.
+
 Checkpoint layer ids in ``capture_layer_ids`` are raw: the platform maps them to capture
 points; drafters never add +1 themselves.
 """

@@ -71,7 +71,7 @@ class MtpDrafter:
                 f"spec=mtp needs a DeepSeek-V4 target (model.arch={TARGET_ARCH}); got "
                 f"{type(target).__name__}, which has no MTP layer"
             )
-        gamma = cfg.num_speculative_tokens or DEFAULT_GAMMA
+        gamma = self.default_gamma(cfg, model_cfg)
         if problem := _gamma_problem(gamma):
             raise ConfigError(problem)
         if gamma > DEFAULT_GAMMA:
@@ -96,6 +96,11 @@ class MtpDrafter:
         )
 
     # -- preflight (before any weights exist) ------------------------------------------
+
+    @staticmethod
+    def default_gamma(spec_cfg: Any, model_cfg: Any) -> int:
+        """The gamma this drafter runs with: the configured one, else the trained 1."""
+        return int(spec_cfg.num_speculative_tokens or DEFAULT_GAMMA)
 
     @staticmethod
     def preflight(spec_cfg: Any, model_cfg: Any) -> list[str]:

@@ -23,8 +23,12 @@ class OracleDrafter:
 
     def __init__(self, cfg: Any, *, target: TargetModel, **_: Any) -> None:
         self.target = target
-        self.gamma = cfg.num_speculative_tokens or DEFAULT_GAMMA
+        self.gamma = self.default_gamma(cfg)
         self.capture_layer_ids: list[int] = []
+
+    @staticmethod
+    def default_gamma(spec_cfg: Any, model_cfg: Any = None) -> int:
+        return int(spec_cfg.num_speculative_tokens or DEFAULT_GAMMA)
 
     def new_state(self) -> DecodeState:
         return self.target.new_state()
