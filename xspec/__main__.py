@@ -70,7 +70,7 @@ def check_jobs(override_sets: list[list[str]]) -> None:
     lines = []
     for overrides, problems in failures:
         lines.append(f"job {' '.join(overrides) or '(defaults)'}:")
-        lines += [_indent(f"- {p}", "    ") for p in problems]
+        lines += [_indent(f"  - {p}", "      ") for p in problems]
     raise ConfigError(
         f"{len(failures)} of {len(override_sets)} jobs cannot run (no job was started):\n"
         + "\n".join(f"  {line}" for line in lines)
