@@ -109,11 +109,14 @@ _GROUPS: dict[str, type] = {
 def register_configs() -> None:
     """Register the schemas; YAML options extend them with ``defaults: [/schema/<group>@_here_]``.
 
-    Out-of-tree platforms and spec methods (entry points) have no YAML file in xspec;
-    each gets a generated group option, so ``platform=<plugin name>`` selects it like a
-    built-in. Listing registry names reads package metadata only (nothing is imported).
+    Out-of-tree platforms, models and spec methods (entry points) have no YAML file in
+    xspec; each registry name without one gets a generated group option, so
+    ``platform=<plugin name>`` or ``model=<plugin name>`` selects it like a built-in. A
+    generated model option is ``ModelConfig(arch=name)``: it has no preset, so
+    ``model.path`` is required. Listing registry names reads package metadata only
+    (nothing is imported).
     """
-    from xspec.registry import platforms, spec_methods
+    from xspec.registry import models, platforms, spec_methods
 
     cs = ConfigStore.instance()
     cs.store(name="run_schema", node=RunConfig)
@@ -123,6 +126,7 @@ def register_configs() -> None:
     for group, reg, make in (
         ("platform", platforms, lambda n: PlatformConfig(name=n)),
         ("spec", spec_methods, lambda n: SpecConfig(method=n)),
+        ("model", models, lambda n: ModelConfig(arch=n)),
     ):
         for name in reg.names():
             if not conf.joinpath(group).joinpath(f"{name}.yaml").is_file():
