@@ -91,10 +91,10 @@ def run(cfg: RunConfig, choices: dict[str, str] | None = None) -> None:
     from xspec.engine.report import run_workload, summarize
 
     built = build(cfg)
-    gens = run_workload(built, cfg.workload, cfg.sampling)
+    runs = run_workload(built, cfg.workload, cfg.sampling)
     model = (choices or {}).get("model", cfg.model.arch)
     label = f"model={model} spec={cfg.spec.method} gamma={built.drafter.gamma}"
-    _SUMMARIES.append(summarize(label, built, gens))
+    _SUMMARIES.append(summarize(label, built, runs))
 
 
 @hydra.main(config_path="conf", config_name="config", version_base="1.3")
@@ -121,7 +121,8 @@ def main() -> None:
             sys.exit(_fail(e))
     register_configs()
     _hydra_entry()
-    if len(_SUMMARIES) > 1:  # a multirun: the jobs side by side
+    if len(_SUMMARIES) > 1 or any(len(s.runs) > 1 for s in _SUMMARIES):
+        # a multirun (the jobs side by side) or repeats (medians with their spread)
         from xspec.engine.report import comparison_table
 
         print("\n" + comparison_table(_SUMMARIES))

@@ -86,6 +86,8 @@ class WorkloadConfig:
     max_new_tokens: int = 32
     ignore_eos: bool = False
     print_outputs: bool = True
+    warmup_requests: int = 1  # a short unmeasured generation first (0 = none); metrics reset after
+    repeats: int = 1  # measured runs of the workload; figures are medians with their spread
 
 
 @dataclass(kw_only=True)
@@ -178,9 +180,12 @@ def validate(cfg: RunConfig) -> None:
         ("workload.num_requests", w.num_requests),
         ("workload.concurrency", w.concurrency),
         ("workload.max_new_tokens", w.max_new_tokens),
+        ("workload.repeats", w.repeats),
     ):
         if value < 1:
             problems.append(f"{key} must be >= 1 (got {value})")
+    if w.warmup_requests < 0:
+        problems.append(f"workload.warmup_requests must be >= 0 (got {w.warmup_requests})")
     if cfg.model.path is None and cfg.model.preset is None:
         problems.append(
             "model.path is required (this model has no built-in preset): set model.path=/dir/of/checkpoint"

@@ -40,10 +40,11 @@ class Generation:
     text: str = ""
 
     @property
-    def tpot_s(self) -> float:
-        """Time per output token after the first."""
+    def tpot_s(self) -> float | None:
+        """Time per output token after the first; None for a one-token generation (it
+        has no such token: serving benchmarks leave it out of TPOT rather than count 0)."""
         n = len(self.token_ids) - 1
-        return (self.latency_s - self.ttft_s) / n if n > 0 else 0.0
+        return (self.latency_s - self.ttft_s) / n if n > 0 else None
 
 
 class Engine:
