@@ -239,19 +239,23 @@ def inverse_cdf(probs: Tensor, u: Tensor) -> Tensor:
     return idx.clamp_(max=probs.shape[-1] - 1)
 
 
-def sample(probs: Tensor, generators: Sequence[torch.Generator | None]) -> Tensor:
+def sample(
+    probs: Tensor, generators: Sequence[torch.Generator | None], *, check_greedy: bool = True
+) -> Tensor:
     """Draw one token per row: probs [N, V] -> tokens [N] int64.
 
     Rows whose generator is None are greedy: their probs must be one-hot (as
     :func:`logits_to_probs` makes them) and they take the argmax without consuming
-    randomness. Other rows draw one uniform from their own generator.
+    randomness. Other rows draw one uniform from their own generator. ``check_greedy``
+    verifies the one-hot rows (a device read); callers passing ``logits_to_probs``
+    output skip it, so sampling never waits for the device.
     """
     if probs.dim() != 2 or len(generators) != probs.shape[0]:
         raise ValueError(
             f"sample expects probs [N, V] and N generators, got {tuple(probs.shape)} and {len(generators)}"
         )
     is_greedy = torch.tensor([g is None for g in generators], dtype=torch.bool, device=probs.device)
-    if bool((is_greedy & (probs.amax(dim=-1) != 1.0)).any()):
+    if check_greedy and bool((is_greedy & (probs.amax(dim=-1) != 1.0)).any()):
         raise ValueError("sample: a row without generator (greedy) has probs that are not one-hot")
     counts = [0 if g is None else 1 for g in generators]
     u = draw_uniforms(generators, counts, probs.device)  # [N, 0 or 1]

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 import torch
 
@@ -90,7 +92,8 @@ def test_engine_never_exceeds_max_new_tokens(oracle: xspec.LLM) -> None:
 # -- device discipline ---------------------------------------------------------------------
 
 
-def _run_on_sim(target: SimTarget, drafter: object, mode: SimulatedDevice, params: SamplingParams):
+def _run(target: Any, drafter: Any, params: SamplingParams) -> list[list[int]]:
+    """Prefill + decode steps until every prompt has 7 new tokens (batch shrinking)."""
     seqs = [
         RunningSeq(
             list(p),
@@ -98,68 +101,79 @@ def _run_on_sim(target: SimTarget, drafter: object, mode: SimulatedDevice, param
             drafter.new_state(),
             params,
             make_generator(params),
-            len(p) + 7,  # type: ignore[attr-defined]
+            len(p) + 7,
         )
         for p in PROMPTS
     ]
-    prefill(target, drafter, seqs, [], 16)  # type: ignore[arg-type]
-    assert not mode.mixed, mode.mixed
-    syncs = []
-    while any(s.remaining for s in seqs):
-        live = [s for s in seqs if s.remaining]
-        before = len(mode.syncs)
-        decode_step(target, drafter, live, [], SpecDecodeMetrics())  # type: ignore[arg-type]
-        syncs.append(mode.syncs[before:])
-        assert not mode.mixed, mode.mixed
-    return [s.token_ids for s in seqs], syncs
-
-
-def _reference(target: object, drafter: object) -> list[list[int]]:
-    seqs = [
-        RunningSeq(
-            list(p), target.new_state(), drafter.new_state(), SamplingParams(), None, len(p) + 7
-        )  # type: ignore[attr-defined]
-        for p in PROMPTS
-    ]
-    prefill(target, drafter, seqs, [], 16)  # type: ignore[arg-type]
-    while any(s.remaining for s in seqs):
-        decode_step(target, drafter, [s for s in seqs if s.remaining], [], SpecDecodeMetrics())  # type: ignore[arg-type]
+    prefill(target, drafter, seqs, [], 16)
+    while live := [s for s in seqs if s.remaining]:
+        decode_step(target, drafter, live, [], SpecDecodeMetrics())
     return [s.token_ids for s in seqs]
 
 
+class Recorder:
+    """Wraps prefill / decode_step calls to record the host reads each one made."""
+
+    def __init__(self, mode: SimulatedDevice, monkeypatch: pytest.MonkeyPatch) -> None:
+        self.mode, self.calls = mode, []  # type: ignore[var-annotated]
+        for name in ("prefill", "decode_step"):
+            monkeypatch.setitem(globals(), name, self._wrap(name, globals()[name]))
+
+    def _wrap(self, name: str, fn: Any) -> Any:
+        def call(*args: Any, **kwargs: Any) -> Any:
+            before = len(self.mode.syncs)
+            out = fn(*args, **kwargs)
+            assert not self.mode.mixed, f"{name}: {self.mode.mixed}"
+            self.calls.append((name, self.mode.syncs[before:]))
+            return out
+
+        return call
+
+    def check_one_read_per_call(self) -> None:
+        assert {name for name, _ in self.calls} == {"prefill", "decode_step"}
+        for name, syncs in self.calls:  # prefill: the first tokens; a step: the output matrix
+            assert syncs == (["tolist"] if name == "prefill" else ["cpu"]), (name, syncs)
+
+
 @pytest.mark.parametrize("method", ["none", "oracle"])
-def test_step_keeps_everything_on_the_target_device(method: str) -> None:
+def test_step_keeps_everything_on_the_target_device(
+    method: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """On a simulated accelerator (see simdevice.py) the step hands the target device
     tensors only, mixes no host tensor into a device op, and reads the device back once
-    per decode step (the committed tokens). Same tokens as on the host."""
+    per call (the committed tokens). Same tokens as on the host."""
     qwen = load_qwen3(
         ModelConfig(arch="qwen3", preset="tiny"), device=torch.device("cpu"), max_rollback=8
     )
     spec = SpecConfig(method=method, num_speculative_tokens=3 if method == "oracle" else None)
-    make = OracleDrafter if method == "oracle" else NoDrafter
-    want = _reference(qwen, make(spec, target=qwen))
+    make: Any = OracleDrafter if method == "oracle" else NoDrafter
+    want = _run(qwen, make(spec, target=qwen), SamplingParams())
     mode = SimulatedDevice()
+    recorder = Recorder(mode, monkeypatch)
     with mode:
         target = SimTarget(qwen, mode)
         assert target.device == DEVICE
-        got, syncs = _run_on_sim(target, make(spec, target=target), mode, SamplingParams())
+        got = _run(target, make(spec, target=target), SamplingParams())
     assert got == want
-    assert syncs and all(s == ["cpu"] for s in syncs), syncs
+    recorder.check_one_read_per_call()
 
 
-def test_mtp_drafts_on_the_target_device() -> None:
+def test_mtp_drafts_on_the_target_device(monkeypatch: pytest.MonkeyPatch) -> None:
     """MTP on dsv4_tiny, greedy and sampled: drafts and their q stay on the device."""
     cfg = ModelConfig(arch="deepseek_v4", preset="tiny")
     dsv4 = load_dsv4(cfg, device=torch.device("cpu"), max_rollback=8)
     spec = SpecConfig(method="mtp", num_speculative_tokens=2)
     platform = CpuPlatform(PlatformConfig(name="cpu"))
-    want = _reference(dsv4, MtpDrafter(spec, target=dsv4, model_cfg=cfg, platform=platform))
+    want = _run(
+        dsv4, MtpDrafter(spec, target=dsv4, model_cfg=cfg, platform=platform), SamplingParams()
+    )
     mode = SimulatedDevice()
+    recorder = Recorder(mode, monkeypatch)
     with mode:
         target = SimTarget(dsv4, mode)
-        drafter = MtpDrafter(spec, target=dsv4, model_cfg=cfg, platform=platform)
-        drafter.target = target  # type: ignore[assignment]
-        drafter.module = SimModule(drafter.module, mode, ("draft_hidden", "draft_logits"))  # type: ignore[assignment]
-        got, _ = _run_on_sim(target, drafter, mode, SamplingParams())
-        assert got == want
-        _run_on_sim(target, drafter, mode, SamplingParams(temperature=0.8, top_k=20, seed=3))
+        drafter: Any = MtpDrafter(spec, target=dsv4, model_cfg=cfg, platform=platform)
+        drafter.target = target
+        drafter.module = SimModule(drafter.module, mode, ("draft_hidden", "draft_logits"))
+        assert _run(target, drafter, SamplingParams()) == want
+        _run(target, drafter, SamplingParams(temperature=0.8, top_k=20, seed=3))
+    recorder.check_one_read_per_call()

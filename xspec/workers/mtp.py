@@ -176,7 +176,7 @@ class MtpDrafter:
                 hidden = self._run(states, hidden, tokens[-1], [1] * len(states), own=True)
                 logits = self.module.draft_logits(hidden)
             q = logits_to_probs(logits, params)  # [B, V], the request's processing
-            tokens.append(sample(q, generators))  # [B]
+            tokens.append(sample(q, generators, check_greedy=False))  # [B], no device read
             probs.append(q)
         for state, n in zip(states, start):
             state.cache.truncate(n)  # drop the speculative rows (exact)

@@ -93,7 +93,7 @@ def prefill(
             last_logits[i] = out.logits[end - 1]
     # the first generated token comes from the last prompt row
     probs = logits_to_probs(torch.stack(last_logits), [s.params for s in seqs])  # [B, V]
-    first = sample(probs, [s.generator for s in seqs])  # [B] on the device
+    first = sample(probs, [s.generator for s in seqs], check_greedy=False)  # [B] on the device
     rows = [
         CommittedRows(
             input_ids=prompts[i],  # [n_i]
