@@ -157,7 +157,8 @@ def test_unusable_cache_dir(bad_dirs: dict[str, Path], monkeypatch: pytest.Monke
 
 @pytest.mark.parametrize("gamma", [1, 3])
 def test_oracle_and_wrong_drafters(base: xspec.LLM, gamma: int) -> None:
-    ref = base.generate(PROMPTS, max_new_tokens=16, ignore_eos=True)
+    # 17 = 1 (prefill) + 16, a multiple of gamma + 1: the oracle fills every block
+    ref = base.generate(PROMPTS, max_new_tokens=17, ignore_eos=True)
     for method, rate in (("oracle", 1.0), ("wrong", 0.0)):
         llm = xspec.LLM(
             model="qwen3_tiny",
@@ -165,7 +166,7 @@ def test_oracle_and_wrong_drafters(base: xspec.LLM, gamma: int) -> None:
             platform="cpu",
             overrides={"spec.num_speculative_tokens": gamma},
         )
-        outs = llm.generate(PROMPTS, max_new_tokens=16, ignore_eos=True)
+        outs = llm.generate(PROMPTS, max_new_tokens=17, ignore_eos=True)
         assert [o.token_ids for o in outs] == [o.token_ids for o in ref], method
         rep = llm.metrics.report()
         assert rep.acceptance_rate == pytest.approx(rate), method

@@ -122,6 +122,33 @@ def test_multirun(cache: Path) -> None:
     assert "TPOT vs first" in r.stdout  # the side-by-side table
 
 
+def test_repeats_report_medians_with_spread(cache: Path) -> None:
+    r = run_cli(
+        "-m",
+        "spec=none,oracle",
+        "model=qwen3_tiny",
+        "workload.repeats=3",
+        "workload.max_new_tokens=3",
+        "workload.num_requests=1",
+        cache=cache,
+    )
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.count("[repeat 3/3]") == 2
+    assert "median ±half the min-max range over 3 repeat(s)" in r.stdout
+    table = r.stdout.split("TPOT vs first")[1].splitlines()[2:4]
+    assert all(line.count("±") == 3 for line in table), table
+
+
+def test_multirun_checks_every_job_before_running_any(cache: Path) -> None:
+    """The second job cannot run (MTP needs a DeepSeek-V4 target): nothing runs, exit 2."""
+    r = run_cli("-m", "spec=none,mtp", "model=qwen3_tiny", "platform=cpu", cache=cache)
+    assert r.returncode == 2, r.stderr + r.stdout
+    assert "Traceback" not in r.stderr
+    assert "1 of 2 jobs cannot run" in r.stderr and "job spec=mtp model=qwen3_tiny" in r.stderr
+    assert "needs a DeepSeek-V4 target" in r.stderr
+    assert "TTFT" not in r.stdout  # the good first job did not run either
+
+
 def test_bad_dsv4_checkpoint_exits_2(tmp_path: Path, cache: Path) -> None:
     import json
     import shutil

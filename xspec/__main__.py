@@ -1,9 +1,10 @@
 """``python -m xspec model=... spec=... platform=... key=value ...``
 
 Hydra's usual features work (``--help``, ``--cfg job``, ``-m`` multirun). Every
-override set is composed and validated up front, so a user error (unknown option, bad
-value, missing path, bad checkpoint, prompt too long) prints a short message and exits
-with code 2, never a Python traceback.
+override set (every job of a sweep) is composed and checked up front (config values,
+registry names, checkpoint headers, platform limits, drafter fit: ``build.check``), so
+a user error in any job prints one message listing the problems of every job and exits
+with code 2 before any job runs, never a Python traceback.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from omegaconf import DictConfig
 
 from xspec.compose import compose_run, typed
 from xspec.config import RunConfig, register_configs
-from xspec.errors import UserError
+from xspec.errors import ConfigError, UserError
 
 USER_ERROR = 2
 
@@ -65,6 +66,40 @@ def overrides_of(args: list[str]) -> list[str]:
     return out
 
 
+def check_jobs(override_sets: list[list[str]]) -> None:
+    """Compose and check every job (config, names, checkpoints, platform limits, drafter
+    fit) before the first one runs; one ConfigError lists the problems of every job."""
+    from xspec.build import check
+    from xspec.engine.report import workload_problems
+
+    failures: list[tuple[list[str], list[str]]] = []
+    for overrides in override_sets:
+        try:
+            cfg = compose_run(overrides)
+            problems = check(cfg) + workload_problems(cfg.workload)
+        except UserError as e:
+            problems = [str(e)]
+        if problems:
+            failures.append((overrides, problems))
+    if not failures:
+        return
+    if len(override_sets) == 1:
+        raise ConfigError("this run cannot be built:", problems=failures[0][1])
+    lines = []
+    for overrides, problems in failures:
+        lines.append(f"job {' '.join(overrides) or '(defaults)'}:")
+        lines += [_indent(f"  - {p}", "      ") for p in problems]
+    raise ConfigError(
+        f"{len(failures)} of {len(override_sets)} jobs cannot run (no job was started):\n"
+        + "\n".join(f"  {line}" for line in lines)
+    )
+
+
+def _indent(text: str, prefix: str) -> str:
+    first, *rest = text.splitlines() or [""]
+    return "\n".join([first, *(prefix + line for line in rest)])
+
+
 _SUMMARIES: list = []  # one RunSummary per job of this process (multirun)
 
 
@@ -75,9 +110,9 @@ def run(cfg: RunConfig, choices: dict[str, str] | None = None) -> None:
 
     built = build(cfg)
     model = (choices or {}).get("model", cfg.model.arch)
-    gens = run_workload(built, cfg.workload, cfg.sampling, model_option=model)
+    runs = run_workload(built, cfg.workload, cfg.sampling, model_option=model)
     label = f"model={model} spec={cfg.spec.method} gamma={built.drafter.gamma}"
-    _SUMMARIES.append(summarize(label, built, gens))
+    _SUMMARIES.append(summarize(label, built, runs))
 
 
 @hydra.main(config_path="conf", config_name="config", version_base="1.3")
@@ -99,13 +134,13 @@ def main() -> None:
     )
     if not info_only:
         try:
-            for overrides in _override_sets(args):
-                compose_run(overrides)
+            check_jobs(_override_sets(args))
         except UserError as e:
             sys.exit(_fail(e))
     register_configs()
     _hydra_entry()
-    if len(_SUMMARIES) > 1:  # a multirun: the jobs side by side
+    if len(_SUMMARIES) > 1 or any(len(s.runs) > 1 for s in _SUMMARIES):
+        # a multirun (the jobs side by side) or repeats (medians with their spread)
         from xspec.engine.report import comparison_table
 
         print("\n" + comparison_table(_SUMMARIES))

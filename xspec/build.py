@@ -1,12 +1,22 @@
 """The one place that turns names into objects and checks that they fit together.
 
-Order matters: everything that can be checked cheaply (config values, registry names,
-platform limits, the drafter's checkpoint) is checked and reported together before
-any weights or caches are allocated.
+Two steps. :func:`check` finds every problem that can be found cheaply (config values,
+registry names, the target checkpoint's headers, platform limits at the drafter's
+effective gamma, the drafter's checkpoint) without allocating weights or caches, and
+returns them as a list; the CLI runs it on every job of a sweep before the first job
+starts. :func:`build` raises them together, then loads and wires the objects.
+
+Optional hooks, found by attribute (plugins may provide them too):
+
+* a model loader's ``preflight(model_cfg) -> list[str]``: the checkpoint from headers;
+* a drafter class's ``preflight(spec_cfg, model_cfg) -> list[str]`` and
+  ``default_gamma(spec_cfg, model_cfg) -> int`` (the gamma it will draft when
+  ``spec.num_speculative_tokens`` is null; without the hook: the configured value or 1).
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -15,7 +25,7 @@ import torch
 
 from xspec.config import RunConfig, validate
 from xspec.engine.engine import Engine
-from xspec.errors import CheckpointError, ConfigError
+from xspec.errors import CheckpointError, ConfigError, UserError
 from xspec.models.base import CapturePoint, TargetModel
 from xspec.platforms import get_platform
 from xspec.platforms.base import Platform
@@ -38,22 +48,48 @@ class Built:
     engine: Engine
 
 
-def build(cfg: RunConfig) -> Built:
-    validate(cfg)
-    platform = get_platform(cfg.platform)
-    gamma = cfg.spec.num_speculative_tokens
-    problems = platform.validate(dtype=cfg.model.dtype.value, num_speculative_tokens=gamma or 1)
-    make_drafter: Any = spec_methods.get(cfg.spec.method)
+def effective_gamma(make_drafter: Any, spec_cfg: Any, model_cfg: Any) -> int:
+    """The gamma the drafter will really use (its default when the config leaves it null)."""
+    default_gamma = getattr(make_drafter, "default_gamma", None)
+    if default_gamma is not None:
+        return int(default_gamma(spec_cfg, model_cfg))
+    return spec_cfg.num_speculative_tokens or 1
+
+
+def check(cfg: RunConfig) -> list[str]:
+    """Every problem of ``cfg`` that shows without loading weights (empty: it can be built)."""
+    try:
+        validate(cfg)
+    except ConfigError as e:
+        return e.problems or [str(e)]  # unknown names or bad values: nothing more to check
+    problems: list[str] = []
+    preflight_model = getattr(models.get(cfg.model.arch), "preflight", None)
+    if preflight_model is not None:  # target checkpoint headers
+        problems += preflight_model(cfg.model)
+    try:
+        platform = get_platform(cfg.platform)
+        make_drafter: Any = spec_methods.get(cfg.spec.method)
+    except UserError as e:  # a platform that cannot run here, a broken plugin
+        return [*problems, str(e)]
+    gamma = effective_gamma(make_drafter, cfg.spec, cfg.model)
+    problems += platform.validate(dtype=cfg.model.dtype.value, num_speculative_tokens=gamma)
     preflight = getattr(make_drafter, "preflight", None)
     if preflight is not None:  # drafter checkpoint checks, before the target is loaded
         problems += preflight(cfg.spec, cfg.model)
-    if problems:
+    return problems
+
+
+def build(cfg: RunConfig) -> Built:
+    if problems := check(cfg):
         raise ConfigError("this run cannot be built:", problems=problems)
     if problem := _tokenizer_problem(cfg.model):  # before loading any weights
         raise CheckpointError(problem)
+    platform = get_platform(cfg.platform)
+    make_drafter: Any = spec_methods.get(cfg.spec.method)
+    gamma = effective_gamma(make_drafter, cfg.spec, cfg.model)
 
     torch.set_grad_enabled(False)
-    max_rollback = max(gamma or 0, DEFAULT_MAX_ROLLBACK)
+    max_rollback = max(gamma, DEFAULT_MAX_ROLLBACK)
     target: TargetModel = models.get(cfg.model.arch)(
         cfg.model, device=platform.device(), max_rollback=max_rollback
     )
@@ -65,10 +101,32 @@ def build(cfg: RunConfig) -> Built:
         )
     capture = [platform.capture_point(layer_id) for layer_id in drafter.capture_layer_ids]
     tokenizer = _tokenizer(target, cfg.model)
-    engine = Engine(
-        target, drafter, capture, eos_id=tokenizer.eos_id, synchronize=platform.synchronize
+    stop_ids = stop_ids_of(
+        getattr(tokenizer, "stop_ids", None),
+        getattr(tokenizer, "eos_id", None),
+        getattr(getattr(target, "args", None), "eos_token_id", None),
     )
+    engine = Engine(target, drafter, capture, stop_ids=stop_ids, synchronize=platform.synchronize)
     return Built(cfg, platform, target, drafter, capture, tokenizer, engine)
+
+
+def stop_ids_of(*sources: object) -> frozenset[int]:
+    """Every token id that ends a generation, from whatever the tokenizer and the model
+    config expose: None, one id, or a list/set of ids (``eos_token_id`` of Qwen3
+    instruct checkpoints lists several)."""
+    ids: set[int] = set()
+    for source in sources:
+        if source is None:
+            continue
+        if isinstance(source, int) and not isinstance(source, bool):
+            ids.add(source)
+        elif isinstance(source, Iterable) and not isinstance(source, str | bytes):
+            ids.update(stop_ids_of(*source))
+        else:
+            raise ConfigError(
+                f"a stop / eos token id must be an int or a list of ints, got {source!r}"
+            )
+    return frozenset(ids)
 
 
 def _tokenizer_problem(model_cfg: Any) -> str | None:

@@ -94,6 +94,8 @@ class WorkloadConfig:
     max_new_tokens: int = 32
     ignore_eos: bool = False
     print_outputs: bool = True
+    warmup_requests: int = 1  # a short unmeasured generation first (0 = none); metrics reset after
+    repeats: int = 1  # measured runs of the workload; figures are medians with their spread
 
 
 @dataclass(kw_only=True)
@@ -117,11 +119,14 @@ _GROUPS: dict[str, type] = {
 def register_configs() -> None:
     """Register the schemas; YAML options extend them with ``defaults: [/schema/<group>@_here_]``.
 
-    Out-of-tree platforms and spec methods (entry points) have no YAML file in xspec;
-    each gets a generated group option, so ``platform=<plugin name>`` selects it like a
-    built-in. Listing registry names reads package metadata only (nothing is imported).
+    Out-of-tree platforms, models and spec methods (entry points) have no YAML file in
+    xspec; each registry name without one gets a generated group option, so
+    ``platform=<plugin name>`` or ``model=<plugin name>`` selects it like a built-in. A
+    generated model option is ``ModelConfig(arch=name)``: it has no preset, so
+    ``model.path`` is required. Listing registry names reads package metadata only
+    (nothing is imported).
     """
-    from xspec.registry import platforms, spec_methods
+    from xspec.registry import models, platforms, spec_methods
 
     cs = ConfigStore.instance()
     cs.store(name="run_schema", node=RunConfig)
@@ -131,6 +136,7 @@ def register_configs() -> None:
     for group, reg, make in (
         ("platform", platforms, lambda n: PlatformConfig(name=n)),
         ("spec", spec_methods, lambda n: SpecConfig(method=n)),
+        ("model", models, lambda n: ModelConfig(arch=n)),
     ):
         for name in reg.names():
             if not conf.joinpath(group).joinpath(f"{name}.yaml").is_file():
@@ -182,6 +188,7 @@ def validate(cfg: RunConfig) -> None:
         ("workload.num_requests", w.num_requests),
         ("workload.concurrency", w.concurrency),
         ("workload.max_new_tokens", w.max_new_tokens),
+        ("workload.repeats", w.repeats),
     ):
         if value < 1:
             problems.append(f"{key} must be >= 1 (got {value})")
@@ -190,6 +197,8 @@ def validate(cfg: RunConfig) -> None:
             problems.append(
                 f"workload.prompts[{i}] is an empty string; give some text or remove it"
             )
+    if w.warmup_requests < 0:
+        problems.append(f"workload.warmup_requests must be >= 0 (got {w.warmup_requests})")
     if cfg.model.path is None and cfg.model.preset is None:
         problems.append(
             "model.path is required (this model has no built-in preset): set model.path=/dir/of/checkpoint"

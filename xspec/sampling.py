@@ -140,8 +140,9 @@ def logits_to_probs(logits: Tensor, params: Sequence[SamplingParams]) -> Tensor:
     k_rows = [j for j, sp in enumerate(rand_params) if 0 < sp.top_k < vocab]
     if k_rows:
         sub = torch.tensor(k_rows, device=device)
-        k = torch.tensor([rand_params[j].top_k for j in k_rows], device=device)  # [Mk]
-        keep = _top_k_mask(scaled[sub], k)  # [Mk, V]
+        k_host = [rand_params[j].top_k for j in k_rows]
+        k = torch.tensor(k_host, device=device)  # [Mk]
+        keep = _top_k_mask(scaled[sub], k, max(k_host))  # [Mk, V]
         scaled[sub] = scaled[sub].masked_fill(~keep, float("-inf"))
 
     # Rows with top_p == 1 skip this: float cumsums can reach 1.0 early and drop a tail.
@@ -176,12 +177,13 @@ def _ranked(scores: Tensor, cap: int) -> tuple[Tensor, Tensor]:
     return values, ids.gather(1, perm2)  # ... then value descending, stable keeps index order
 
 
-def _top_k_mask(scores: Tensor, k: Tensor) -> Tensor:
+def _top_k_mask(scores: Tensor, k: Tensor, k_max: int) -> Tensor:
     """Exactly ``k[i]`` best tokens per row, ties at the boundary to the lowest indices.
 
-    scores [M, V], k [M] int64 in [1, V) -> keep [M, V] bool.
+    scores [M, V], k [M] int64 in [1, V), k_max = max(k) (a host int: no device read)
+    -> keep [M, V] bool.
     """
-    kth = scores.topk(int(k.max()), dim=-1).values.gather(1, (k - 1)[:, None])  # [M, 1]
+    kth = scores.topk(k_max, dim=-1).values.gather(1, (k - 1)[:, None])  # [M, 1]
     above = scores > kth  # [M, V] certainly kept
     tied = scores == kth  # [M, V] kept in index order while room is left
     room = k[:, None] - above.sum(dim=-1, keepdim=True)  # [M, 1] >= 1
@@ -225,8 +227,9 @@ def draw_uniforms(
         groups.setdefault(id(gen), (gen, []))[1].append(i)
     for gen, rows in groups.values():
         rows_t = torch.tensor(rows, device=device)  # [M]
-        n_t = torch.tensor([counts[i] for i in rows], device=device)  # [M]
-        flat = torch.rand(int(n_t.sum()), generator=gen, device=gen.device).to(device)  # [sum n]
+        n_host = [counts[i] for i in rows]
+        n_t = torch.tensor(n_host, device=device)  # [M]
+        flat = torch.rand(sum(n_host), generator=gen, device=gen.device).to(device)  # [sum n]
         mask = torch.arange(width, device=device)[None, :] < n_t[:, None]  # [M, W]
         block = torch.zeros(len(rows), width, device=device)
         block[mask] = flat  # row-major fill: row r gets its n_r draws in order
@@ -246,19 +249,23 @@ def inverse_cdf(probs: Tensor, u: Tensor) -> Tensor:
     return idx.clamp_(max=probs.shape[-1] - 1)
 
 
-def sample(probs: Tensor, generators: Sequence[torch.Generator | None]) -> Tensor:
+def sample(
+    probs: Tensor, generators: Sequence[torch.Generator | None], *, check_greedy: bool = True
+) -> Tensor:
     """Draw one token per row: probs [N, V] -> tokens [N] int64.
 
     Rows whose generator is None are greedy: their probs must be one-hot (as
     :func:`logits_to_probs` makes them) and they take the argmax without consuming
-    randomness. Other rows draw one uniform from their own generator.
+    randomness. Other rows draw one uniform from their own generator. ``check_greedy``
+    verifies the one-hot rows (a device read); callers passing ``logits_to_probs``
+    output skip it, so sampling never waits for the device.
     """
     if probs.dim() != 2 or len(generators) != probs.shape[0]:
         raise ValueError(
             f"sample expects probs [N, V] and N generators, got {tuple(probs.shape)} and {len(generators)}"
         )
     is_greedy = torch.tensor([g is None for g in generators], dtype=torch.bool, device=probs.device)
-    if bool((is_greedy & (probs.amax(dim=-1) != 1.0)).any()):
+    if check_greedy and bool((is_greedy & (probs.amax(dim=-1) != 1.0)).any()):
         raise ValueError("sample: a row without generator (greedy) has probs that are not one-hot")
     counts = [0 if g is None else 1 for g in generators]
     u = draw_uniforms(generators, counts, probs.device)  # [N, 0 or 1]

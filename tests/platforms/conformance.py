@@ -8,8 +8,9 @@ Usage, in a test module::
 
 Every check is about the contract in ``xspec/platforms/base.py``: typed capture points
 that mean "output of layer L", frozen capabilities read once, validation that lists every
-problem by key, the SAS mode policy, the small device services, and imports that do no
-device work. The class name does not start with ``Test``, so pytest collects it only
+problem by key, the SAS mode policy, the small device services, imports that do no
+device work, and a short generation on ``platform.device()`` (baseline, oracle and MTP
+drafters on dsv4_tiny) that fails on any host/device tensor mixing in the step. The class name does not start with ``Test``, so pytest collects it only
 through subclasses.
 """
 
@@ -23,11 +24,13 @@ import os
 import subprocess
 import sys
 from dataclasses import dataclass
+from typing import Any
 
 import pytest
 import torch
 
 from xspec import registry
+from xspec.config import ModelConfig, SpecConfig
 from xspec.errors import ConfigError
 from xspec.models.base import CapturePoint, CaptureSite
 from xspec.platforms.base import Capabilities, Platform, SasMode
@@ -83,6 +86,34 @@ def import_probe(*modules: str) -> dict[str, bool]:
     assert out.returncode == 0, f"importing {modules} failed:\n{out.stderr}"
     result: dict[str, bool] = json.loads(out.stdout.strip().splitlines()[-1])
     return result
+
+
+GENERATION_PROMPTS = [[5, 17, 42, 99, 3, 250, 11], [300, 7]]
+GENERATION_TOKENS = 6
+
+
+@functools.cache
+def _tiny_dsv4(device: str) -> Any:
+    """dsv4_tiny loaded on ``device`` once per test session (read-only: states are per run)."""
+    cfg = ModelConfig(arch="deepseek_v4", preset="tiny")
+    return registry.models.get("deepseek_v4")(cfg, device=torch.device(device), max_rollback=8)
+
+
+def generate_on(platform: Platform, method: str, gamma: int | None) -> list[list[int]]:
+    """Greedy tokens of GENERATION_PROMPTS through the engine, on the platform's device."""
+    from xspec.engine.engine import Engine, Request
+    from xspec.sampling import SamplingParams
+
+    target = _tiny_dsv4(str(platform.device()))
+    drafter = registry.spec_methods.get(method)(
+        SpecConfig(method=method, num_speculative_tokens=gamma),
+        target=target,
+        model_cfg=ModelConfig(arch="deepseek_v4", preset="tiny"),
+        platform=platform,
+    )
+    engine = Engine(target, drafter, [], stop_ids=frozenset(), synchronize=platform.synchronize)
+    requests = [Request(p, GENERATION_TOKENS, SamplingParams()) for p in GENERATION_PROMPTS]
+    return [g.token_ids for g in engine.run(requests, concurrency=2)]
 
 
 class PlatformConformance:
@@ -191,3 +222,12 @@ class PlatformConformance:
     def test_import_does_no_device_work(self, platform: Platform) -> None:
         probe = import_probe(type(platform).__module__)
         assert probe == {"torch_npu": False, "cuda_initialized": False}, probe
+
+    @pytest.mark.parametrize(("method", "gamma"), [("oracle", 3), ("mtp", 2)])
+    def test_short_generation_on_device(self, platform: Platform, method: str, gamma: int) -> None:
+        """Prefill + decode steps on ``platform.device()``: an accelerator refuses host
+        tensors mixed into device ops, so this catches a step that builds drafts, verify
+        rows or probabilities on the host. Greedy speculative output equals the baseline."""
+        baseline = generate_on(platform, "none", None)
+        assert [len(t) for t in baseline] == [GENERATION_TOKENS] * len(GENERATION_PROMPTS)
+        assert generate_on(platform, method, gamma) == baseline

@@ -227,3 +227,26 @@ def test_listing_imports_nothing_in_a_fresh_interpreter() -> None:
         "xspec.platforms.base",
         "xspec.platforms.cpu",
     ], result["after_get"]
+
+
+def test_model_plugin_selected_by_name(plugin_dir: Path) -> None:
+    """``model=<entry-point name>`` composes like a built-in option (no YAML in xspec):
+    ``ModelConfig(arch=name)``, ``model.path`` required; the plugin is imported only
+    once the run is built, and then really used."""
+    import xspec
+    from xspec.compose import compose_run
+    from xspec.models.qwen3.tiny import tiny_dir
+
+    module = write_module(plugin_dir, "from xspec.models.qwen3 import load_model\n")
+    write_dist(plugin_dir, "toy-model", "xspec.models", {"toy_lm": f"{module}:load_model"})
+    assert "toy_lm" in registry.models.names()
+    cfg = compose_run(["model=toy_lm", "model.path=/somewhere", "spec=none"])
+    assert (cfg.model.arch, cfg.model.path, cfg.model.preset) == ("toy_lm", "/somewhere", None)
+    assert module not in sys.modules, "composing must not import the plugin"
+    with pytest.raises(ConfigError, match=r"model\.path is required"):
+        xspec.LLM(model="toy_lm", spec="none", platform="cpu")
+    llm = xspec.LLM(
+        model="toy_lm", spec="none", platform="cpu", overrides={"model.path": str(tiny_dir(False))}
+    )
+    assert module in sys.modules
+    assert len(llm.generate([[5, 6, 7]], max_new_tokens=3, ignore_eos=True)[0].token_ids) == 3

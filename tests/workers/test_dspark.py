@@ -174,7 +174,7 @@ def test_cli_headline_on_the_npu_policy(tmp_path: Path) -> None:
             "model=dsv4_tiny",
             "spec=dspark",
             "platform=npu_emulated",
-            "workload.max_new_tokens=6",
+            "workload.max_new_tokens=8",
             "workload.num_requests=2",
         ],
         capture_output=True,

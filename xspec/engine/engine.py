@@ -17,8 +17,7 @@ from xspec.metrics import SpecDecodeMetrics
 from xspec.models.base import CapturePoint, TargetModel
 from xspec.sampling import SamplingParams, make_generator
 from xspec.workers.drafter import Drafter
-from xspec.workers.step import Sequence as RunningSeq
-from xspec.workers.step import decode_step, prefill
+from xspec.workers.step import RunningSeq, decode_step, prefill
 
 
 @dataclass
@@ -42,10 +41,11 @@ class Generation:
     error: str | None = None  # why the request stopped early (e.g. NaN logits); None = fine
 
     @property
-    def tpot_s(self) -> float:
-        """Time per output token after the first."""
+    def tpot_s(self) -> float | None:
+        """Time per output token after the first; None for a one-token generation (it
+        has no such token: serving benchmarks leave it out of TPOT rather than count 0)."""
         n = len(self.token_ids) - 1
-        return (self.latency_s - self.ttft_s) / n if n > 0 else 0.0
+        return (self.latency_s - self.ttft_s) / n if n > 0 else None
 
 
 class Engine:
@@ -55,12 +55,12 @@ class Engine:
         drafter: Drafter,
         capture: list[CapturePoint],
         *,
-        eos_id: int | None,
+        stop_ids: frozenset[int],
         synchronize: Callable[[], None] = lambda: None,
         prefill_chunk: int = 2048,
     ) -> None:
         self.target, self.drafter, self.capture = target, drafter, capture
-        self.eos_id = eos_id
+        self.stop_ids = frozenset(stop_ids)  # a request ends at any of these (unless ignore_eos)
         self.synchronize = synchronize
         self.prefill_chunk = prefill_chunk
         self.metrics = SpecDecodeMetrics()
@@ -104,7 +104,7 @@ class Engine:
             ]
             if admitted:  # prefill the newcomers; the others wait one iteration
                 seqs = [self._start(requests[i]) for i in admitted]
-                prefill(self.target, self.drafter, seqs, self.capture, self.prefill_chunk)
+                result = prefill(self.target, self.drafter, seqs, self.capture, self.prefill_chunk)
                 now = elapsed()
                 for i, s in zip(admitted, seqs):
                     out[i] = Generation(requests[i].prompt_ids, [], now, now, 0)
@@ -112,7 +112,7 @@ class Engine:
                 stepped = admitted
             else:
                 stepped = list(running)
-                decode_step(
+                result = decode_step(
                     self.target,
                     self.drafter,
                     [running[i] for i in stepped],
@@ -122,11 +122,11 @@ class Engine:
                 now = elapsed()
                 for i in stepped:
                     steps[i] += 1
-            for i in stepped:  # only these committed tokens in this iteration
+            for j, i in enumerate(stepped):  # only these committed tokens in this iteration
                 if (error := running[i].error) is not None:  # fails alone, the rest go on
                     out[i].error, out[i].latency_s = f"request {i}: {error}", now
                     del running[i]
-                elif self._take(requests[i], running[i], out[i], now):
+                elif self._take(requests[i], result.new_tokens[j], out[i], now):
                     del running[i]
         for i, g in out.items():
             g.num_steps = steps[i]
@@ -139,15 +139,19 @@ class Engine:
             draft_state=self.drafter.new_state(),
             params=req.params,
             generator=make_generator(req.params),
+            max_len=len(req.prompt_ids) + req.max_new_tokens,
         )
 
-    def _take(self, req: Request, seq: RunningSeq, gen: Generation, now: float) -> bool:
-        """Append the step's committed tokens; True when the request is finished."""
-        for t in seq.new_tokens:
+    def _take(self, req: Request, new_tokens: list[int], gen: Generation, now: float) -> bool:
+        """Append one step's committed tokens; True when the request is finished.
+
+        The step never commits past ``max_new_tokens``; stopping here as well keeps the
+        limit even for a step that committed more (and drops what follows a stop id)."""
+        for t in new_tokens:
             gen.token_ids.append(t)
             gen.latency_s = now
             if len(gen.token_ids) >= req.max_new_tokens or (
-                t == self.eos_id and not req.ignore_eos
+                t in self.stop_ids and not req.ignore_eos
             ):
                 return True
         return False

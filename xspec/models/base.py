@@ -96,6 +96,12 @@ class TargetModel(Protocol):
     num_layers: int
     max_context: int  # longest sequence (prompt + generated) a state can hold
 
+    @property
+    def device(self) -> torch.device:
+        """Where the weights live: the speculative step keeps drafts, verify rows and
+        probabilities here and synchronises with the host once per step."""
+        ...
+
     def new_state(self) -> DecodeState: ...
 
     def forward(self, batch: ForwardBatch) -> ModelOutput: ...

@@ -16,11 +16,21 @@ class NoDrafter:
     def __init__(self, cfg: Any, **_: Any) -> None:
         self.gamma = 0
         self.capture_layer_ids: list[int] = []
-        if cfg.num_speculative_tokens not in (None, 0):
-            raise ConfigError(
-                f"spec.num_speculative_tokens={cfg.num_speculative_tokens} has no effect with spec=none; "
-                "pick a drafter (spec=mtp) or drop the override"
-            )
+        if problems := self.preflight(cfg, None):
+            raise ConfigError(problems[0])
+
+    @staticmethod
+    def preflight(spec_cfg: Any, model_cfg: Any) -> list[str]:
+        if spec_cfg.num_speculative_tokens not in (None, 0):
+            return [
+                f"spec.num_speculative_tokens={spec_cfg.num_speculative_tokens} has no effect with "
+                "spec=none; pick a drafter (spec=mtp) or drop the override"
+            ]
+        return []
+
+    @staticmethod
+    def default_gamma(spec_cfg: Any, model_cfg: Any = None) -> int:
+        return 0
 
     def new_state(self) -> None:
         return None
@@ -28,5 +38,8 @@ class NoDrafter:
     def observe(self, states: list[Any], rows: list[CommittedRows]) -> None:
         pass
 
-    def propose(self, states: list[Any], requests: list[DraftRequest]) -> DraftProposal:
+    def propose(
+        self, states: list[Any], requests: list[DraftRequest], num_tokens: int
+    ) -> DraftProposal:
+        # Never called by the step (gamma 0 skips drafting); kept for the protocol.
         return DraftProposal(tokens=torch.empty(len(requests), 0, dtype=torch.long))

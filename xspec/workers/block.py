@@ -158,15 +158,22 @@ class BlockDrafter:
         self.model.write_context(states, aux, [len(r.input_ids) for r in rows])
 
     @torch.no_grad()
-    def propose(self, states: list[Any], requests: list[DraftRequest]) -> DraftProposal:
-        gamma, first = self.gamma, self.layout.first_row
+    def propose(
+        self, states: list[Any], requests: list[DraftRequest], num_tokens: int
+    ) -> DraftProposal:
+        """``num_tokens`` drafts per sequence. The block always has the configured width
+        (the trained geometry); only its first ``num_tokens`` positions are sampled."""
+        first = self.layout.first_row
         anchors = torch.tensor([r.anchor for r in requests], dtype=torch.long, device=self.device)
         tokens = torch.full(
-            (len(requests), self.layout.width(gamma)), self.model.fill_token_id, device=self.device
+            (len(requests), self.layout.width(self.gamma)),
+            self.model.fill_token_id,
+            device=self.device,
         )
         tokens[:, 0] = anchors  # [B, W]: [anchor, fill ...]
         hidden, logits = self.model.forward_block(states, tokens)  # [B, W, d], [B, W, V]
-        hidden, logits = hidden[:, first : first + gamma], logits[:, first : first + gamma]
+        rows = slice(first, first + num_tokens)
+        hidden, logits = hidden[:, rows], logits[:, rows]  # [B, num_tokens, ...]
         params = [r.params for r in requests]
         markov = self.model.markov if self.layout is BlockLayout.DSPARK else None
         drafts, probs, prev = sample_block(

@@ -2,15 +2,23 @@
 
 A drafter keeps its own per-sequence state. The step talks to it twice per decode step:
 
-* ``propose``: gamma draft tokens per sequence (and their full draft distributions q
-  when the drafts were sampled), starting after the anchor (the last committed token,
-  not yet seen by the target). Any speculative rows it appends to its own state while
-  drafting it must roll back itself before returning.
+* ``propose(states, requests, num_tokens)``: ``num_tokens`` draft tokens per sequence
+  (``1 <= num_tokens <= self.gamma``: the step asks for fewer when no request in the
+  batch can use ``gamma``, see ``DraftRequest.max_drafts``), and their full draft
+  distributions q when the drafts were sampled, starting after the anchor (the last
+  committed token, not yet seen by the target). Tokens and q live on the target's
+  device (``TargetModel.device``). Any speculative rows it appends to its own state
+  while drafting it must roll back itself before returning.
 * ``observe``: the context committed since the last call. For every target row that
   was kept (the prompt after prefill; anchor + accepted drafts after a verify step) it
   gets the row's input token, the *next* token (the one at position + 1, the last of
   which is the new anchor), and the target's hidden rows (pre-head hidden, and the aux
   hidden captured at ``capture_layer_ids`` when the drafter asked for any).
+
+Optional class-level hooks, read by :mod:`xspec.build` before anything is loaded:
+``preflight(spec_cfg, model_cfg) -> list[str]`` (checkpoint problems from headers) and
+``default_gamma(spec_cfg, model_cfg) -> int`` (the gamma the drafter will use when
+``spec.num_speculative_tokens`` is null), checked against the platform's limits.
 
 Checkpoint layer ids in ``capture_layer_ids`` are raw: the platform maps them to capture
 points; drafters never add +1 themselves.
@@ -28,9 +36,11 @@ from xspec.sampling import SamplingParams
 
 @dataclass
 class DraftProposal:
-    tokens: torch.Tensor  # [B, gamma] int64
+    """``num_tokens`` drafts per sequence, on the target's device."""
+
+    tokens: torch.Tensor  # [B, num_tokens] int64
     probs: torch.Tensor | None = (
-        None  # [B, gamma, V] float32 full q; None = deterministic drafts (one-hot q)
+        None  # [B, num_tokens, V] float32 full q; None = deterministic drafts (one-hot q)
     )
     # [B, gamma] float32: the draft's own estimate of P(draft k accepted | drafts < k
     # accepted) (a confidence head); None when the method has none
@@ -54,6 +64,9 @@ class DraftRequest:
     anchor: int  # last committed token; the target has not seen it yet
     params: SamplingParams
     generator: torch.Generator | None  # the request's own generator (None: greedy)
+    # Drafts this request can still use (its remaining token budget - 1): the step
+    # verifies at most this many, so a drafter may stop early for it; informational.
+    max_drafts: int
 
 
 @runtime_checkable
@@ -65,4 +78,6 @@ class Drafter(Protocol):
 
     def observe(self, states: list[Any], rows: list[CommittedRows]) -> None: ...
 
-    def propose(self, states: list[Any], requests: list[DraftRequest]) -> DraftProposal: ...
+    def propose(
+        self, states: list[Any], requests: list[DraftRequest], num_tokens: int
+    ) -> DraftProposal: ...

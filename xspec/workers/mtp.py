@@ -9,7 +9,8 @@ seen by the target):
 * ``observe`` appends one MTP row per newly committed target row (``H_i``, next token)
   and keeps, per sequence, the logits and hidden of its last row (position ``p - 1``,
   which pairs ``H_{p-1}`` with the anchor): those logits give ``d_1``, the token at ``p + 1``.
-* ``propose`` samples ``d_1`` from the kept logits; for ``k = 2..gamma`` it runs the MTP
+* ``propose`` samples ``d_1`` from the kept logits; for ``k = 2..num_tokens`` (at most
+  gamma) it runs the MTP
   at position ``p + k - 2`` on (its own previous hidden, ``d_{k-1}``), standing in for the
   target's ``H`` it does not have yet, and samples ``d_k``. Then it truncates its cache
   back to ``p``: exact, the rows are re-scored by ``observe`` once the target has
@@ -70,7 +71,7 @@ class MtpDrafter:
                 f"spec=mtp needs a DeepSeek-V4 target (model.arch={TARGET_ARCH}); got "
                 f"{type(target).__name__}, which has no MTP layer"
             )
-        gamma = cfg.num_speculative_tokens or DEFAULT_GAMMA
+        gamma = self.default_gamma(cfg, model_cfg)
         if problem := _gamma_problem(gamma):
             raise ConfigError(problem)
         if gamma > DEFAULT_GAMMA:
@@ -91,10 +92,15 @@ class MtpDrafter:
             embed=target.embed,
             head=target.head,
             dtype=target.dtype,
-            device=platform.device(),
+            device=target.device,  # the platform's device, where the target was loaded
         )
 
     # -- preflight (before any weights exist) ------------------------------------------
+
+    @staticmethod
+    def default_gamma(spec_cfg: Any, model_cfg: Any) -> int:
+        """The gamma this drafter runs with: the configured one, else the trained 1."""
+        return int(spec_cfg.num_speculative_tokens or DEFAULT_GAMMA)
 
     @staticmethod
     def preflight(spec_cfg: Any, model_cfg: Any) -> list[str]:
@@ -139,7 +145,7 @@ class MtpDrafter:
     def observe(self, states: list[MtpState], rows: list[CommittedRows]) -> None:
         """One MTP row per committed target row: (its hidden, the next token)."""
         seq_lens = [len(r.next_ids) for r in rows]
-        device = self.module.e_proj.weight.device
+        device = self.target.device  # where the MTP weights and every committed row live
         hidden = torch.cat([r.hidden for r in rows]).to(device)  # [T, hc, d]
         tokens = torch.cat([r.next_ids for r in rows]).to(device)  # [T]
         x = self._run(states, hidden, tokens, seq_lens)  # [T, hc, d]
@@ -151,7 +157,9 @@ class MtpDrafter:
                 state.logits, state.hidden = logits[b], x_last[b]
 
     @torch.no_grad()
-    def propose(self, states: list[MtpState], requests: list[DraftRequest]) -> DraftProposal:
+    def propose(
+        self, states: list[MtpState], requests: list[DraftRequest], num_tokens: int
+    ) -> DraftProposal:
         if any(s.logits is None or s.hidden is None for s in states):
             raise RuntimeError(
                 "MtpDrafter.propose before observe: every sequence needs its prompt observed"
@@ -163,19 +171,19 @@ class MtpDrafter:
         hidden = torch.stack([s.hidden for s in states])  # type: ignore[misc]  # [B, hc, d]
         tokens: list[torch.Tensor] = []  # [B] each
         probs: list[torch.Tensor] = []  # [B, V] each
-        for k in range(self.gamma):
+        for k in range(num_tokens):  # num_tokens <= self.gamma: the caches' rollback room
             if k:  # d_{k+1} from (own hidden, d_k) at the next position
                 hidden = self._run(states, hidden, tokens[-1], [1] * len(states), own=True)
                 logits = self.module.draft_logits(hidden)
             q = logits_to_probs(logits, params)  # [B, V], the request's processing
-            tokens.append(sample(q, generators))  # [B]
+            tokens.append(sample(q, generators, check_greedy=False))  # [B], no device read
             probs.append(q)
         for state, n in zip(states, start):
             state.cache.truncate(n)  # drop the speculative rows (exact)
         greedy = all(p.greedy for p in params)
         return DraftProposal(
-            tokens=torch.stack(tokens, dim=1).cpu(),  # [B, gamma]
-            probs=None if greedy else torch.stack(probs, dim=1),  # [B, gamma, V]
+            tokens=torch.stack(tokens, dim=1),  # [B, num_tokens] on the target's device
+            probs=None if greedy else torch.stack(probs, dim=1),  # [B, num_tokens, V]
         )
 
     def _run(

@@ -2,12 +2,16 @@
 
 Read top to bottom: ``prefill`` starts sequences, ``decode_step`` is one
 draft -> verify -> accept -> commit -> observe round for a batch of running sequences
-(each at its own position, each accepting its own number of drafts).
+(each at its own position, each accepting its own number of drafts). Both return what
+they committed (:class:`StepResult`); the engine decides what to do with it.
+
+Device discipline: drafts, verify rows and probabilities live on the target's device
+(``target.device``); each call copies one small result matrix to the host, once.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -20,32 +24,57 @@ from xspec.workers.verify import rejection_sample
 
 
 @dataclass
-class Sequence:
-    """One running request: its tokens, decoding states and sampling state."""
+class RunningSeq:
+    """One running request: its tokens, decoding states, sampling state and budget."""
 
     token_ids: list[int]  # prompt + generated; token_ids[-1] is the anchor once decoding
     target_state: DecodeState
     draft_state: Any
     params: SamplingParams
     generator: torch.Generator | None
-    new_tokens: list[int] = field(default_factory=list)  # committed this step
+    max_len: int  # prompt + max_new_tokens: the step never grows token_ids past this
     error: str | None = None  # set when its logits turned non-finite; the engine drops it
 
     @property
     def anchor(self) -> int:
         return self.token_ids[-1]
 
+    @property
+    def remaining(self) -> int:
+        """Tokens this request may still commit."""
+        return self.max_len - len(self.token_ids)
 
-def _flag_nonfinite(seqs: list[Sequence], logits: torch.Tensor) -> torch.Tensor:
-    """``logits [B, R, V]``: a sequence with a non-finite row gets ``error`` set and its rows
-    zeroed, so this batch's sampling runs; its tokens of this step are discarded."""
-    bad = nonfinite_rows(logits.flatten(0, 1)).view(logits.shape[:2]).any(dim=1)  # [B]
-    if not bool(bad.any()):
-        return logits
-    for b in bad.nonzero().flatten().tolist():
-        pos = seqs[b].target_state.num_tokens
-        seqs[b].error = f"the target's logits became NaN/Inf near position {pos}"
-    return logits.masked_fill(bad[:, None, None], 0.0)
+
+@dataclass
+class StepResult:
+    """What one ``prefill`` / ``decode_step`` committed, per sequence (host values)."""
+
+    new_tokens: list[list[int]]  # committed tokens per sequence (accepted drafts + 1)
+    num_drafts: list[int]  # drafts verified per sequence (0 for prefill / baseline)
+    num_accepted: list[int]  # accepted drafts per sequence (the final token not counted)
+
+
+def _mask_nonfinite(logits: torch.Tensor, lens: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """``logits [T, V]``, the rows of B sequences (``lens`` rows each) -> (``logits`` with
+    every row of a sequence that has a non-finite row zeroed, so this batch's sampling
+    runs; ``bad [B]`` bool on the device). Read with the step's one host sync."""
+    seq = torch.arange(len(lens), device=logits.device).repeat_interleave(
+        torch.tensor(lens, device=logits.device), output_size=logits.shape[0]
+    )  # [T] sequence of each row
+    bad_rows = nonfinite_rows(logits).long()  # [T]
+    bad = (
+        torch.zeros(len(lens), dtype=torch.long, device=logits.device).index_add_(0, seq, bad_rows)
+        > 0
+    )  # [B]
+    return logits.masked_fill(bad[seq][:, None], 0.0), bad
+
+
+def _flag(seqs: list[RunningSeq], bad: list[bool]) -> None:
+    """Mark the sequences whose logits turned non-finite; the engine ends them alone."""
+    for s, b in zip(seqs, bad):
+        if b:
+            pos = s.target_state.num_tokens
+            s.error = f"the target's logits became NaN/Inf near position {pos}"
 
 
 def _rows(out: ModelOutput, start: int, stop: int) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -57,13 +86,14 @@ def _rows(out: ModelOutput, start: int, stop: int) -> tuple[torch.Tensor, torch.
 def prefill(
     target: TargetModel,
     drafter: Drafter,
-    seqs: list[Sequence],
+    seqs: list[RunningSeq],
     capture: list[CapturePoint],
     chunk_tokens: int,
-) -> None:
+) -> StepResult:
     """Run the prompts (in chunks of at most ``chunk_tokens`` rows per sequence) and
     sample each sequence's first token; the drafter observes the whole prompt."""
-    prompts = [torch.tensor(s.token_ids, dtype=torch.long) for s in seqs]
+    device = target.device
+    prompts = [torch.tensor(s.token_ids, dtype=torch.long, device=device) for s in seqs]
     hidden: list[list[torch.Tensor]] = [[] for _ in seqs]
     aux: list[list[torch.Tensor]] = [[] for _ in seqs]
     last_logits: list[torch.Tensor] = [torch.empty(0)] * len(seqs)
@@ -86,78 +116,102 @@ def prefill(
             end += len(c)
             last_logits[i] = out.logits[end - 1]
     # the first generated token comes from the last prompt row
-    logits = _flag_nonfinite(seqs, torch.stack(last_logits)[:, None])[:, 0]  # [B, V]
+    logits, bad = _mask_nonfinite(torch.stack(last_logits), [1] * len(seqs))  # [B, V], [B]
     probs = logits_to_probs(logits, [s.params for s in seqs])  # [B, V]
-    first = sample(probs, [s.generator for s in seqs])  # [B]
-    rows = []
-    for i, s in enumerate(seqs):
-        s.new_tokens = [int(first[i])]
-        s.token_ids.append(s.new_tokens[0])
-        rows.append(
-            CommittedRows(
-                input_ids=prompts[i],
-                next_ids=torch.tensor(s.token_ids[1:], dtype=torch.long),
-                hidden=torch.cat(hidden[i]),
-                aux_hidden=torch.cat(aux[i]) if aux[i] else None,
-            )
+    first = sample(probs, [s.generator for s in seqs], check_greedy=False)  # [B] on the device
+    rows = [
+        CommittedRows(
+            input_ids=prompts[i],  # [n_i]
+            next_ids=torch.cat([prompts[i][1:], first[i : i + 1]]),  # [n_i]
+            hidden=torch.cat(hidden[i]),  # [n_i, ...]
+            aux_hidden=torch.cat(aux[i]) if aux[i] else None,  # [n_i, K*d]
         )
+        for i in range(len(seqs))
+    ]
     drafter.observe([s.draft_state for s in seqs], rows)
+    host = torch.stack([first, bad.long()], dim=1).tolist()  # [B, 2]: the one host sync
+    _flag(seqs, [b == 1 for _, b in host])
+    new_tokens = [[t] for t, _ in host]
+    for s, new in zip(seqs, new_tokens):
+        s.token_ids += new
+    zeros = [0] * len(seqs)
+    return StepResult(new_tokens, num_drafts=zeros, num_accepted=list(zeros))
 
 
 @torch.no_grad()
 def decode_step(
     target: TargetModel,
     drafter: Drafter,
-    seqs: list[Sequence],
+    seqs: list[RunningSeq],
     capture: list[CapturePoint],
     metrics: SpecDecodeMetrics,
-) -> None:
-    """One speculative step for every sequence in ``seqs``; sets ``seq.new_tokens``."""
-    B, gamma = len(seqs), drafter.gamma
+) -> StepResult:
+    """One speculative step for every sequence in ``seqs`` (each with ``remaining >= 1``)."""
+    B, device = len(seqs), target.device
     params = [s.params for s in seqs]
     generators = [s.generator for s in seqs]
     n0 = [s.target_state.num_tokens for s in seqs]  # the anchor's position, per sequence
+    # Drafts per sequence: never more than its budget can commit (n drafts commit <= n+1).
+    max_drafts = [s.remaining - 1 for s in seqs]
+    gamma = min(drafter.gamma, max(max_drafts))  # this step's block width
+    n = [min(gamma, m) for m in max_drafts]  # [B] drafts verified per sequence
 
     # 1. draft: gamma tokens after each anchor (q: the draft's full distributions, if sampled)
-    requests = [DraftRequest(anchor=s.anchor, params=s.params, generator=s.generator) for s in seqs]
-    proposal = drafter.propose([s.draft_state for s in seqs], requests)
-    drafts = proposal.tokens  # [B, gamma]
+    anchors = torch.tensor([s.anchor for s in seqs], dtype=torch.long, device=device)  # [B]
+    drafts = torch.empty(B, 0, dtype=torch.long, device=device)  # [B, gamma]
+    draft_probs = None  # [B, gamma, V] or None (one-hot q)
+    if gamma > 0:
+        requests = [
+            DraftRequest(s.anchor, s.params, s.generator, max_drafts=m)
+            for s, m in zip(seqs, max_drafts)
+        ]
+        proposal = drafter.propose([s.draft_state for s in seqs], requests, gamma)
+        drafts, draft_probs = proposal.tokens, proposal.probs
 
-    # 2. verify: the target scores [anchor, d_1 .. d_gamma] in one forward
-    rows = torch.cat(
-        [torch.tensor([s.anchor for s in seqs])[:, None], drafts], dim=1
-    )  # [B, gamma+1]
+    # 2. verify: the target scores [anchor, d_1 .. d_n] (n + 1 rows) per sequence in one forward
+    blocks = torch.cat([anchors[:, None], drafts], dim=1)  # [B, gamma+1]
+    lens = [k + 1 for k in n]
     out = target.forward(
-        ForwardBatch(rows.flatten(), [gamma + 1] * B, [s.target_state for s in seqs], capture)
+        ForwardBatch(
+            torch.cat([blocks[b, :k] for b, k in enumerate(lens)]),  # [sum(lens)]
+            lens,
+            [s.target_state for s in seqs],
+            capture,
+        )
     )
-    row_params = [p for p in params for _ in range(gamma + 1)]
-    logits = _flag_nonfinite(seqs, out.logits.view(B, gamma + 1, -1))  # [B, gamma+1, V]
-    p = logits_to_probs(logits.flatten(0, 1), row_params).view(B, gamma + 1, -1)
+    row_params = [p for p, k in zip(params, lens) for _ in range(k)]
+    logits, bad = _mask_nonfinite(out.logits, lens)  # [sum(lens), V], [B]
+    p_rows = logits_to_probs(logits, row_params).split(lens)  # B x [n_b+1, V]
+    p = torch.nn.utils.rnn.pad_sequence(list(p_rows), batch_first=True)  # [B, gamma+1, V]
 
     # 3. accept: the accepted prefix + one correction (on rejection) or bonus token
-    result = rejection_sample(p, drafts, proposal.probs, generators)
-    accepted = result.num_accepted.tolist()  # [B]
+    result = rejection_sample(p, drafts, draft_probs, generators, n, check_tokens=False)
+    host = torch.cat([result.output_tokens, bad.long()[:, None]], dim=1).cpu()  # one host sync
+    output = host[:, :-1]  # [B, gamma+1]
+    _flag(seqs, host[:, -1].bool().tolist())
+    committed = (output >= 0).sum(dim=1).tolist()  # [B] accepted + 1
 
     # 4. commit: keep the anchor and the accepted drafts in the target's state; the
     #    correction/bonus token becomes the next anchor (not yet seen by the target)
-    committed = []
+    rows, new_tokens, offset = [], [], 0
     for b, s in enumerate(seqs):
-        a = accepted[b]
-        target.truncate(s.target_state, n0[b] + 1 + a)
-        s.new_tokens = result.output_tokens[b, : a + 1].tolist()
-        s.token_ids.extend(s.new_tokens)
-        h, x = _rows(out, b * (gamma + 1), b * (gamma + 1) + a + 1)
-        committed.append(
+        k = committed[b]
+        target.truncate(s.target_state, n0[b] + k)
+        new_tokens.append(output[b, :k].tolist())
+        s.token_ids += new_tokens[-1]
+        h, x = _rows(out, offset, offset + k)
+        rows.append(
             CommittedRows(
-                input_ids=rows[b, : a + 1],
-                next_ids=result.output_tokens[b, : a + 1],
+                input_ids=blocks[b, :k],
+                next_ids=result.output_tokens[b, :k],
                 hidden=h,
                 aux_hidden=x,
             )
         )
+        offset += lens[b]
 
     # 5. the drafter catches up on what was committed; 6. metrics from the output matrix
-    drafter.observe([s.draft_state for s in seqs], committed)
-    metrics.observe_step(
-        result.output_tokens, torch.full((B,), gamma, dtype=torch.long), proposal.confidence
-    )
+    drafter.observe([s.draft_state for s in seqs], rows)
+    confidence = proposal.confidence if gamma > 0 else None
+    metrics.observe_step(output, torch.tensor(n, dtype=torch.long), confidence)
+    return StepResult(new_tokens, num_drafts=n, num_accepted=[k - 1 for k in committed])

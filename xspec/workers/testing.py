@@ -23,8 +23,12 @@ class OracleDrafter:
 
     def __init__(self, cfg: Any, *, target: TargetModel, **_: Any) -> None:
         self.target = target
-        self.gamma = cfg.num_speculative_tokens or DEFAULT_GAMMA
+        self.gamma = self.default_gamma(cfg)
         self.capture_layer_ids: list[int] = []
+
+    @staticmethod
+    def default_gamma(spec_cfg: Any, model_cfg: Any = None) -> int:
+        return int(spec_cfg.num_speculative_tokens or DEFAULT_GAMMA)
 
     def new_state(self) -> DecodeState:
         return self.target.new_state()
@@ -35,11 +39,14 @@ class OracleDrafter:
         self.target.forward(ForwardBatch(ids, [len(r.input_ids) for r in rows], states))
 
     @torch.no_grad()
-    def propose(self, states: list[Any], requests: list[DraftRequest]) -> DraftProposal:
+    def propose(
+        self, states: list[Any], requests: list[DraftRequest], num_tokens: int
+    ) -> DraftProposal:
         start = [s.num_tokens for s in states]
-        tok = torch.tensor([r.anchor for r in requests], dtype=torch.long)  # [B]
+        device = self.target.device
+        tok = torch.tensor([r.anchor for r in requests], dtype=torch.long, device=device)  # [B]
         drafts = []
-        for _ in range(self.gamma):
+        for _ in range(num_tokens):
             logits = self.target.forward(
                 ForwardBatch(tok, [1] * len(states), states)
             ).logits  # [B, V]
@@ -48,7 +55,7 @@ class OracleDrafter:
             tok = greedy  # follow the target's own continuation
         for s, n in zip(states, start):
             self.target.truncate(s, n)
-        return DraftProposal(tokens=torch.stack(drafts, 1))  # [B, gamma]
+        return DraftProposal(tokens=torch.stack(drafts, 1))  # [B, num_tokens] on the device
 
 
 class WrongDrafter(OracleDrafter):

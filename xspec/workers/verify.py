@@ -49,7 +49,9 @@ def rejection_sample(
     draft_tokens: Tensor,
     draft_probs: Tensor | None,
     generators: Sequence[torch.Generator | None],
-    num_drafts: Tensor | None = None,
+    num_drafts: Tensor | Sequence[int] | None = None,
+    *,
+    check_tokens: bool = True,
 ) -> VerifyResult:
     """Verify one block of drafts per request; see the module docstring.
 
@@ -57,12 +59,20 @@ def rejection_sample(
     draft_tokens: [B, gamma] int64 (columns >= num_drafts[b] are ignored, may be -1)
     draft_probs:  [B, gamma, V] float32 full draft distributions, or None (one-hot q)
     generators:   B entries; None = greedy row
-    num_drafts:   [B] int64 in [0, gamma], or None = gamma for every row
+    num_drafts:   [B] ints in [0, gamma] (a host list costs no device sync), or None = gamma
+    check_tokens: refuse draft ids outside the vocabulary (reads the device: one sync);
+                  the speculative step skips it, its drafts come from a sampler
+
+    Every tensor is on ``target_probs.device``; nothing is read back to the host when
+    ``num_drafts`` is a host list and ``check_tokens`` is False.
     """
     bsz, gamma = draft_tokens.shape
     vocab = target_probs.shape[-1]
     device = target_probs.device
-    n = _check_inputs(target_probs, draft_tokens, draft_probs, generators, num_drafts)  # [B]
+    n_host = _check_inputs(target_probs, draft_tokens, draft_probs, generators, num_drafts)
+    if check_tokens:
+        _check_tokens(draft_tokens, n_host, vocab)
+    n = torch.tensor(n_host, dtype=torch.long, device=device)  # [B]
     rows = torch.arange(bsz, device=device)  # [B]
     greedy_rows = [g is None for g in generators]
     is_greedy = torch.tensor(greedy_rows, dtype=torch.bool, device=device)  # [B]
@@ -71,7 +81,7 @@ def rejection_sample(
     tokens = draft_tokens.clamp(0, vocab - 1)  # [B, gamma] gather-safe copy of the -1 padding
 
     # Random rows draw n acceptance uniforms, then one for the final token; greedy rows none.
-    counts = [0 if g is None else n_b + 1 for g, n_b in zip(generators, n.tolist())]
+    counts = [0 if g is None else n_b + 1 for g, n_b in zip(generators, n_host)]
     u = draw_uniforms(generators, counts, device)  # [B, <= gamma+1]
     u = torch.nn.functional.pad(u, (0, gamma + 1 - u.shape[1]))  # [B, gamma+1]
     u_accept = u[:, :gamma]  # [B, gamma]
@@ -135,9 +145,9 @@ def _check_inputs(
     draft_tokens: Tensor,
     draft_probs: Tensor | None,
     generators: Sequence[torch.Generator | None],
-    num_drafts: Tensor | None,
-) -> Tensor:
-    """Validate shapes and ranges (caller bugs -> ValueError); return num_drafts [B] int64."""
+    num_drafts: Tensor | Sequence[int] | None,
+) -> list[int]:
+    """Validate shapes and ranges (caller bugs -> ValueError); return num_drafts per row."""
     if draft_tokens.dim() != 2:
         raise ValueError(f"draft_tokens must be [B, gamma], got {tuple(draft_tokens.shape)}")
     bsz, gamma = draft_tokens.shape
@@ -155,18 +165,19 @@ def _check_inputs(
             f"need one generator (or None) per row: {bsz} rows, {len(generators)} generators"
         )
     if num_drafts is None:
-        num_drafts = torch.full((bsz,), gamma, dtype=torch.long, device=target_probs.device)
-    num_drafts = num_drafts.to(device=target_probs.device, dtype=torch.long)
-    if tuple(num_drafts.shape) != (bsz,) or bool(((num_drafts < 0) | (num_drafts > gamma)).any()):
-        raise ValueError(
-            f"num_drafts must be [B] with values in [0, {gamma}], got {num_drafts.tolist()}"
-        )
-    in_block = torch.arange(gamma, device=draft_tokens.device)[None, :] < num_drafts[:, None].to(
-        draft_tokens.device
-    )
+        return [gamma] * bsz
+    n = num_drafts.tolist() if isinstance(num_drafts, Tensor) else [int(k) for k in num_drafts]
+    if len(n) != bsz or any(not 0 <= k <= gamma for k in n):
+        raise ValueError(f"num_drafts must be [B] with values in [0, {gamma}], got {n}")
+    return n
+
+
+def _check_tokens(draft_tokens: Tensor, num_drafts: list[int], vocab: int) -> None:
+    """Draft ids inside the vocabulary wherever a row carries a draft (ValueError)."""
+    n = torch.tensor(num_drafts, device=draft_tokens.device)  # [B]
+    in_block = torch.arange(draft_tokens.shape[1], device=draft_tokens.device)[None, :] < n[:, None]
     bad = in_block & ((draft_tokens < 0) | (draft_tokens >= vocab))
     if bool(bad.any()):
         raise ValueError(
             f"draft token ids outside [0, {vocab}) at (row, position) {bad.nonzero().tolist()[:5]}"
         )
-    return num_drafts

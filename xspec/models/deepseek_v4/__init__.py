@@ -31,6 +31,7 @@ __all__ = [
     "DeepseekV4Model",
     "checkpoint_path",
     "load_model",
+    "preflight",
 ]
 
 
@@ -81,6 +82,23 @@ def load_model(cfg: Any, *, device: torch.device, max_rollback: int) -> Deepseek
         max_rollback=max_rollback,
         max_context=cfg.max_context,
     )
+
+
+def preflight(cfg: Any) -> list[str]:
+    """Problems of the checkpoint ``cfg`` names, from config.json and headers only."""
+    from xspec.errors import UserError
+    from xspec.models.deepseek_v4.weights import check_checkpoint
+    from xspec.models.loading import CONFIG_NAME, Checkpoint
+
+    try:
+        ckpt = Checkpoint(checkpoint_path(cfg))
+        check_checkpoint(ckpt, DeepseekV4Args.from_config(ckpt.config, ckpt.path / CONFIG_NAME))
+    except UserError as e:
+        return [str(e)]
+    return []
+
+
+load_model.preflight = preflight  # type: ignore[attr-defined]  # read by xspec.build.check
 
 
 def checkpoint_path(cfg: Any) -> Path:

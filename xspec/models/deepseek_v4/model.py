@@ -113,6 +113,10 @@ class DeepseekV4Model(nn.Module, HyperHead):
 
     # -- TargetModel -------------------------------------------------------------------
 
+    @property
+    def device(self) -> torch.device:
+        return self.embed.weight.device
+
     def new_state(self) -> DeepseekV4State:
         blocks: list[Block] = list(self.layers)  # type: ignore[arg-type]
         layers = [

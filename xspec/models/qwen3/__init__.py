@@ -18,7 +18,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from xspec.errors import CheckpointError
+from xspec.errors import CheckpointError, UserError
 from xspec.models.presets import checkpoint_dir, dtype_name
 from xspec.models.qwen3.args import Qwen3Args
 
@@ -28,7 +28,15 @@ if TYPE_CHECKING:
     from xspec.models.loading import Checkpoint
     from xspec.models.qwen3.model import Qwen3Model, Qwen3State
 
-__all__ = ["PRESETS", "Qwen3Args", "Qwen3Model", "Qwen3State", "checkpoint_key", "load_model"]
+__all__ = [
+    "PRESETS",
+    "Qwen3Args",
+    "Qwen3Model",
+    "Qwen3State",
+    "checkpoint_key",
+    "load_model",
+    "preflight",
+]
 
 PRESETS = {"tiny": False, "moe_tiny": True}  # model.preset -> is MoE
 _FLOAT_CODES = {"F32", "F16", "BF16", "F64"}
@@ -70,6 +78,21 @@ def load_model(cfg: Any, *, device: torch.device, max_rollback: int) -> Qwen3Mod
     load_params(model, ckpt, lambda name: checkpoint_key(name, args))
     model.checkpoint_dir = ckpt.path  # tokenizer.json, drafters stored beside the target
     return model.eval()
+
+
+def preflight(cfg: Any) -> list[str]:
+    """Problems of the checkpoint ``cfg`` names, from config.json and headers only."""
+    from xspec.models.loading import Checkpoint
+
+    try:
+        ckpt = Checkpoint(_checkpoint_path(cfg))
+        check_tensors(Qwen3Args.from_config(ckpt.config, ckpt.path / "config.json"), ckpt)
+    except UserError as e:
+        return [str(e)]
+    return []
+
+
+load_model.preflight = preflight  # type: ignore[attr-defined]  # read by xspec.build.check
 
 
 def checkpoint_key(name: str, args: Qwen3Args) -> str | None:

@@ -1,0 +1,93 @@
+"""build.check: every problem of a run, found before any weight is loaded; the CLI runs
+it on every job of a sweep before the first job starts."""
+
+from __future__ import annotations
+
+import pytest
+
+from xspec import registry
+from xspec.__main__ import _override_sets, check_jobs
+from xspec.build import check, effective_gamma
+from xspec.compose import compose_run
+from xspec.errors import ConfigError
+from xspec.platforms.base import Capabilities
+from xspec.platforms.cpu import CpuPlatform
+from xspec.workers.mtp import MtpDrafter
+from xspec.workers.testing import OracleDrafter
+
+
+class TwoDraftPlatform(CpuPlatform):
+    """The host CPU with a kernel limit of 2 draft tokens per step."""
+
+    name = "two_drafts"
+
+    def _build_capabilities(self) -> Capabilities:
+        return Capabilities(max_speculative_tokens=2)
+
+
+@pytest.fixture
+def two_drafts(monkeypatch: pytest.MonkeyPatch) -> str:
+    """An in-process platform entry (module:attr of this file), removed afterwards."""
+    entry = registry.Entry("two_drafts", f"{__name__}:TwoDraftPlatform", "test", origin="built-in")
+    monkeypatch.setitem(registry.platforms._builtins, "two_drafts", entry)
+    return "two_drafts"
+
+
+@pytest.fixture
+def no_weights(monkeypatch: pytest.MonkeyPatch) -> None:
+    def refuse(*args: object, **kwargs: object) -> None:
+        raise AssertionError("check() loaded weights")
+
+    monkeypatch.setattr("xspec.models.loading.load_params", refuse)
+    monkeypatch.setattr("xspec.models.deepseek_v4.weights.load_checkpoint", refuse)
+
+
+@pytest.mark.usefixtures("no_weights")
+def test_good_runs_have_no_problems() -> None:
+    for overrides in (["model=qwen3_tiny", "spec=none"], ["model=dsv4_tiny", "spec=mtp"]):
+        assert check(compose_run([*overrides, "platform=cpu"])) == [], overrides
+
+
+def test_effective_gamma_of_each_method() -> None:
+    cfg = compose_run(["model=dsv4_tiny", "spec=oracle", "spec.num_speculative_tokens=null"])
+    assert effective_gamma(OracleDrafter, cfg.spec, cfg.model) == 3
+    assert effective_gamma(MtpDrafter, cfg.spec, cfg.model) == 1
+    cfg.spec.num_speculative_tokens = 5
+    assert effective_gamma(MtpDrafter, cfg.spec, cfg.model) == 5
+    assert effective_gamma(object(), cfg.spec, cfg.model) == 5  # no hook: the config's value
+
+
+@pytest.mark.usefixtures("no_weights")
+def test_platform_limit_checked_at_the_drafters_real_gamma(two_drafts: str) -> None:
+    """The oracle drafts 3 by default: a platform limited to 2 refuses it up front, even
+    with spec.num_speculative_tokens left null (previously checked as 1)."""
+    cfg = compose_run(["model=qwen3_tiny", "spec=oracle", "spec.num_speculative_tokens=null"])
+    cfg.platform.name = two_drafts
+    problems = check(cfg)
+    assert any("spec.num_speculative_tokens=3" in p and "limit of 2" in p for p in problems)
+    cfg.spec.method = "mtp"  # MTP's default gamma 1 fits
+    cfg.model = compose_run(["model=dsv4_tiny"]).model
+    assert check(cfg) == []
+
+
+@pytest.mark.usefixtures("no_weights")
+def test_target_checkpoint_checked_from_headers(tmp_path: object) -> None:
+    cfg = compose_run(["model=qwen3", "model.path=/does/not/exist", "spec=none"])
+    problems = check(cfg)
+    assert len(problems) == 1 and "/does/not/exist" in problems[0]
+
+
+@pytest.mark.usefixtures("no_weights")
+def test_every_job_of_a_sweep_is_checked_first() -> None:
+    """One message lists the problems of every failing job; the good job is not named."""
+    sets = _override_sets(
+        ["-m", "spec=none,mtp,oracle", "model=qwen3_tiny", "spec.num_speculative_tokens=17"]
+    )
+    with pytest.raises(ConfigError) as e:
+        check_jobs(sets)
+    msg = str(e.value)
+    assert "3 of 3 jobs cannot run (no job was started)" in msg
+    assert "job spec=mtp model=qwen3_tiny spec.num_speculative_tokens=17:" in msg
+    assert "needs a DeepSeek-V4 target" in msg and "limit of 16" in msg
+    assert "has no effect with spec=none" in msg
+    check_jobs(_override_sets(["-m", "spec=none,oracle", "model=qwen3_tiny"]))  # all fine

@@ -1,0 +1,81 @@
+"""Timing figures of the CLI's main job: warm-up, the TPOT rule, repeats as median ±spread."""
+
+from __future__ import annotations
+
+import io
+
+import pytest
+
+import xspec
+from xspec.config import SamplingConfig, WorkloadConfig
+from xspec.engine.engine import Generation
+from xspec.engine.report import (
+    RunSummary,
+    RunTimings,
+    Spread,
+    comparison_table,
+    format_timings,
+    run_workload,
+    spread,
+    timings,
+)
+
+
+def gen(n_tokens: int, ttft: float, latency: float) -> Generation:
+    return Generation([1], list(range(n_tokens)), ttft, latency, 0)
+
+
+def test_spread_is_median_and_half_the_range() -> None:
+    assert spread([3.0, 1.0, 10.0]) == Spread(3.0, 4.5)
+    assert spread([2.0, 4.0]) == Spread(3.0, 1.0)
+    assert spread([5.0]) == Spread(5.0, 0.0)
+    assert spread([None, 4.0, None, 6.0]) == Spread(5.0, 1.0)  # missing figures are skipped
+    assert spread([None, None]) is None and spread([]) is None
+    assert Spread(12.34, 0.4).format(".1f") == "12.3 ±0.4"
+
+
+def test_tpot_leaves_out_one_token_requests() -> None:
+    """TPOT is a mean over requests with >= 2 output tokens, not a 0 for the others."""
+    gens = [gen(1, 0.010, 0.010), gen(5, 0.010, 0.050)]  # the second: 40 ms / 4 tokens
+    t = timings(gens)
+    assert t.tpot_ms == pytest.approx(10.0) and t.output_tokens == 6
+    assert gens[0].tpot_s is None
+    only_one = timings([gen(1, 0.01, 0.01), gen(1, 0.02, 0.02)])
+    assert only_one.tpot_ms is None
+    assert "TPOT mean=n/a" in format_timings([gen(1, 0.01, 0.01)])
+
+
+def test_table_shows_medians_with_spread_and_ratio_of_medians() -> None:
+    def run(tpot: float | None) -> RunTimings:
+        return RunTimings(output_tokens=10, wall_s=1.0, ttft_ms=5.0, tpot_ms=tpot)
+
+    rows = [
+        RunSummary("base", [run(10.0), run(12.0), run(30.0)], None, 1.0),  # median 12
+        RunSummary("spec", [run(6.0), run(8.0), run(3.0)], 0.5, 1.5),  # median 6
+        RunSummary("one-token", [run(None)], 0.0, 1.0),
+    ]
+    table = comparison_table(rows)
+    assert "median ±half the min-max range over 1/3 repeat(s)" in table
+    base, spec, none = table.splitlines()[3:]
+    assert "12.00 ±10.00" in base and base.endswith("1.000")
+    assert "6.00 ±2.50" in spec and spec.endswith("0.500")  # 6 / 12: medians, not means
+    assert none.count("n/a") == 2
+
+
+def test_warmup_is_excluded_and_repeats_are_measured() -> None:
+    llm = xspec.LLM(model="qwen3_tiny", spec="oracle", platform="cpu")  # gamma 3
+    built = llm._built
+    calls: list[int] = []
+    run = built.engine.run
+    built.engine.run = lambda reqs, c: calls.append(len(reqs)) or run(reqs, c)  # type: ignore[method-assign]
+    w = WorkloadConfig(
+        prompts=["ab", "cde"], num_requests=2, max_new_tokens=9, warmup_requests=1, repeats=3
+    )
+    out = io.StringIO()
+    runs = run_workload(built, w, SamplingConfig(), out)
+    assert calls == [1, 2, 2, 2]  # one warm-up request, then three measured runs
+    assert len(runs) == 3 and all(len(g.token_ids) == 9 for gens in runs for g in gens)
+    rep = built.engine.metrics.report()  # reset after the warm-up: measured runs only
+    assert rep.num_committed_tokens == 3 * 2 * (9 - 1)
+    assert rep.num_steps == 3 * 2  # 8 tokens after prefill = two full oracle blocks of 4
+    assert "[repeat 3/3]" in out.getvalue()
