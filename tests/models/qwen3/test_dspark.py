@@ -211,16 +211,22 @@ def test_prefixed_layout_and_target_vocab_draft_the_same(
     """``model.``-prefixed names, and no embed_tokens / lm_head (the target's are used: the
     preset's own are copies of them) draft exactly what the preset drafts."""
     src = tiny_draft_dir(False, BlockLayout.DSPARK)
+    head = {"lm_head.weight": Checkpoint(src).get("lm_head.weight")}  # unprefixed, the rest not
     variants = [
         None,
         str(rewrite(src, tmp_path / "prefixed", prefix="model.")),
+        str(
+            rewrite(
+                src, tmp_path / "mixed", drop=("lm_head.weight",), tensors=head, prefix="model."
+            )
+        ),
         str(rewrite(src, tmp_path / "shared", drop=("embed_tokens.weight", "lm_head.weight"))),
     ]
     toks = ids(15, 4)
     props = []
     for path in variants:
         m, layer_ids, gamma = load(target, BlockLayout.DSPARK, path)
-        assert (m.embed_tokens is None) == (path == variants[2])
+        assert (m.embed_tokens is None) == (path == variants[-1])
         d = BlockDrafter(m, layout=BlockLayout.DSPARK, gamma=gamma, capture_layer_ids=layer_ids, device=torch.device("cpu"))  # fmt: skip
         state = d.new_state()
         aux = target_rows(target, target.new_state(), toks, layer_ids)

@@ -163,7 +163,6 @@ class DraftPlan:
     own_embed: bool  # embed_tokens.weight in the directory
     own_head: bool  # lm_head.weight in the directory
     confidence_bias: bool  # confidence_head.proj.bias in the directory
-    prefix: str  # "model." when every tensor name carries it
 
     @property
     def use_markov(self) -> bool:
@@ -183,7 +182,7 @@ class DraftPlan:
 
     def rename(self, name: str) -> str | None:
         """Checkpoint tensor name -> module state_dict key; None = skip."""
-        name = name.removeprefix(self.prefix)
+        name = name.removeprefix("model.")  # a duplicate with and without it is an error
         if name.endswith("rotary_emb.inv_freq"):
             return None  # recomputed from the config
         if name.startswith(HEAD_PREFIXES) and self.layout is BlockLayout.DFLASH:
@@ -196,7 +195,7 @@ class DraftPlan:
 
 def plan_for(layout: BlockLayout, cfg: DraftConfig, *, own_vocab: bool) -> DraftPlan:
     """The plan of a draft written from scratch (DeepSpec names, confidence bias)."""
-    return DraftPlan(layout, cfg, own_vocab, own_vocab, confidence_bias=True, prefix="")
+    return DraftPlan(layout, cfg, own_vocab, own_vocab, confidence_bias=True)
 
 
 def plan_draft(
@@ -211,16 +210,13 @@ def plan_draft(
             f"draft {ckpt.path} does not fit the target ({len(problems)} problem(s))",
             problems=problems,
         )
-    names = ckpt.names()
-    prefix = "model." if names and all(n.startswith("model.") for n in names) else ""
-    stripped = {n.removeprefix(prefix) for n in names}
+    stripped = {n.removeprefix("model.") for n in ckpt.names()}
     plan = DraftPlan(
         layout,
         cfg,
         own_embed="embed_tokens.weight" in stripped,
         own_head="lm_head.weight" in stripped,
         confidence_bias="confidence_head.proj.bias" in stripped,
-        prefix=prefix,
     )
     check_params(Qwen3BlockDraft(plan, target=None, device="meta"), ckpt, plan.rename)
     return ckpt, plan
