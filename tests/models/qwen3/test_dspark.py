@@ -20,12 +20,8 @@ from xspec.models.base import CaptureSite, ForwardBatch
 from xspec.models.draft_heads import ConfidenceHead, MarkovHead
 from xspec.models.loading import Checkpoint, write_checkpoint
 from xspec.models.qwen3 import load_model
-from xspec.models.qwen3.dspark import (
-    DraftCache,
-    Qwen3BlockDraft,
-    load_block_draft,
-    parse_config,
-)
+from xspec.models.qwen3.draft_config import parse_config
+from xspec.models.qwen3.dspark import DraftCache, Qwen3BlockDraft, load_block_draft
 from xspec.models.qwen3.model import Qwen3Model
 from xspec.models.qwen3.tiny import tiny_draft_dir
 from xspec.platforms.cpu import CpuPlatform

@@ -87,7 +87,8 @@ def generate_draft(path: str | Path, *, moe: bool, layout: BlockLayout, seed: in
     import torch
 
     from xspec.models.loading import Checkpoint, write_checkpoint
-    from xspec.models.qwen3.dspark import NAME_MAP, Qwen3BlockDraft, parse_config, plan_for
+    from xspec.models.qwen3.draft_config import parse_config
+    from xspec.models.qwen3.dspark import NAME_MAP, Qwen3BlockDraft, plan_for
 
     config = draft_config(moe, layout)
     plan = plan_for(layout, parse_config(config, Path(path) / "config.json"), own_vocab=True)
