@@ -149,7 +149,12 @@ class PlatformConformance:
 
     def test_capture_point_refuses_negative_layer(self, platform: Platform) -> None:
         with pytest.raises(ConfigError, match="negative"):
-            platform.capture_point(-1)
+            platform.capture_point(-2)
+
+    def test_capture_point_minus_one_is_the_embedding_output(self, platform: Platform) -> None:
+        # "output of layer -1" = the embedding output = the input of layer 0, whichever
+        # convention the platform uses for real layers
+        assert platform.capture_point(-1) == CapturePoint(layer=0, site=CaptureSite.INPUT)
 
     def test_capabilities_frozen_and_read_once(self, platform: Platform) -> None:
         caps = platform.capabilities

@@ -330,6 +330,15 @@ def _plan(
     return plan
 
 
+def check_params(
+    module: torch.nn.Module, ckpt: Checkpoint, rename: Callable[[str], str | None]
+) -> None:
+    """The plan phase of :func:`load_params` alone (headers only; ``module`` may live on
+    the meta device): one CheckpointError listing every missing, unexpected, duplicate,
+    misshapen or int-into-float tensor."""
+    _plan(module.state_dict(keep_vars=True), ckpt, rename, check_kind=True)
+
+
 def load_params(
     module: torch.nn.Module,
     ckpt: Checkpoint,

@@ -189,9 +189,12 @@ class Platform(abc.ABC):
     def capture_point(self, checkpoint_layer_id: int) -> CapturePoint:
         """Where to read the hidden state the checkpoint calls "output of layer L".
 
-        Default: the output of layer L itself (hooks can run after a layer).
+        Default: the output of layer L itself (hooks can run after a layer). Id -1 means
+        the embedding output (DFlash / DSpark drafts use it), i.e. the input of layer 0.
         """
         check_layer_id(checkpoint_layer_id)
+        if checkpoint_layer_id == EMBEDDING_LAYER_ID:
+            return CapturePoint(layer=0, site=CaptureSite.INPUT)
         return CapturePoint(layer=checkpoint_layer_id, site=CaptureSite.OUTPUT)
 
     def sas_mode(self, operator_accepts_ori_sparse_indices: bool | None = None) -> SasMode:
@@ -254,12 +257,19 @@ class Platform(abc.ABC):
         return f"{type(self).__name__}(name={self.name!r}, device_index={self.device_index})"
 
 
+# Checkpoint layer id of the embedding output (HF ``hidden_states[0]``); "output of
+# layer -1" is the input of layer 0, so both capture conventions map it the same way.
+EMBEDDING_LAYER_ID = -1
+
+
 def check_layer_id(checkpoint_layer_id: int) -> None:
-    """Refuse a negative checkpoint layer id (shared by every ``capture_point``)."""
-    if checkpoint_layer_id < 0:
+    """Refuse a negative checkpoint layer id other than -1 (the embedding output), shared
+    by every ``capture_point``."""
+    if checkpoint_layer_id < EMBEDDING_LAYER_ID:
         raise ConfigError(
             f"target layer id {checkpoint_layer_id} is negative; checkpoint layer ids "
-            "(e.g. dspark_target_layer_ids) count decoder layers from 0"
+            "(e.g. dspark_target_layer_ids) count decoder layers from 0, and -1 names the "
+            "embedding output"
         )
 
 

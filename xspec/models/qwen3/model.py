@@ -105,6 +105,16 @@ def _yarn(scaling: dict, dim: int, base: float, factor: float) -> tuple[torch.Te
     return inv_freq, float(attn)
 
 
+def rope_tables(
+    positions: torch.Tensor, inv_freq: torch.Tensor, scale: float, dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """positions [T] -> cos, sin [T, 1, hd] in ``dtype`` (computed in fp32)."""
+    freqs = positions[:, None].float() * inv_freq  # [T, hd/2]
+    emb = torch.cat((freqs, freqs), dim=-1)
+    cos, sin = emb.cos() * scale, emb.sin() * scale
+    return cos.to(dtype)[:, None], sin.to(dtype)[:, None]
+
+
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """NeoX rotate-half RoPE. x [T, heads, hd]; cos/sin [T, 1, hd]."""
     half = x.shape[-1] // 2
@@ -128,6 +138,20 @@ class Attention(nn.Module):
         self.q_norm = RMSNorm(hd, args.rms_norm_eps)
         self.k_norm = RMSNorm(hd, args.rms_norm_eps)
 
+    def project_q(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        """``x [T, d]``, cos/sin ``[T, 1, hd]`` -> RoPE(q_norm(q)) ``[T, H, hd]``."""
+        q = self.q_norm(self.q_proj(x).view(x.shape[0], self.heads, self.head_dim))
+        return apply_rope(q, *rope)
+
+    def project_kv(
+        self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``x [T, d]``, cos/sin ``[T, 1, hd]`` -> (RoPE(k_norm(k)), v), each ``[T, KV, hd]``.
+        Block drafters also project the target's context features through this."""
+        T, hd = x.shape[0], self.head_dim
+        k = apply_rope(self.k_norm(self.k_proj(x).view(T, self.kv_heads, hd)), *rope)
+        return k, self.v_proj(x).view(T, self.kv_heads, hd)
+
     def forward(
         self,
         x: torch.Tensor,  # [T, d] normed residual
@@ -136,10 +160,8 @@ class Attention(nn.Module):
         layer: int,
     ) -> torch.Tensor:  # [T, d]
         T, hd = x.shape[0], self.head_dim
-        cos, sin = rope
-        q = apply_rope(self.q_norm(self.q_proj(x).view(T, self.heads, hd)), cos, sin)
-        k = apply_rope(self.k_norm(self.k_proj(x).view(T, self.kv_heads, hd)), cos, sin)
-        v = self.v_proj(x).view(T, self.kv_heads, hd)
+        q = self.project_q(x, rope)
+        k, v = self.project_kv(x, rope)
         out = torch.empty_like(q)  # [T, H, hd]
         start = 0
         for n, state in zip(batch.seq_lens, batch.states):
@@ -354,11 +376,7 @@ class Qwen3Model(nn.Module):
     # -- helpers -----------------------------------------------------------------------
 
     def _rope(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """positions [T] -> cos, sin [T, 1, hd] in the model dtype (computed in fp32)."""
-        freqs = positions[:, None].float() * self.inv_freq  # [T, hd/2]
-        emb = torch.cat((freqs, freqs), dim=-1)
-        cos, sin = emb.cos() * self.rope_scale, emb.sin() * self.rope_scale
-        return cos.to(self.dtype)[:, None], sin.to(self.dtype)[:, None]
+        return rope_tables(positions, self.inv_freq, self.rope_scale, self.dtype)
 
     def _snapshot_index(self, point: CapturePoint) -> int:
         """INPUT of layer l is residual l; OUTPUT of layer l is residual l+1."""

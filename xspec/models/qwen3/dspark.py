@@ -1,0 +1,391 @@
+"""Qwen3 DSpark / DFlash drafts (``spec=dspark`` / ``spec=dflash`` with ``model.arch=qwen3``).
+
+A separate draft directory, as the DFlash and DeepSpec projects publish it: a small stack
+of Qwen3 decoder layers conditioned on the target's hidden states captured at
+``target_layer_ids`` (``-1`` = the embedding output), concatenated in config order.
+
+* Context: ``ctx = hidden_norm(fc(aux))`` per committed position; every draft layer keeps
+  its ``k_norm(k_proj(ctx))`` (RoPE at the context position) and ``v_proj(ctx)`` for the
+  **whole** committed context (no window). Nothing speculative is ever written.
+* Block: ``embed_tokens([anchor, fill ...])`` at positions ``p .. p+W-1``; each layer is
+  the Qwen3 pre-norm block, its queries seeing all context K/V plus every block row's own
+  K/V (no causal mask inside the block). Final ``norm`` (this is the confidence head's
+  input, as in DeepSpec), logits through ``lm_head``.
+* Vocabulary: the draft's own ``embed_tokens`` / ``lm_head`` when its directory has them
+  (DeepSpec saves and can train them), else the target's.
+* DFlash (``[anchor, mask x gamma]``) uses no Markov / confidence head even when the
+  directory has them (their tensors are then skipped).
+
+Checkpoint names (an optional leading ``model.`` is stripped) are the DeepSpec
+``Qwen3DSparkModel.state_dict()`` keys; :data:`NAME_MAP` is the only renaming (the heads
+live under the names the block drafter reads). The math reuses the target's modules
+(:class:`~xspec.models.qwen3.model.DecoderLayer`, ``project_q`` / ``project_kv``, RoPE
+tables): the draft is Qwen3 math, not a second copy of it. Draft layers are always dense
+(DeepSpec builds ``Qwen3MLP`` even for a MoE target's copied config).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from xspec.errors import CheckpointError, UserError
+from xspec.models.draft_heads import ConfidenceHead, MarkovHead
+from xspec.models.loading import CONFIG_NAME, Checkpoint, check_params, load_params
+from xspec.models.qwen3.args import Qwen3Args
+from xspec.models.qwen3.draft_config import DraftConfig, parse_config
+from xspec.models.qwen3.model import KV_BLOCK, DecoderLayer, RMSNorm, rope_inv_freq, rope_tables
+from xspec.workers.block import BlockLayout
+
+if TYPE_CHECKING:
+    from xspec.models.qwen3.model import Qwen3Model
+    from xspec.workers.dspark import LoadedDraft
+
+DEFAULT_GAMMA = 4  # drafts per step when config.json has no block_size
+EXAMPLE_DIR = "/dir/of/qwen3/draft (config.json with target_layer_ids, mask_token_id)"
+# checkpoint prefix -> module prefix (everything else maps to itself)
+NAME_MAP = {"markov_head.": "markov.", "confidence_head.": "confidence."}
+HEAD_PREFIXES = tuple(NAME_MAP)
+
+
+# -- the plan: everything checked before a parameter exists ------------------------------
+
+
+@dataclass(frozen=True)
+class DraftPlan:
+    layout: BlockLayout
+    cfg: DraftConfig
+    own_embed: bool  # embed_tokens.weight in the directory
+    own_head: bool  # lm_head.weight in the directory
+    confidence_bias: bool  # confidence_head.proj.bias in the directory
+
+    @property
+    def use_markov(self) -> bool:
+        return self.layout is BlockLayout.DSPARK and self.cfg.markov_rank > 0
+
+    @property
+    def use_confidence(self) -> bool:
+        return self.layout is BlockLayout.DSPARK and self.cfg.confidence
+
+    @property
+    def trained_gamma(self) -> int:
+        """gamma of the trained block: DSpark's block is gamma rows, DFlash's gamma + 1."""
+        block = self.cfg.block_size
+        if block is None:
+            return DEFAULT_GAMMA
+        return block if self.layout is BlockLayout.DSPARK else max(block - 1, 1)
+
+    def rename(self, name: str) -> str | None:
+        """Checkpoint tensor name -> module state_dict key; None = skip."""
+        name = name.removeprefix("model.")  # a duplicate with and without it is an error
+        if name.endswith("rotary_emb.inv_freq"):
+            return None  # recomputed from the config
+        if name.startswith(HEAD_PREFIXES) and self.layout is BlockLayout.DFLASH:
+            return None  # DFlash drafts without the DSpark heads
+        for src, dst in NAME_MAP.items():
+            if name.startswith(src):
+                return dst + name[len(src) :]
+        return name
+
+
+def plan_for(layout: BlockLayout, cfg: DraftConfig, *, own_vocab: bool) -> DraftPlan:
+    """The plan of a draft written from scratch (DeepSpec names, confidence bias)."""
+    return DraftPlan(layout, cfg, own_vocab, own_vocab, confidence_bias=True)
+
+
+def plan_draft(
+    layout: BlockLayout, draft_dir: Path, target: Qwen3Args
+) -> tuple[Checkpoint, DraftPlan]:
+    """Read and check the draft directory against the target (headers only)."""
+    ckpt = Checkpoint(draft_dir)
+    cfg = parse_config(ckpt.config, ckpt.path / CONFIG_NAME)
+    problems = _target_problems(layout, cfg, target)
+    if problems:
+        raise CheckpointError(
+            f"draft {ckpt.path} does not fit the target ({len(problems)} problem(s))",
+            problems=problems,
+        )
+    stripped = {n.removeprefix("model.") for n in ckpt.names()}
+    plan = DraftPlan(
+        layout,
+        cfg,
+        own_embed="embed_tokens.weight" in stripped,
+        own_head="lm_head.weight" in stripped,
+        confidence_bias="confidence_head.proj.bias" in stripped,
+    )
+    check_params(Qwen3BlockDraft(plan, target=None, device="meta"), ckpt, plan.rename)
+    return ckpt, plan
+
+
+def _target_problems(layout: BlockLayout, cfg: DraftConfig, target: Qwen3Args) -> list[str]:
+    d, t = cfg.args, target
+    problems = []
+    if d.hidden_size != t.hidden_size:
+        problems.append(f"hidden_size is {d.hidden_size} but the target's is {t.hidden_size}")
+    if d.vocab_size != t.vocab_size:
+        problems.append(f"vocab_size is {d.vocab_size} but the target's is {t.vocab_size}")
+    bad = [i for i in cfg.target_layer_ids if not -1 <= i < t.num_hidden_layers]
+    if bad:
+        problems.append(
+            f"target layer ids {bad} are outside -1..{t.num_hidden_layers - 1} (the target has "
+            f"{t.num_hidden_layers} layers; -1 = the embedding output)"
+        )
+    if layout is BlockLayout.DSPARK and cfg.markov_rank == 0:
+        problems.append(
+            "markov_rank is 0: this draft has no Markov head, so it is a DFlash draft; "
+            "use spec=dflash"
+        )
+    return problems
+
+
+# -- the model ---------------------------------------------------------------------------
+
+
+@dataclass(eq=False)
+class DraftCache:
+    """One sequence's draft context: per layer K/V of every committed position."""
+
+    num_tokens: int  # context rows written == the anchor's position at propose time
+    kv: torch.Tensor  # [L, 2, KV, capacity, hd]; rows >= num_tokens are stale
+
+    @property
+    def capacity(self) -> int:
+        return self.kv.shape[3]
+
+
+class Qwen3BlockDraft(nn.Module):
+    """A :class:`~xspec.workers.block.BlockDraftModel` over Qwen3 decoder layers.
+
+    Built uninitialised (``device="meta"``: shapes only, for header checks); fill it with
+    ``load_params(model, ckpt, plan.rename)`` or random values.
+    """
+
+    def __init__(
+        self,
+        plan: DraftPlan,
+        *,
+        target: Qwen3Model | None,
+        dtype: torch.dtype = torch.float32,
+        device: str | torch.device = "cpu",
+        max_context: int | None = None,
+    ) -> None:
+        super().__init__()
+        cfg, args = plan.cfg, plan.cfg.args
+        d, V = args.hidden_size, args.vocab_size
+        self.args, self.fill_token_id = args, cfg.fill_token_id
+        self.max_context = max_context or args.max_position_embeddings
+        with torch.device("meta"):
+            self.fc = nn.Linear(len(cfg.target_layer_ids) * d, d, bias=False)
+            self.hidden_norm = RMSNorm(d, args.rms_norm_eps)
+            self.layers = nn.ModuleList(
+                DecoderLayer(args, i) for i in range(args.num_hidden_layers)
+            )
+            self.norm = RMSNorm(d, args.rms_norm_eps)
+            self.embed_tokens = nn.Embedding(V, d) if plan.own_embed else None
+            self.lm_head = nn.Linear(d, V, bias=False) if plan.own_head else None
+            rank = cfg.markov_rank if plan.use_markov else 0
+            self.markov = MarkovHead(V, rank, dtype=dtype, device="meta") if rank else None
+            self.confidence = (
+                ConfidenceHead(
+                    d,
+                    rank if cfg.confidence_with_markov else 0,
+                    bias=plan.confidence_bias,
+                    dtype=dtype,
+                    device="meta",
+                )
+                if plan.use_confidence
+                else None
+            )
+        self.to(dtype)
+        if torch.device(device).type != "meta":
+            self.to_empty(device=device)
+        inv_freq, self.rope_scale = rope_inv_freq(args)
+        self.inv_freq = inv_freq.to(device)  # [hd/2] fp32, a plain tensor (stays fp32)
+        # the target's vocabulary where the draft has none (plain tensors: not loaded)
+        # (detached: a Parameter attribute would register, and be expected in the checkpoint)
+        self._target_embed: torch.Tensor | None = None
+        self._target_head: torch.Tensor | None = None
+        if target is not None:
+            embed = target.model.embed_tokens.weight
+            head = embed if target.lm_head is None else target.lm_head.weight
+            self._target_embed, self._target_head = embed.detach(), head.detach()
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.fc.weight.dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.fc.weight.device
+
+    def _layers(self) -> list[DecoderLayer]:
+        return list(self.layers)  # type: ignore[arg-type]
+
+    def _embed_weight(self) -> torch.Tensor:  # [V, d]
+        w = self.embed_tokens.weight if self.embed_tokens is not None else self._target_embed
+        assert w is not None, "a draft without embed_tokens needs the target's"
+        return w
+
+    def _head_weight(self) -> torch.Tensor:  # [V, d]
+        w = self.lm_head.weight if self.lm_head is not None else self._target_head
+        assert w is not None, "a draft without lm_head needs the target's"
+        return w
+
+    # -- BlockDraftModel ----------------------------------------------------------------
+
+    def new_cache(self, gamma: int) -> DraftCache:
+        a = self.args
+        kv = torch.empty(
+            a.num_hidden_layers, 2, a.num_key_value_heads, 0, a.head_dim,
+            dtype=self.dtype, device=self.device,
+        )  # fmt: skip
+        return DraftCache(num_tokens=0, kv=kv)
+
+    @torch.no_grad()
+    def write_context(
+        self, caches: list[DraftCache], aux: torch.Tensor, seq_lens: list[int]
+    ) -> None:
+        """Append the K/V of ``seq_lens[b]`` committed positions per sequence, projected
+        from the target's captured hidden ``aux [sum seq_lens, K*d]``."""
+        ctx = self.hidden_norm(self.fc(aux.to(device=self.device, dtype=self.dtype)))  # [T, d]
+        starts = [c.num_tokens for c in caches]
+        positions = torch.cat([torch.arange(p, p + n) for p, n in zip(starts, seq_lens)])
+        rope = rope_tables(positions.to(self.device), self.inv_freq, self.rope_scale, self.dtype)
+        for c, n in zip(caches, seq_lens):
+            self._reserve(c, c.num_tokens + n)
+        for i, layer in enumerate(self._layers()):
+            k, v = layer.self_attn.project_kv(ctx, rope)  # [T, KV, hd] each
+            row = 0
+            for c, p, n in zip(caches, starts, seq_lens):
+                c.kv[i, 0, :, p : p + n] = k[row : row + n].transpose(0, 1)
+                c.kv[i, 1, :, p : p + n] = v[row : row + n].transpose(0, 1)
+                row += n
+        for c, n in zip(caches, seq_lens):
+            c.num_tokens += n
+
+    @torch.no_grad()
+    def forward_block(
+        self, caches: list[DraftCache], tokens: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``tokens [B, W]`` at positions ``p_b .. p_b+W-1`` -> (``hidden [B, W, d]`` after
+        the final norm, raw ``logits [B, W, V]`` fp32). Writes no cache.
+
+        One attention call per layer over the ragged batch: context keys are left-aligned
+        and padded to the longest context, block keys follow at ``P .. P+W-1``.
+        """
+        B, W = tokens.shape
+        a, dev = self.args, self.device
+        starts = torch.tensor([c.num_tokens for c in caches], device=dev)  # [B]
+        P = int(starts.max()) if B else 0
+        positions = (starts[:, None] + torch.arange(W, device=dev)).flatten()  # [B*W]
+        rope = rope_tables(positions, self.inv_freq, self.rope_scale, self.dtype)
+        key_pos = torch.arange(P + W, device=dev)
+        visible = (key_pos[None] < starts[:, None]) | (key_pos[None] >= P)  # [B, P+W]
+        mask = visible[:, None, None, :]  # [B, 1, 1, P+W]: context < p_b, and the block
+        keys = torch.zeros(
+            B, 2, a.num_key_value_heads, P + W, a.head_dim, dtype=self.dtype, device=dev
+        )
+        h = F.embedding(tokens.to(dev).flatten(), self._embed_weight())  # [B*W, d]
+        for i, layer in enumerate(self._layers()):
+            attn = layer.self_attn
+            x = layer.input_layernorm(h)
+            q = attn.project_q(x, rope).view(B, W, attn.heads, a.head_dim)
+            k, v = attn.project_kv(x, rope)  # [B*W, KV, hd] each
+            for b, c in enumerate(caches):
+                keys[b, :, :, : c.num_tokens] = c.kv[i, :, :, : c.num_tokens]
+            keys[:, 0, :, P:] = k.view(B, W, -1, a.head_dim).transpose(1, 2)
+            keys[:, 1, :, P:] = v.view(B, W, -1, a.head_dim).transpose(1, 2)
+            out = F.scaled_dot_product_attention(
+                q.transpose(1, 2), keys[:, 0], keys[:, 1], attn_mask=mask, enable_gqa=True
+            )  # [B, H, W, hd]
+            h = h + attn.o_proj(out.transpose(1, 2).reshape(B * W, -1))
+            h = h + layer.mlp(layer.post_attention_layernorm(h))
+        hidden = self.norm(h)  # [B*W, d]
+        logits = F.linear(hidden, self._head_weight()).float()  # [B*W, V]
+        return hidden.view(B, W, -1), logits.view(B, W, -1)
+
+    def _reserve(self, cache: DraftCache, needed: int) -> None:
+        """Grow ``cache`` to hold ``needed`` positions (blocks, at least doubling)."""
+        if needed <= cache.capacity:
+            return
+        blocks = -(-max(needed, 2 * cache.capacity) // KV_BLOCK)
+        capacity = min(blocks * KV_BLOCK, max(self.max_context, needed))
+        kv = cache.kv.new_empty(*cache.kv.shape[:3], capacity, cache.kv.shape[4])
+        kv[:, :, :, : cache.num_tokens] = cache.kv[:, :, :, : cache.num_tokens]
+        cache.kv = kv
+
+
+# -- entry points for xspec.workers.dspark -------------------------------------------------
+
+
+def draft_dir(spec_cfg: Any, model_cfg: Any) -> Path:
+    """``spec.draft_path``, else the tiny presets' companion drafts (generated on first use)."""
+    from xspec.models.presets import draft_checkpoint_dir
+    from xspec.models.qwen3 import PRESETS
+
+    def preset(moe: bool, method: str) -> Any:
+        def make() -> Path:
+            from xspec.models.qwen3.tiny import tiny_draft_dir
+
+            return tiny_draft_dir(moe, BlockLayout(method))
+
+        return make
+
+    drafts = {
+        (name, method.value): preset(moe, method.value)
+        for name, moe in PRESETS.items()
+        for method in BlockLayout
+    }
+    return draft_checkpoint_dir(
+        spec_cfg, model_cfg, preset_drafts=drafts, target_dir=None, example=EXAMPLE_DIR
+    )
+
+
+def preflight_block_draft(layout: BlockLayout, spec_cfg: Any, model_cfg: Any) -> list[str]:
+    """Every problem of the draft for this target, from config.json and headers only."""
+    from xspec.models.qwen3 import _checkpoint_path
+
+    try:
+        target = Checkpoint(_checkpoint_path(model_cfg))
+        target_args = Qwen3Args.from_config(target.config, target.path / CONFIG_NAME)
+    except UserError:
+        return []  # the target loader reports its own checkpoint precisely
+    try:
+        path = draft_dir(spec_cfg, model_cfg)
+    except UserError as e:
+        return [str(e)]
+    try:
+        plan_draft(layout, path, target_args)
+    except UserError as e:
+        where = f"spec={layout.value} draft {path}"
+        return [f"{where}: {p}" for p in e.problems] or [f"{where}: {e}"]
+    return []
+
+
+def load_block_draft(
+    layout: BlockLayout, spec_cfg: Any, *, target: Any, model_cfg: Any, platform: Any
+) -> LoadedDraft:
+    from xspec.models.qwen3.model import Qwen3Model
+    from xspec.workers.dspark import LoadedDraft
+
+    if not isinstance(target, Qwen3Model):
+        raise CheckpointError(f"a Qwen3 {layout.value} draft needs a Qwen3 target")
+    ckpt, plan = plan_draft(layout, draft_dir(spec_cfg, model_cfg), target.args)
+    model = Qwen3BlockDraft(
+        plan,
+        target=target,
+        dtype=target.dtype,
+        device=platform.device(),
+        max_context=target.max_context,
+    )
+    load_params(model, ckpt, plan.rename)
+    return LoadedDraft(
+        model=model.eval(),
+        trained_block_size=plan.trained_gamma,
+        capture_layer_ids=list(plan.cfg.target_layer_ids),
+    )
