@@ -16,7 +16,7 @@ import hydra
 from omegaconf import DictConfig
 
 from xspec.compose import compose_run, typed
-from xspec.config import RunConfig, register_configs
+from xspec.config import RunConfig, register_configs, validate
 from xspec.errors import ConfigError, UserError
 
 USER_ERROR = 2
@@ -66,9 +66,10 @@ def overrides_of(args: list[str]) -> list[str]:
     return out
 
 
-def check_jobs(override_sets: list[list[str]]) -> None:
+def check_jobs(override_sets: list[list[str]], *, full: bool = True) -> None:
     """Compose and check every job (config, names, checkpoints, platform limits, drafter
-    fit) before the first one runs; one ConfigError lists the problems of every job."""
+    fit) before the first one runs; one ConfigError lists the problems of every job.
+    ``full=False`` (``--cfg``: only printing the config) checks the values alone."""
     from xspec.build import check
     from xspec.engine.report import workload_problems
 
@@ -76,9 +77,13 @@ def check_jobs(override_sets: list[list[str]]) -> None:
     for overrides in override_sets:
         try:
             cfg = compose_run(overrides)
-            problems = check(cfg) + workload_problems(cfg.workload)
+            if full:
+                problems = check(cfg) + workload_problems(cfg.workload)
+            else:
+                validate(cfg)
+                problems = []
         except UserError as e:
-            problems = [str(e)]
+            problems = e.problems or [str(e)]
         if problems:
             failures.append((overrides, problems))
     if not failures:
@@ -132,9 +137,12 @@ def main() -> None:
         a in ("--help", "-h", "--hydra-help", "--info", "-i") or a.startswith("--shell")
         for a in args
     )
+    print_config = any(
+        a.startswith(("--cfg", "-c")) and a not in ("-cp", "-cn", "-cd") for a in args
+    )
     if not info_only:
         try:
-            check_jobs(_override_sets(args))
+            check_jobs(_override_sets(args), full=not print_config)
         except UserError as e:
             sys.exit(_fail(e))
     register_configs()

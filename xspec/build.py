@@ -58,30 +58,38 @@ def effective_gamma(make_drafter: Any, spec_cfg: Any, model_cfg: Any) -> int:
 
 def check(cfg: RunConfig) -> list[str]:
     """Every problem of ``cfg`` that shows without loading weights (empty: it can be built)."""
+    return [message for _, message in _checks(cfg)]
+
+
+def _checks(cfg: RunConfig) -> list[tuple[type[UserError], str]]:
+    """:func:`check`'s problems, each with the error class that names its kind."""
     try:
         validate(cfg)
-    except ConfigError as e:
-        return e.problems or [str(e)]  # unknown names or bad values: nothing more to check
-    problems: list[str] = []
+    except ConfigError as e:  # unknown names or bad values: nothing more to check
+        return [(ConfigError, p) for p in e.problems or [str(e)]]
+    problems: list[tuple[type[UserError], str]] = []
     preflight_model = getattr(models.get(cfg.model.arch), "preflight", None)
     if preflight_model is not None:  # target checkpoint headers
-        problems += preflight_model(cfg.model)
+        problems += [(CheckpointError, p) for p in preflight_model(cfg.model)]
     try:
         platform = get_platform(cfg.platform)
         make_drafter: Any = spec_methods.get(cfg.spec.method)
     except UserError as e:  # a platform that cannot run here, a broken plugin
-        return [*problems, str(e)]
+        return [*problems, (type(e), str(e))]
     gamma = effective_gamma(make_drafter, cfg.spec, cfg.model)
-    problems += platform.validate(dtype=cfg.model.dtype.value, num_speculative_tokens=gamma)
+    limits = platform.validate(dtype=cfg.model.dtype.value, num_speculative_tokens=gamma)
+    problems += [(ConfigError, p) for p in limits]
     preflight = getattr(make_drafter, "preflight", None)
     if preflight is not None:  # drafter checkpoint checks, before the target is loaded
-        problems += preflight(cfg.spec, cfg.model)
+        problems += [(ConfigError, p) for p in preflight(cfg.spec, cfg.model)]
     return problems
 
 
 def build(cfg: RunConfig) -> Built:
-    if problems := check(cfg):
-        raise ConfigError("this run cannot be built:", problems=problems)
+    if problems := _checks(cfg):
+        kinds = {kind for kind, _ in problems}
+        kind = kinds.pop() if len(kinds) == 1 else ConfigError  # the one kind, else config
+        raise kind("this run cannot be built:", problems=[p for _, p in problems])
     if problem := _tokenizer_problem(cfg.model):  # before loading any weights
         raise CheckpointError(problem)
     platform = get_platform(cfg.platform)

@@ -28,7 +28,9 @@ def test_cpu_answers() -> None:
     assert isinstance(platform, CpuPlatform)
     assert platform.device() == torch.device("cpu")
     assert platform.capture_point(3) == CapturePoint(layer=3, site=CaptureSite.OUTPUT)
-    assert platform.capabilities == Capabilities()  # the conservative defaults
+    # the conservative defaults, except the draft window: the reference torch attention
+    # takes explicit (native) index sets
+    assert platform.capabilities == Capabilities(native_sparse_attention=True)
     assert platform.distributed_backend() == "gloo"
 
 

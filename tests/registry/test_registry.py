@@ -246,7 +246,10 @@ def test_model_plugin_selected_by_name(plugin_dir: Path) -> None:
     with pytest.raises(ConfigError, match=r"model\.path is required"):
         xspec.LLM(model="toy_lm", spec="none", platform="cpu")
     llm = xspec.LLM(
-        model="toy_lm", spec="none", platform="cpu", overrides={"model.path": str(tiny_dir(False))}
+        model="toy_lm",
+        spec="none",
+        platform="cpu",
+        overrides={"model.path": str(tiny_dir(False)), "model.tokenizer": "byte"},
     )
     assert module in sys.modules
     assert len(llm.generate([[5, 6, 7]], max_new_tokens=3, ignore_eos=True)[0].token_ids) == 3

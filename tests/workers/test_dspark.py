@@ -343,3 +343,43 @@ def test_capture_order_is_the_config_order(tmp_path: Path) -> None:
             )
         ).aux_hidden
         torch.testing.assert_close(both[:, k * d : (k + 1) * d], one)
+
+
+def bigram_draft(path: Path, pairs: dict[int, int]) -> Path:
+    """A 0731 draft whose Markov head maps each previous token to ``pairs[prev]``."""
+    config = dspark_config(DeepseekV4Args.tiny(), markov_rank=RANK)
+    tensors = dspark_tensors(config, 11)
+    w1, w2 = torch.zeros(512, RANK), torch.zeros(512, RANK)
+    for slot, (a, b) in enumerate(sorted(pairs.items())):
+        w1[a, slot], w2[b, slot] = 10.0, 10.0
+    tensors["mtp.2.markov_head.markov_w1.weight"] = w1
+    tensors["mtp.2.markov_head.markov_w2.weight"] = w2
+    write_checkpoint(path, tensors, config)
+    return path
+
+
+@pytest.mark.parametrize(("offset", "acceptance"), [(0, 1.0), (1, 0.0)])
+def test_oracle_and_always_wrong_block_drafts(
+    baseline: list[list[int]], tmp_path: Path, offset: int, acceptance: float
+) -> None:
+    """One request whose greedy continuation is a function of the previous token: a draft
+    proposing exactly it is always accepted (gamma + 1 tokens per step, budget permitting);
+    one proposing another token at every position never is; both outputs are the baseline's."""
+    seq = PROMPTS[1][-1:] + baseline[1]
+    pairs = dict(itertools.pairwise(seq))
+    assert all(pairs[a] == b for a, b in itertools.pairwise(seq))  # a function of prev
+    path = bigram_draft(tmp_path, {a: (b + offset) % 512 for a, b in pairs.items()})
+    llm = xspec.LLM(
+        model="dsv4_tiny",
+        spec="dspark",
+        platform="cpu",
+        overrides={"spec.draft_path": str(path), "spec.num_speculative_tokens": 4},
+    )
+    out = llm.generate([PROMPTS[1]], NEW, ignore_eos=True)
+    assert out[0].token_ids == baseline[1]
+    rep = llm.metrics.report()
+    assert rep.acceptance_rate == acceptance
+    if acceptance == 1.0:  # 19 tokens after the first: steps of 5, 5, 5, then the budget's 4
+        assert rep.num_steps == 4 and rep.full_block_fraction == 1.0
+    else:
+        assert rep.zero_accept_fraction == 1.0 and rep.mean_tokens_per_step == 1.0

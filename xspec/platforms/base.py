@@ -198,10 +198,19 @@ class Platform(abc.ABC):
         return CapturePoint(layer=checkpoint_layer_id, site=CaptureSite.OUTPUT)
 
     def sas_mode(self, operator_accepts_ori_sparse_indices: bool | None = None) -> SasMode:
-        """The draft window layout. Default platforms run the reference attention, which
-        serves any index set: the native layout (the checkpoint's trained semantics)
-        unless ``platform.native_sas=off`` asks for the compatibility one."""
-        return SasMode.COMPAT if self.native_sas == "off" else SasMode.NATIVE
+        """The draft window layout: native where the capabilities say the draft attention
+        takes explicit window indices, else compatibility."""
+        if self.capabilities.native_sparse_attention:
+            return SasMode.NATIVE
+        return SasMode.COMPAT
+
+    def reference_attention_capabilities(self, **kw: Any) -> Capabilities:
+        """Capabilities of a platform whose draft window runs :meth:`draft_attention_op`'s
+        reference torch attention: it serves explicit index sets, so the native layout
+        (the checkpoint's trained semantics) under ``platform.native_sas=auto``;
+        ``off`` asks for compatibility, and ``on`` (an NPU operator setting) is refused by
+        :meth:`validate`."""
+        return Capabilities(native_sparse_attention=self.native_sas == "auto", **kw)
 
     def draft_attention_op(self) -> DraftAttentionOp:
         """The sparse attention the DSpark draft window runs on (``explicit_indices``:

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import torch
 
-from xspec.platforms.base import Platform
+from xspec.platforms.base import Capabilities, Platform
 
 # cgroup v2 reports "max" when unlimited; v1 reports a huge number (PAGE_COUNTER_MAX).
 _CGROUP_UNLIMITED = 1 << 60
@@ -42,6 +42,9 @@ class CpuPlatform(HostDevice, Platform):
 
     name = "cpu"
     description = "host CPU, reference torch kernels, gloo collectives"
+
+    def _build_capabilities(self) -> Capabilities:
+        return self.reference_attention_capabilities()
 
     def validate(self, *, dtype: str, num_speculative_tokens: int) -> list[str]:
         problems = super().validate(dtype=dtype, num_speculative_tokens=num_speculative_tokens)

@@ -33,7 +33,9 @@ class CudaPlatform(Platform):
             major, _minor = torch.cuda.get_device_capability(self.device_index)
             if major >= 8:
                 dtypes.add("bfloat16")
-        return Capabilities(dtypes=frozenset(dtypes), distributed_backend="nccl")
+        return self.reference_attention_capabilities(
+            dtypes=frozenset(dtypes), distributed_backend="nccl"
+        )
 
     def device(self) -> torch.device:
         return torch.device("cuda", self.device_index)

@@ -6,6 +6,8 @@ only when selected) with two functions:
 
 * ``preflight_block_draft(layout, spec_cfg, model_cfg) -> list[str]``: every problem of
   the draft checkpoint, from config.json and tensor headers only (nothing allocated);
+* ``trained_block_size(layout, spec_cfg, model_cfg) -> int | None``: the default gamma,
+  from config.json only;
 * ``load_block_draft(layout, spec_cfg, *, target, model_cfg, platform) -> LoadedDraft``
   (the platform answers device and SAS-mode questions).
 """
@@ -67,6 +69,17 @@ class DSparkDrafter(BlockDrafter):
             capture_layer_ids=loaded.capture_layer_ids,
             device=platform.device(),
         )
+
+    @classmethod
+    def default_gamma(cls, spec_cfg: Any, model_cfg: Any) -> int:
+        """gamma before anything is loaded: the user's, else the draft's trained block size
+        from its config.json (1 when unreadable: preflight reports the checkpoint)."""
+        if spec_cfg.num_speculative_tokens is not None:
+            return int(spec_cfg.num_speculative_tokens)
+        family = _family(cls.layout, model_cfg.arch)
+        if isinstance(family, str):
+            return 1
+        return family.trained_block_size(cls.layout, spec_cfg, model_cfg) or 1
 
     @classmethod
     def preflight(cls, spec_cfg: Any, model_cfg: Any) -> list[str]:

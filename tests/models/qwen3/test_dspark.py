@@ -229,7 +229,7 @@ def test_prefixed_layout_and_target_vocab_draft_the_same(
         d.observe(
             [state], [CommittedRows(torch.tensor(toks), torch.tensor([*toks[1:], 5]), aux, aux)]
         )
-        props.append(d.propose([state], [DraftRequest(5, SamplingParams(), None)]))
+        props.append(d.propose([state], [DraftRequest(5, SamplingParams(), None, gamma)], gamma))
     for p in props[1:]:
         assert torch.equal(p.tokens, props[0].tokens)
         assert torch.equal(p.confidence, props[0].confidence)  # type: ignore[arg-type]
@@ -263,7 +263,6 @@ PREFLIGHT_CASES = {
     "missing": ({"drop": ("norm.weight",)}, "missing: no tensor provides 'norm.weight'"),
     "unexpected": ({"tensors": {"layers.7.mlp.up_proj.weight": torch.zeros(2)}}, "unexpected tensor 'layers.7.mlp.up_proj.weight'"),
     "misshapen": ({"tensors": {"fc.weight": torch.zeros(128, 256)}}, "'fc.weight' in model.safetensors has shape [128, 256], expected [128, 384]"),
-    "no_markov": ({"config": {"markov_rank": 0, "confidence_head_with_markov": False}}, "use spec=dflash"),
 }  # fmt: skip
 
 
@@ -301,7 +300,9 @@ def test_preflight_runs_before_the_target_is_loaded(
     def refuse(*args: object, **kwargs: object) -> None:
         raise AssertionError("the target was loaded before the draft's problems were reported")
 
-    monkeypatch.setattr("xspec.models.qwen3.model.Qwen3Model.__init__", refuse)
+    # header checks may build shape-only (meta) modules; no weights may stream in
+    monkeypatch.setattr("xspec.models.loading.load_params", refuse)
+    monkeypatch.setattr("xspec.models.qwen3.dspark.load_params", refuse)
     path = rewrite(tiny_draft_dir(False, BlockLayout.DSPARK), tmp_path / "d", drop=("fc.weight",))
     with pytest.raises(ConfigError, match=r"no tensor provides 'fc\.weight'"):
         xspec.LLM(
@@ -427,7 +428,7 @@ def test_greedy_proposals_match_deepspec(target: Qwen3Model, deepspec: tuple) ->
             ref, draft_input_ids=block, block_hidden=hidden, block_size=gamma,
             temperature=0.0, confidence_threshold=0.0,
         )  # fmt: skip
-        got = d.propose([state], [DraftRequest(anchor, SamplingParams(), None)])
+        got = d.propose([state], [DraftRequest(anchor, SamplingParams(), None, gamma)], gamma)
         assert got.tokens.tolist() == want.verify_input_ids[:, 1:].tolist(), f"step {step}"
         diff = (m.forward_block([state], block)[1] - ref.compute_logits(hidden)).abs().max()
         worst = max(worst, diff.item())
@@ -443,3 +444,29 @@ def test_greedy_proposals_match_deepspec(target: Qwen3Model, deepspec: tuple) ->
         start += 3
     print(f"DeepSpec vs xspec: max |base logit diff| {worst:.3g}")
     assert worst < 1e-4
+
+
+def test_dspark_layout_without_markov_head(tmp_path: Path) -> None:
+    """DeepSpec's DFlash configs: the sample-from-anchor block with markov_rank 0 (no
+    Markov or confidence head) runs under spec=dspark, exactly."""
+    import xspec
+
+    names = Checkpoint(tiny_draft_dir(False, BlockLayout.DSPARK)).names()
+    heads = [n for n in names if n.startswith(("markov_head.", "confidence_head."))]
+    config = {
+        "markov_rank": 0,
+        "enable_confidence_head": False,
+        "confidence_head_with_markov": False,
+    }
+    path = rewrite(
+        tiny_draft_dir(False, BlockLayout.DSPARK), tmp_path / "d", config=config, drop=tuple(heads)
+    )
+    base = xspec.LLM(model="qwen3_tiny", spec="none", platform="cpu")
+    llm = xspec.LLM(
+        model="qwen3_tiny", spec="dspark", platform="cpu", overrides={"spec.draft_path": str(path)}
+    )
+    model = llm._built.drafter.model  # type: ignore[attr-defined]
+    assert model.markov is None and model.confidence is None
+    prompts = [[5, 6, 7, 8], [9, 10]]
+    want = [g.token_ids for g in base.generate(prompts, 12, ignore_eos=True)]
+    assert [g.token_ids for g in llm.generate(prompts, 12, ignore_eos=True)] == want

@@ -67,7 +67,7 @@ def plan_tensors(
         if key not in expected and name not in consumed:
             problems.append(
                 f"unexpected tensor {name!r} in {ckpt.file_of(name).name}: not part of a "
-                f"DeepSeek-V4 {what} for this config.json"
+                f"DeepSeek-V4 {what} layer for this config.json"
             )
     names = {name: key for key, name in found.items() if key in expected}
     return names, dequant, problems

@@ -429,7 +429,7 @@ def plan_dspark(path: str | Path, target_args: DeepseekV4Args | None) -> DSparkP
             f"dspark_target_layer_ids {ids} declares (one stage per target layer id)"
         )
     names, dequant, tensor_problems = plan_tensors(
-        ckpt, lambda n: stage_key(n, stages), lambda _: expected, "DSpark stage"
+        ckpt, lambda n: stage_key(n, stages), lambda _: expected, "DSpark"
     )
     problems += [p for p in tensor_problems if not extra or "unexpected tensor" not in p]
     if problems:
@@ -589,6 +589,16 @@ def preflight_block_draft(layout: Any, spec_cfg: Any, model_cfg: Any) -> list[st
         where = f"spec.draft_path={spec_cfg.draft_path}: " if spec_cfg.draft_path else ""
         problems += [f"{where}{p}" for p in e.problems] or [f"{where}{e}"]
     return problems
+
+
+def trained_block_size(layout: Any, spec_cfg: Any, model_cfg: Any) -> int | None:
+    """``dspark_block_size`` of the draft's config.json (None when it cannot be read:
+    ``preflight_block_draft`` reports why)."""
+    try:
+        size = Checkpoint(_draft_dir(spec_cfg, model_cfg)).config.get("dspark_block_size")
+    except UserError:
+        return None
+    return size if isinstance(size, int) and size >= 1 else None
 
 
 def load_block_draft(

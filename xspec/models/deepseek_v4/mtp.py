@@ -230,7 +230,7 @@ def plan_mtp(path: str | Path, target_args: DeepseekV4Args | None) -> MtpPlan:
         lambda found: expected_mtp_tensors(
             args, layer_id, "embed.weight" in found, "head.weight" in found, "rot.weight" in found
         ),
-        "MTP layer",
+        "MTP",
         label=lambda key: layout.prefix + key,
     )
     if problems:

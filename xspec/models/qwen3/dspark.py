@@ -135,11 +135,8 @@ def _target_problems(layout: BlockLayout, cfg: DraftConfig, target: Qwen3Args) -
             f"target layer ids {bad} are outside -1..{t.num_hidden_layers - 1} (the target has "
             f"{t.num_hidden_layers} layers; -1 = the embedding output)"
         )
-    if layout is BlockLayout.DSPARK and cfg.markov_rank == 0:
-        problems.append(
-            "markov_rank is 0: this draft has no Markov head, so it is a DFlash draft; "
-            "use spec=dflash"
-        )
+    # spec=dspark with markov_rank 0 is allowed: DeepSpec's DFlash configs train the
+    # sample-from-anchor block without a Markov head
     return problems
 
 
@@ -365,6 +362,17 @@ def preflight_block_draft(layout: BlockLayout, spec_cfg: Any, model_cfg: Any) ->
         where = f"spec={layout.value} draft {path}"
         return [f"{where}: {p}" for p in e.problems] or [f"{where}: {e}"]
     return []
+
+
+def trained_block_size(layout: BlockLayout, spec_cfg: Any, model_cfg: Any) -> int | None:
+    """The draft's default gamma from its config.json (None when it cannot be read:
+    ``preflight_block_draft`` reports why)."""
+    try:
+        ckpt = Checkpoint(draft_dir(spec_cfg, model_cfg))
+        cfg = parse_config(ckpt.config, ckpt.path / CONFIG_NAME)
+    except UserError:
+        return None
+    return plan_for(layout, cfg, own_vocab=False).trained_gamma
 
 
 def load_block_draft(
