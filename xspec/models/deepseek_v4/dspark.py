@@ -49,7 +49,7 @@ from xspec.models.deepseek_v4.args import DeepseekV4Args
 from xspec.models.deepseek_v4.draft_plan import plan_tensors
 from xspec.models.deepseek_v4.layout import BatchLayout
 from xspec.models.deepseek_v4.mhc import HyperHead, RMSNorm
-from xspec.models.deepseek_v4.model import Block, random_like
+from xspec.models.deepseek_v4.model import Block, init_random
 from xspec.models.deepseek_v4.state import Ring, scatter_rows, stack_rings
 from xspec.models.deepseek_v4.weights import make_converter
 from xspec.models.draft_heads import ConfidenceHead, MarkovHead
@@ -332,9 +332,7 @@ class DSparkDraft(nn.Module):
     @torch.no_grad()
     def init_random_(self, seed: int) -> None:
         """Deterministic random weights, the target's scheme (tests, the tiny preset)."""
-        gen = torch.Generator().manual_seed(seed)
-        for name, t in self.state_dict(keep_vars=True).items():
-            t.copy_(random_like(name, t, gen, self.args))
+        init_random(self, self.args, seed)
 
 
 # -- planning from headers -------------------------------------------------------------------

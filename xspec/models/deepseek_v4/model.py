@@ -202,9 +202,17 @@ class DeepseekV4Model(nn.Module, HyperHead):
         stream mixing; random sinks, ``ape``, router bias; ``tid2eid`` rows hold distinct
         valid expert ids.
         """
-        gen = torch.Generator().manual_seed(seed)
-        for name, tensor in self.state_dict(keep_vars=True).items():
-            tensor.copy_(random_like(name, tensor, gen, self.args))
+        init_random(self, self.args, seed)
+
+
+@torch.no_grad()
+def init_random(module: nn.Module, args: DeepseekV4Args, seed: int) -> None:
+    """Fill every tensor of ``module``'s state_dict with :func:`random_like` values, from
+    one generator seeded with ``seed`` (the target, the MTP layer and the DSpark stages
+    all use this scheme)."""
+    gen = torch.Generator().manual_seed(seed)
+    for name, tensor in module.state_dict(keep_vars=True).items():
+        tensor.copy_(random_like(name, tensor, gen, args))
 
 
 def random_like(

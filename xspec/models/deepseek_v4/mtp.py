@@ -51,7 +51,7 @@ from xspec.errors import CheckpointError
 from xspec.models.deepseek_v4.args import DeepseekV4Args
 from xspec.models.deepseek_v4.draft_plan import plan_tensors
 from xspec.models.deepseek_v4.mhc import HyperHead, RMSNorm
-from xspec.models.deepseek_v4.model import Block, random_like
+from xspec.models.deepseek_v4.model import Block, init_random
 from xspec.models.deepseek_v4.state import BlockContext
 from xspec.models.deepseek_v4.weights import make_converter
 from xspec.models.loading import CONFIG_NAME, Checkpoint, load_params
@@ -174,9 +174,7 @@ class MtpBlock(Block, HyperHead):
     def init_random_(self, seed: int) -> None:
         """Deterministic random weights, the target's ``init_random_`` scheme (tests, the
         tiny preset): linears N(0, 1/fan_in), norm gains ~1, mHC mixes O(1)."""
-        gen = torch.Generator().manual_seed(seed)
-        for name, t in self.state_dict(keep_vars=True).items():
-            t.copy_(random_like(name, t, gen, self.args))
+        init_random(self, self.args, seed)
 
 
 # -- planning from headers -------------------------------------------------------------
