@@ -383,3 +383,18 @@ def test_oracle_and_always_wrong_block_drafts(
         assert rep.num_steps == 4 and rep.full_block_fraction == 1.0
     else:
         assert rep.zero_accept_fraction == 1.0 and rep.mean_tokens_per_step == 1.0
+
+
+@pytest.mark.parametrize("preset", ["tiny_0731", "tiny_0731_quarot"])
+def test_0731_presets(baseline: list[list[int]], preset: str) -> None:
+    """The 0731-layout presets carry their stages (the QuaRot-style one its own vocabulary)
+    next to the tiny target: spec=dspark reads them from the target directory."""
+    llm = xspec.LLM(
+        model="dsv4_tiny", spec="dspark", platform="cpu", overrides={"model.preset": preset}
+    )
+    draft = llm._built.drafter.model  # type: ignore[attr-defined]
+    own = preset.endswith("quarot")
+    assert (draft._vocab[0] is not llm._built.target.embed) == own
+    assert (draft._vocab[1] is not llm._built.target.head) == own
+    out = llm.generate(PROMPTS[2:], NEW, ignore_eos=True)
+    assert out[0].token_ids == baseline[2]

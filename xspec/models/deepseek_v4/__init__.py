@@ -47,7 +47,20 @@ def _tiny_dspark() -> Path:
     return tiny_dspark_dir()
 
 
-PRESETS: dict[str, Callable[[], Path]] = {"tiny": _tiny}  # model.preset -> its directory
+def _tiny_dspark_quarot() -> Path:
+    from xspec.models.deepseek_v4.tiny import tiny_dspark_dir
+
+    return tiny_dspark_dir(dedicated_vocab=True)
+
+
+# model.preset -> its directory: the tiny target with its MTP layer, and the same target in
+# the Flash-0731 layout (DSpark stages mtp.0..2; the QuaRot-style variant with dedicated
+# vocabulary tensors)
+PRESETS: dict[str, Callable[[], Path]] = {
+    "tiny": _tiny,
+    "tiny_0731": _tiny_dspark,
+    "tiny_0731_quarot": _tiny_dspark_quarot,
+}
 # (model.preset, spec method) -> a companion draft directory, when spec.draft_path is null:
 # the tiny 0731-layout checkpoint (the same target + DSpark stages mtp.0..2)
 PRESET_DRAFTS: dict[tuple[str, str], Callable[[], Path]] = {("tiny", "dspark"): _tiny_dspark}

@@ -119,7 +119,15 @@ def generate_tiny_dspark(path: Path, *, seed: int = 0, dedicated_vocab: bool = F
     write_checkpoint(path, tensors, config, max_shard_bytes=total // 2 + 1)
 
 
-def tiny_dspark_dir() -> Path:
+def tiny_dspark_dir(*, dedicated_vocab: bool = False) -> Path:
     """The tiny 0731-layout directory under $XSPEC_CACHE_DIR/presets (``spec=dspark`` with
-    ``model=dsv4_tiny``), generated on first use."""
+    ``model=dsv4_tiny`` reads it; ``model.preset=tiny_0731`` names it), generated on first
+    use. ``dedicated_vocab``: the QuaRot-style variant whose stages own their
+    ``mtp.0.embed`` / ``mtp.2.head`` (``model.preset=tiny_0731_quarot``)."""
+    if dedicated_vocab:
+        return preset_dir(
+            "dsv4_tiny_dspark_quarot",
+            DSPARK_VERSION,
+            lambda path: generate_tiny_dspark(path, dedicated_vocab=True),
+        )
     return preset_dir("dsv4_tiny_dspark", DSPARK_VERSION, generate_tiny_dspark)
