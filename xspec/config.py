@@ -84,11 +84,25 @@ class SamplingConfig:
     seed: int | None = 0  # per-request seeds are seed + request index; null = nondeterministic
 
 
+class WorkloadKind(str, enum.Enum):
+    """``workload.kind``: where the requests come from (see xspec/engine/workloads.py)."""
+
+    prompts = "prompts"  # workload.prompts, or the JSONL workload.prompts_file
+    synthetic = "synthetic"  # random token ids: input_len in, output_len out
+
+
 @dataclass(kw_only=True)
 class WorkloadConfig:
     """What the CLI's main job generates."""
 
+    kind: WorkloadKind = WorkloadKind.prompts
     prompts: list[str] = field(default_factory=list)  # text prompts, cycled over requests
+    # JSONL, one {"prompt": str} or {"prompt_token_ids": [int]} per line (optional
+    # "max_new_tokens"); replaces workload.prompts, cycled over requests like them
+    prompts_file: str | None = None
+    input_len: int = 128  # synthetic: prompt tokens per request
+    output_len: int = 128  # synthetic: generated tokens per request (EOS ignored)
+    seed: int = 0  # synthetic: the random prompts' seed
     num_requests: int = 4
     concurrency: int = 4  # requests decoded together (continuous batching)
     max_new_tokens: int = 32
@@ -99,12 +113,21 @@ class WorkloadConfig:
 
 
 @dataclass(kw_only=True)
+class MetricsConfig:
+    """``metrics.port``: serve Prometheus text at http://host:port/metrics during the run."""
+
+    port: int | None = None  # null = no exporter; 0 = any free port (printed)
+    host: str = "127.0.0.1"  # loopback: reachable from this machine only
+
+
+@dataclass(kw_only=True)
 class RunConfig:
     model: ModelConfig = MISSING
     spec: SpecConfig = MISSING
     platform: PlatformConfig = MISSING
     workload: WorkloadConfig = MISSING
     sampling: SamplingConfig = field(default_factory=SamplingConfig)
+    metrics: MetricsConfig = field(default_factory=MetricsConfig)
 
 
 _GROUPS: dict[str, type] = {
@@ -113,6 +136,7 @@ _GROUPS: dict[str, type] = {
     "platform": PlatformConfig,
     "workload": WorkloadConfig,
     "sampling": SamplingConfig,
+    "metrics": MetricsConfig,
 }
 
 
@@ -189,6 +213,8 @@ def validate(cfg: RunConfig) -> None:
         ("workload.concurrency", w.concurrency),
         ("workload.max_new_tokens", w.max_new_tokens),
         ("workload.repeats", w.repeats),
+        ("workload.input_len", w.input_len),
+        ("workload.output_len", w.output_len),
     ):
         if value < 1:
             problems.append(f"{key} must be >= 1 (got {value})")
@@ -199,6 +225,9 @@ def validate(cfg: RunConfig) -> None:
             )
     if w.warmup_requests < 0:
         problems.append(f"workload.warmup_requests must be >= 0 (got {w.warmup_requests})")
+    port = cfg.metrics.port
+    if port is not None and not 0 <= port <= 65535:
+        problems.append(f"metrics.port must be in 0..65535 (got {port}; 0 = any free port)")
     if cfg.model.path is None and cfg.model.preset is None:
         problems.append(
             "model.path is required (this model has no built-in preset): set model.path=/dir/of/checkpoint"
