@@ -10,10 +10,7 @@ import xspec
 from xspec.config import SamplingConfig, WorkloadConfig
 from xspec.engine.engine import Generation
 from xspec.engine.report import (
-    RunSummary,
-    RunTimings,
     Spread,
-    comparison_table,
     format_timings,
     run_workload,
     spread,
@@ -43,23 +40,6 @@ def test_tpot_leaves_out_one_token_requests() -> None:
     only_one = timings([gen(1, 0.01, 0.01), gen(1, 0.02, 0.02)])
     assert only_one.tpot_ms is None
     assert "TPOT mean=n/a" in format_timings([gen(1, 0.01, 0.01)])
-
-
-def test_table_shows_medians_with_spread_and_ratio_of_medians() -> None:
-    def run(tpot: float | None) -> RunTimings:
-        return RunTimings(output_tokens=10, wall_s=1.0, ttft_ms=5.0, tpot_ms=tpot)
-
-    rows = [
-        RunSummary("base", [run(10.0), run(12.0), run(30.0)], None, 1.0),  # median 12
-        RunSummary("spec", [run(6.0), run(8.0), run(3.0)], 0.5, 1.5),  # median 6
-        RunSummary("one-token", [run(None)], 0.0, 1.0),
-    ]
-    table = comparison_table(rows)
-    assert "median ±half the min-max range over 1/3 repeat(s)" in table
-    base, spec, none = table.splitlines()[3:]
-    assert "12.00 ±10.00" in base and base.endswith("1.000")
-    assert "6.00 ±2.50" in spec and spec.endswith("0.500")  # 6 / 12: medians, not means
-    assert none.count("n/a") == 2
 
 
 def test_warmup_is_excluded_and_repeats_are_measured() -> None:
