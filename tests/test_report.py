@@ -59,3 +59,40 @@ def test_warmup_is_excluded_and_repeats_are_measured() -> None:
     assert rep.num_committed_tokens == 3 * 2 * (9 - 1)
     assert rep.num_steps == 3 * 2  # 8 tokens after prefill = two full oracle blocks of 4
     assert "[repeat 3/3]" in out.getvalue()
+
+
+def test_progress_bar_counts_decoded_tokens_only_on_a_terminal(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    import tqdm
+
+    from xspec.engine import report
+
+    updates: list[int] = []
+
+    class Bar:
+        def __init__(self, total: int, **kwargs: object) -> None:
+            self.total = total
+
+        def __enter__(self) -> Bar:
+            return self
+
+        def __exit__(self, *exc: object) -> None:
+            pass
+
+        def update(self, n: int) -> None:
+            updates.append(n)
+
+    monkeypatch.setattr(tqdm, "tqdm", Bar)
+    built = xspec.LLM(model="qwen3_tiny", spec="oracle", platform="cpu")._built  # gamma 3
+    w = WorkloadConfig(prompts=["ab"], num_requests=2, max_new_tokens=9, print_outputs=False)
+
+    class Tty(io.StringIO):
+        def isatty(self) -> bool:
+            return True
+
+    run_workload(built, w, SamplingConfig(), io.StringIO())  # not a terminal: no bar
+    assert updates == [] and type(built.engine.metrics) is report.SpecDecodeMetrics
+    run_workload(built, w, SamplingConfig(), Tty())
+    assert sum(updates) == 2 * 8  # decode tokens: 9 per request, the first from prefill
+    assert built.engine.metrics.report().num_committed_tokens == 2 * 8

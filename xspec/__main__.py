@@ -5,6 +5,11 @@ override set (every job of a sweep) is composed and checked up front (config val
 registry names, checkpoint headers, platform limits, drafter fit: ``build.check``), so
 a user error in any job prints one message listing the problems of every job and exits
 with code 2 before any job runs, never a Python traceback.
+
+Each job writes ``results.json`` into its Hydra directory (``outputs/<date>/<time>/``,
+a multirun ``multirun/<date>/<time>/<job_num>/``); the invocation ends with
+``summary.{md,json,png}`` beside them (xspec/engine/results.py). ``metrics.port``
+serves Prometheus text for the whole invocation (xspec/engine/exporter.py).
 """
 
 from __future__ import annotations
