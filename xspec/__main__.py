@@ -23,7 +23,7 @@ import hydra
 from omegaconf import DictConfig
 
 from xspec.compose import compose_run, typed
-from xspec.config import RunConfig, register_configs, validate
+from xspec.config import RunConfig, config_dir, register_configs, validate
 from xspec.errors import ConfigError, UserError
 
 if TYPE_CHECKING:
@@ -76,19 +76,30 @@ def overrides_of(args: list[str]) -> list[str]:
     return out
 
 
-def check_jobs(override_sets: list[list[str]], *, full: bool = True) -> list[RunConfig]:
+def config_dirs_of(args: list[str]) -> list[str]:
+    """The user's ``--config-dir DIR`` / ``-cd DIR`` / ``--config-dir=DIR`` arguments."""
+    out = [a.split("=", 1)[1] for a in args if a.startswith("--config-dir=")]
+    out += [b for a, b in itertools.pairwise(args) if a in ("--config-dir", "-cd")]
+    return out
+
+
+def check_jobs(
+    override_sets: list[list[str]], *, full: bool = True, search: list[str] | None = None
+) -> list[RunConfig]:
     """Compose and check every job (config, names, checkpoints, platform limits, drafter
     fit) before the first one runs; one ConfigError lists the problems of every job.
-    ``full=False`` (``--cfg``: only printing the config) checks the values alone.
-    Returns every job's config."""
+    ``full=False`` (``--cfg``: only printing the config) checks the values alone;
+    ``search``: the user's ``--config-dir`` directories. Returns every job's config."""
     from xspec.build import check
     from xspec.engine.workloads import workload_problems
 
+    if missing := [d for d in search or [] if not Path(d).is_dir()]:
+        raise ConfigError(f"--config-dir {missing[0]}: not a directory")
     failures: list[tuple[list[str], list[str]]] = []
     configs: list[RunConfig] = []
     for overrides in override_sets:
         try:
-            cfg = compose_run(overrides)
+            cfg = compose_run(overrides, search or [])
             configs.append(cfg)
             if full:
                 problems = check(cfg) + workload_problems(cfg.workload)
@@ -150,7 +161,7 @@ def run(cfg: RunConfig, choices: dict[str, str] | None = None, out_dir: Path | N
         print(f"xspec: results in {out_dir / RESULTS_FILE}")
 
 
-@hydra.main(config_path="conf", config_name="config", version_base="1.3")
+@hydra.main(config_path=str(config_dir()), config_name="config", version_base="1.3")
 def _hydra_entry(cfg: DictConfig) -> None:
     from hydra.core.hydra_config import HydraConfig
     from hydra.types import RunMode
@@ -177,7 +188,9 @@ def main() -> None:
     )
     if not info_only:
         try:
-            configs = check_jobs(_override_sets(args), full=not print_config)
+            configs = check_jobs(
+                _override_sets(args), full=not print_config, search=config_dirs_of(args)
+            )
             if not print_config:
                 _start_exporter(configs[0])
         except UserError as e:

@@ -1,9 +1,9 @@
 """Typed configuration schemas, registered in Hydra's ConfigStore.
 
 One ``kw_only`` dataclass per config group; choices are str Enums (OmegaConf 2.3
-rejects ``Literal``); required values are ``MISSING``. The YAML files under
-``xspec/conf/`` hold values only and select plugins by *name* (registry keys), never
-by import path.
+rejects ``Literal``); required values are ``MISSING``. The YAML files under the
+top-level ``conf/`` (:func:`config_dir`) hold values only and select plugins by *name*
+(registry keys), never by import path.
 
 ``to_typed`` is the single conversion point from a composed ``DictConfig`` to these
 dataclasses. It refuses keys that the schema would silently drop, and ``validate``
@@ -16,6 +16,7 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field, fields, is_dataclass
 from importlib import resources
+from pathlib import Path
 from typing import Any
 
 from hydra.core.config_store import ConfigStore
@@ -140,6 +141,16 @@ _GROUPS: dict[str, type] = {
 }
 
 
+def config_dir() -> Path:
+    """The Hydra YAML: ``conf/`` of the source checkout when xspec runs from one (``python
+    -m xspec`` in the repository, an editable install), else the copy a wheel installs as
+    the package ``xspec.conf`` (pyproject maps that package to ``conf/``)."""
+    root = Path(__file__).resolve().parents[1]
+    if (root / "pyproject.toml").is_file() and (root / "conf" / "config.yaml").is_file():
+        return root / "conf"
+    return Path(str(resources.files("xspec.conf")))
+
+
 def register_configs() -> None:
     """Register the schemas; YAML options extend them with ``defaults: [/schema/<group>@_here_]``.
 
@@ -156,14 +167,14 @@ def register_configs() -> None:
     cs.store(name="run_schema", node=RunConfig)
     for group, schema in _GROUPS.items():
         cs.store(group="schema", name=group, node=schema)
-    conf = resources.files("xspec.conf")
+    conf = config_dir()
     for group, reg, make in (
         ("platform", platforms, lambda n: PlatformConfig(name=n)),
         ("spec", spec_methods, lambda n: SpecConfig(method=n)),
         ("model", models, lambda n: ModelConfig(arch=n)),
     ):
         for name in reg.names():
-            if not conf.joinpath(group).joinpath(f"{name}.yaml").is_file():
+            if not (conf / group / f"{name}.yaml").is_file():
                 cs.store(group=group, name=name, node=make(name))
 
 
