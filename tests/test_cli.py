@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import subprocess
@@ -13,14 +14,19 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def run_cli(*args: str, cache: Path) -> subprocess.CompletedProcess[str]:
+def run_cli(*args: str, cache: Path, cwd: Path | None = None) -> subprocess.CompletedProcess[str]:
+    """``python -m xspec`` in ``cwd`` (default: a fresh temp dir, where Hydra's outputs/
+    and multirun/ directories go)."""
     env = {**os.environ, "XSPEC_CACHE_DIR": str(cache), "PYTHONPATH": str(ROOT)}
+    if cwd is None:
+        cwd = cache.parent / "cwd"
+        cwd.mkdir(exist_ok=True)
     return subprocess.run(
         [sys.executable, "-m", "xspec", *args],
         capture_output=True,
         text=True,
         env=env,
-        cwd=ROOT,
+        cwd=cwd,
         timeout=300,
     )
 
@@ -42,7 +48,9 @@ def bad(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     shutil.copytree(tiny_dir(False), preset)
     shard = preset / "model-00001-of-00003.safetensors"
     shard.write_bytes(shard.read_bytes()[:-100])
-    return out | {"bad_cache": root / "bad_cache", "bad_preset": preset}
+    jsonl = root / "bad.jsonl"
+    jsonl.write_text('{"prompt": "ok"}\n{"prompt": \n{"prompt": "a", "prompt_token_ids": [1]}\n')
+    return out | {"bad_cache": root / "bad_cache", "bad_preset": preset, "bad_jsonl": jsonl}
 
 
 RUN = ["model=qwen3_tiny", "spec=none", "platform=cpu", "workload.max_new_tokens=2"]
@@ -63,6 +71,12 @@ QWEN3 = ["model=qwen3", "spec=none", "platform=cpu", "workload.max_new_tokens=2"
         (["platform=npu"], ["torch_npu"]),
         (["platform=cpu", "platform.native_sas=on"], ["native_sas"]),
         (["workload.prompts=[]"], ["workload.prompts"]),
+        (["workload.num_requests=0"], ["workload.num_requests must be >= 1 (got 0)"]),
+        (["workload.concurrency=-1"], ["workload.concurrency must be >= 1 (got -1)"]),
+        (["workload=synthetic", "workload.input_len=0"], ["workload.input_len must be >= 1"]),
+        (["workload.prompts_file=/no/such.jsonl"], ["/no/such.jsonl does not exist"]),
+        (["workload.prompts_file={bad_jsonl}"], ["{bad_jsonl}:2: not valid JSON", "{bad_jsonl}:3: give exactly one"]),
+        (["metrics.port=70000"], ["metrics.port must be in 0..65535"]),
         # wrong-typed overrides name the expected type / the allowed values
         (["model.dtype=float64"], ["model.dtype", "float32, bfloat16, float16"]),
         (["workload.num_requests=abc"], ["workload.num_requests", "Integer"]),
@@ -98,31 +112,63 @@ def test_help_and_cfg(cache: Path) -> None:
     assert r.returncode == 0 and "arch: qwen3" in r.stdout
 
 
-def test_runs_and_reports_timings(cache: Path) -> None:
+def test_runs_and_reports_timings(tmp_path: Path, cache: Path) -> None:
     r = run_cli(
-        "model=qwen3_tiny", "spec=none", "platform=auto", "workload.max_new_tokens=8", cache=cache
-    )
+        "model=qwen3_tiny", "spec=none", "platform=auto", "workload.max_new_tokens=8",
+        cache=cache, cwd=tmp_path,
+    )  # fmt: skip
     assert r.returncode == 0, r.stderr
     assert "TTFT" in r.stdout and "TPOT" in r.stdout and "tok/s" in r.stdout
     assert "platform=cpu" in r.stdout  # auto picks the CPU here
     assert "model=qwen3_tiny (qwen3, preset tiny)" in r.stdout  # the option picked, then what
+    # Hydra's convention: outputs/<date>/<time>/ under the working directory
+    (results,) = tmp_path.glob("outputs/*/*/results.json")
+    job = json.loads(results.read_text())
+    assert job["spec"] == "none" and job["acceptance"] is None and job["output_tokens_mean"] == 8
+    assert (results.parent / "summary.md").is_file()
 
 
-def test_multirun(cache: Path) -> None:
+def test_run_dir_is_overridable(tmp_path: Path, cache: Path) -> None:
+    out = tmp_path / "mine"
+    r = run_cli(*RUN, "workload.num_requests=1", f"hydra.run.dir={out}", cache=cache, cwd=tmp_path)
+    assert r.returncode == 0, r.stderr
+    assert json.loads((out / "results.json").read_text())["num_requests"] == 1
+    assert not (tmp_path / "outputs").exists()
+
+
+RESULT_KEYS = {
+    "model", "spec", "platform", "gamma", "concurrency", "num_requests", "input_tokens_mean",
+    "output_tokens_mean", "ttft_ms_mean", "tpot_ms_mean", "e2e_ms_mean", "output_tok_s",
+    "mean_committed_per_step", "acceptance", "requests", "repeats",
+}  # fmt: skip
+
+
+def test_multirun_writes_results_summary_and_plot(tmp_path: Path, cache: Path) -> None:
+    """The issue's check, smaller: two jobs, one results.json each, the combined table with
+    speedups vs spec=none, summary files and the plot in the sweep directory."""
     r = run_cli(
-        "-m",
-        "spec=none,oracle",
-        "workload.max_new_tokens=4",
-        "workload.num_requests=1",
-        cache=cache,
-    )
+        "-m", "model=qwen3_tiny", "spec=none,oracle", "workload.max_new_tokens=9",
+        "workload.num_requests=2", "workload.concurrency=1", cache=cache, cwd=tmp_path,
+    )  # fmt: skip
     assert r.returncode == 0, r.stderr
     assert r.stdout.count("TTFT mean") == 2
-    assert "acceptance" in r.stdout.lower()
-    assert "TPOT vs first" in r.stdout  # the side-by-side table
+    (sweep,) = tmp_path.glob("multirun/*/*")  # Hydra's multirun/<date>/<time>/<job_num>/
+    jobs = [json.loads((sweep / str(k) / "results.json").read_text()) for k in (0, 1)]
+    assert all(job.keys() >= RESULT_KEYS for job in jobs)
+    none, oracle = jobs
+    assert (none["spec"], oracle["spec"], oracle["gamma"]) == ("none", "oracle", 3)
+    assert set(oracle["acceptance"]) >= {"aggregate", "per_position", "full_block", "zero_accept"}
+    assert oracle["acceptance"]["aggregate"] == 1.0 and oracle["mean_committed_per_step"] > 1
+    req = oracle["requests"][0]
+    assert len(req["output_token_ids"]) == 9 and req["prompt_tokens"] > 0 and req["error"] is None
+    assert {"ttft_ms", "tpot_ms", "e2e_ms"} <= req.keys()
+    rows = json.loads((sweep / "summary.json").read_text())
+    assert rows[0]["speedup_tpot"] == 1.0 and rows[1]["speedup_tpot"] > 0
+    assert "speedup TPOT" in r.stdout and (sweep / "summary.md").read_text().strip() in r.stdout
+    assert (sweep / "summary.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
-def test_repeats_report_medians_with_spread(cache: Path) -> None:
+def test_repeats_report_medians_with_spread(tmp_path: Path, cache: Path) -> None:
     r = run_cli(
         "-m",
         "spec=none,oracle",
@@ -130,13 +176,18 @@ def test_repeats_report_medians_with_spread(cache: Path) -> None:
         "workload.repeats=3",
         "workload.max_new_tokens=3",
         "workload.num_requests=1",
+        f"hydra.sweep.dir={tmp_path}",
         cache=cache,
     )
     assert r.returncode == 0, r.stderr
     assert r.stdout.count("[repeat 3/3]") == 2
     assert "median ±half the min-max range over 3 repeat(s)" in r.stdout
-    table = r.stdout.split("TPOT vs first")[1].splitlines()[2:4]
-    assert all(line.count("±") == 3 for line in table), table
+    table = r.stdout.split("speedup tok/s |")[1].splitlines()[2:4]
+    assert all(line.count("±") == 3 for line in table), table  # tok/s TTFT TPOT; ratios plain
+    job = json.loads((tmp_path / "1" / "results.json").read_text())
+    assert job["num_repeats"] == 3 and len(job["repeats"]) == 3 and len(job["requests"]) == 3
+    median = sorted(run["tpot_ms_mean"] for run in job["repeats"])[1]
+    assert job["tpot_ms_mean"] == median
 
 
 def test_multirun_checks_every_job_before_running_any(cache: Path) -> None:

@@ -11,7 +11,7 @@ from xspec.compose import compose_run, overrides_from
 from xspec.config import DType, NativeSas, RunConfig, validate
 from xspec.errors import ConfigError
 
-CONF = Path(__file__).resolve().parents[1] / "xspec" / "conf"
+CONF = Path(__file__).resolve().parents[1] / "conf"
 
 
 def options(group: str) -> list[str]:

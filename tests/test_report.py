@@ -10,10 +10,7 @@ import xspec
 from xspec.config import SamplingConfig, WorkloadConfig
 from xspec.engine.engine import Generation
 from xspec.engine.report import (
-    RunSummary,
-    RunTimings,
     Spread,
-    comparison_table,
     format_timings,
     run_workload,
     spread,
@@ -45,23 +42,6 @@ def test_tpot_leaves_out_one_token_requests() -> None:
     assert "TPOT mean=n/a" in format_timings([gen(1, 0.01, 0.01)])
 
 
-def test_table_shows_medians_with_spread_and_ratio_of_medians() -> None:
-    def run(tpot: float | None) -> RunTimings:
-        return RunTimings(output_tokens=10, wall_s=1.0, ttft_ms=5.0, tpot_ms=tpot)
-
-    rows = [
-        RunSummary("base", [run(10.0), run(12.0), run(30.0)], None, 1.0),  # median 12
-        RunSummary("spec", [run(6.0), run(8.0), run(3.0)], 0.5, 1.5),  # median 6
-        RunSummary("one-token", [run(None)], 0.0, 1.0),
-    ]
-    table = comparison_table(rows)
-    assert "median ±half the min-max range over 1/3 repeat(s)" in table
-    base, spec, none = table.splitlines()[3:]
-    assert "12.00 ±10.00" in base and base.endswith("1.000")
-    assert "6.00 ±2.50" in spec and spec.endswith("0.500")  # 6 / 12: medians, not means
-    assert none.count("n/a") == 2
-
-
 def test_warmup_is_excluded_and_repeats_are_measured() -> None:
     llm = xspec.LLM(model="qwen3_tiny", spec="oracle", platform="cpu")  # gamma 3
     built = llm._built
@@ -79,3 +59,40 @@ def test_warmup_is_excluded_and_repeats_are_measured() -> None:
     assert rep.num_committed_tokens == 3 * 2 * (9 - 1)
     assert rep.num_steps == 3 * 2  # 8 tokens after prefill = two full oracle blocks of 4
     assert "[repeat 3/3]" in out.getvalue()
+
+
+def test_progress_bar_counts_decoded_tokens_only_on_a_terminal(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    import tqdm
+
+    from xspec.engine import report
+
+    updates: list[int] = []
+
+    class Bar:
+        def __init__(self, total: int, **kwargs: object) -> None:
+            self.total = total
+
+        def __enter__(self) -> Bar:
+            return self
+
+        def __exit__(self, *exc: object) -> None:
+            pass
+
+        def update(self, n: int) -> None:
+            updates.append(n)
+
+    monkeypatch.setattr(tqdm, "tqdm", Bar)
+    built = xspec.LLM(model="qwen3_tiny", spec="oracle", platform="cpu")._built  # gamma 3
+    w = WorkloadConfig(prompts=["ab"], num_requests=2, max_new_tokens=9, print_outputs=False)
+
+    class Tty(io.StringIO):
+        def isatty(self) -> bool:
+            return True
+
+    run_workload(built, w, SamplingConfig(), io.StringIO())  # not a terminal: no bar
+    assert updates == [] and type(built.engine.metrics) is report.SpecDecodeMetrics
+    run_workload(built, w, SamplingConfig(), Tty())
+    assert sum(updates) == 2 * 8  # decode tokens: 9 per request, the first from prefill
+    assert built.engine.metrics.report().num_committed_tokens == 2 * 8

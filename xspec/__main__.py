@@ -5,19 +5,29 @@ override set (every job of a sweep) is composed and checked up front (config val
 registry names, checkpoint headers, platform limits, drafter fit: ``build.check``), so
 a user error in any job prints one message listing the problems of every job and exits
 with code 2 before any job runs, never a Python traceback.
+
+Each job writes ``results.json`` into its Hydra directory (``outputs/<date>/<time>/``,
+a multirun ``multirun/<date>/<time>/<job_num>/``); the invocation ends with
+``summary.{md,json,png}`` beside them (xspec/engine/results.py). ``metrics.port``
+serves Prometheus text for the whole invocation (xspec/engine/exporter.py).
 """
 
 from __future__ import annotations
 
 import itertools
 import sys
+from pathlib import Path
+from typing import TYPE_CHECKING
 
 import hydra
 from omegaconf import DictConfig
 
 from xspec.compose import compose_run, typed
-from xspec.config import RunConfig, register_configs, validate
+from xspec.config import RunConfig, config_dir, register_configs, validate
 from xspec.errors import ConfigError, UserError
+
+if TYPE_CHECKING:
+    from xspec.engine.engine import Generation
 
 USER_ERROR = 2
 
@@ -66,17 +76,31 @@ def overrides_of(args: list[str]) -> list[str]:
     return out
 
 
-def check_jobs(override_sets: list[list[str]], *, full: bool = True) -> None:
+def config_dirs_of(args: list[str]) -> list[str]:
+    """The user's ``--config-dir DIR`` / ``-cd DIR`` / ``--config-dir=DIR`` arguments."""
+    out = [a.split("=", 1)[1] for a in args if a.startswith("--config-dir=")]
+    out += [b for a, b in itertools.pairwise(args) if a in ("--config-dir", "-cd")]
+    return out
+
+
+def check_jobs(
+    override_sets: list[list[str]], *, full: bool = True, search: list[str] | None = None
+) -> list[RunConfig]:
     """Compose and check every job (config, names, checkpoints, platform limits, drafter
     fit) before the first one runs; one ConfigError lists the problems of every job.
-    ``full=False`` (``--cfg``: only printing the config) checks the values alone."""
+    ``full=False`` (``--cfg``: only printing the config) checks the values alone;
+    ``search``: the user's ``--config-dir`` directories. Returns every job's config."""
     from xspec.build import check
-    from xspec.engine.report import workload_problems
+    from xspec.engine.workloads import workload_problems
 
+    if missing := [d for d in search or [] if not Path(d).is_dir()]:
+        raise ConfigError(f"--config-dir {missing[0]}: not a directory")
     failures: list[tuple[list[str], list[str]]] = []
+    configs: list[RunConfig] = []
     for overrides in override_sets:
         try:
-            cfg = compose_run(overrides)
+            cfg = compose_run(overrides, search or [])
+            configs.append(cfg)
             if full:
                 problems = check(cfg) + workload_problems(cfg.workload)
             else:
@@ -86,8 +110,10 @@ def check_jobs(override_sets: list[list[str]], *, full: bool = True) -> None:
             problems = e.problems or [str(e)]
         if problems:
             failures.append((overrides, problems))
+    if not failures and len({(c.metrics.host, c.metrics.port) for c in configs}) > 1:
+        raise ConfigError("metrics.port / metrics.host must be the same for every job of a sweep")
     if not failures:
-        return
+        return configs
     if len(override_sets) == 1:
         raise ConfigError("this run cannot be built:", problems=failures[0][1])
     lines = []
@@ -105,27 +131,47 @@ def _indent(text: str, prefix: str) -> str:
     return "\n".join([first, *(prefix + line for line in rest)])
 
 
-_SUMMARIES: list = []  # one RunSummary per job of this process (multirun)
+_RESULTS: list[dict] = []  # one results.json content per job of this process (multirun)
+_SUMMARY_DIR: list[Path] = []  # where the summary goes: the sweep dir, or the run dir
+_EXPORTER: list = []  # the MetricsExporter of this process, when metrics.port is set
 
 
-def run(cfg: RunConfig, choices: dict[str, str] | None = None) -> None:
-    """The main job: generate for the workload's prompts and report timings and acceptance."""
+def run(cfg: RunConfig, choices: dict[str, str] | None = None, out_dir: Path | None = None) -> None:
+    """The main job: generate for the workload's requests, report timings and acceptance,
+    and write ``results.json`` into ``out_dir`` (Hydra's job directory)."""
     from xspec.build import build
-    from xspec.engine.report import run_workload, summarize
+    from xspec.engine.report import run_workload
+    from xspec.engine.results import RESULTS_FILE, job_results, write_json
 
     built = build(cfg)
     model = (choices or {}).get("model", cfg.model.arch)
-    runs = run_workload(built, cfg.workload, cfg.sampling, model_option=model)
-    label = f"model={model} spec={cfg.spec.method} gamma={built.drafter.gamma}"
-    _SUMMARIES.append(summarize(label, built, runs))
+    exporter = _EXPORTER[0] if _EXPORTER else None
+    if exporter is not None:
+        exporter.follow(built.engine)
+
+    def on_run(gens: list[Generation]) -> None:  # each measured run, as it finishes
+        if exporter is not None:
+            exporter.observe(gens, model, cfg.spec.method)
+
+    runs = run_workload(built, cfg.workload, cfg.sampling, model_option=model, on_run=on_run)
+    result = job_results(built, cfg.workload, runs, model)
+    _RESULTS.append(result)
+    if out_dir is not None:
+        write_json(out_dir / RESULTS_FILE, result)
+        print(f"xspec: results in {out_dir / RESULTS_FILE}")
 
 
-@hydra.main(config_path="conf", config_name="config", version_base="1.3")
+@hydra.main(config_path=str(config_dir()), config_name="config", version_base="1.3")
 def _hydra_entry(cfg: DictConfig) -> None:
     from hydra.core.hydra_config import HydraConfig
+    from hydra.types import RunMode
 
+    hc = HydraConfig.get()
+    if not _SUMMARY_DIR:
+        multirun = hc.mode == RunMode.MULTIRUN
+        _SUMMARY_DIR.append(Path(hc.sweep.dir if multirun else hc.runtime.output_dir))
     try:
-        run(typed(cfg), dict(HydraConfig.get().runtime.choices))
+        run(typed(cfg), dict(hc.runtime.choices), Path(hc.runtime.output_dir))
     except UserError as e:
         sys.exit(_fail(e))
 
@@ -142,16 +188,48 @@ def main() -> None:
     )
     if not info_only:
         try:
-            check_jobs(_override_sets(args), full=not print_config)
+            configs = check_jobs(
+                _override_sets(args), full=not print_config, search=config_dirs_of(args)
+            )
+            if not print_config:
+                _start_exporter(configs[0])
         except UserError as e:
             sys.exit(_fail(e))
     register_configs()
-    _hydra_entry()
-    if len(_SUMMARIES) > 1 or any(len(s.runs) > 1 for s in _SUMMARIES):
-        # a multirun (the jobs side by side) or repeats (medians with their spread)
-        from xspec.engine.report import comparison_table
+    try:
+        _hydra_entry()
+    finally:
+        if _EXPORTER:
+            _EXPORTER.pop().close()
+    if _RESULTS:
+        _summarize(_SUMMARY_DIR[0])
 
-        print("\n" + comparison_table(_SUMMARIES))
+
+def _start_exporter(cfg: RunConfig) -> None:
+    """One Prometheus exporter for the whole process (every job of a multirun)."""
+    from xspec.engine.exporter import MetricsExporter
+
+    if cfg.metrics.port is None:
+        return
+    exporter = MetricsExporter(cfg.metrics.host, cfg.metrics.port)
+    _EXPORTER.append(exporter)
+    print(f"xspec: serving Prometheus metrics at {exporter.url}")
+
+
+def _summarize(directory: Path) -> None:
+    """The combined table (printed for a multirun or repeats) and summary files + plot."""
+    from xspec.engine.results import SUMMARY_PNG, plot, write_summary
+
+    table = write_summary(_RESULTS, directory)
+    if len(_RESULTS) > 1 or any(r["num_repeats"] > 1 for r in _RESULTS):
+        print("\n" + table)
+    if plot(_RESULTS, directory / SUMMARY_PNG):
+        print(f"xspec: summary in {directory} (summary.md, summary.json, {SUMMARY_PNG})")
+    else:
+        print(
+            f"xspec: summary in {directory} (summary.md, summary.json); "
+            "pip install 'xspec[plot]' (matplotlib) for the plot"
+        )
 
 
 if __name__ == "__main__":

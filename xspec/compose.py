@@ -7,18 +7,17 @@ and, for group options, lists the allowed values.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
+from pathlib import Path
 from typing import Any
 
-from hydra import compose, initialize_config_module
+from hydra import compose, initialize_config_dir
 from hydra.errors import HydraException
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from xspec.config import RunConfig, register_configs, to_typed
+from xspec.config import RunConfig, config_dir, register_configs, to_typed
 from xspec.errors import ConfigError
-
-CONFIG_MODULE = "xspec.conf"
 
 
 def overrides_from(
@@ -90,18 +89,23 @@ def user_message(e: BaseException) -> str:
     return "\n".join(lines[:14])
 
 
-def compose_raw(overrides: list[str]) -> DictConfig:
+def compose_raw(overrides: list[str], search: Sequence[str] = ()) -> DictConfig:
+    """``search``: extra config directories (the CLI's ``--config-dir``), searched after
+    xspec's own ``conf/`` like Hydra's ``hydra.searchpath``."""
     register_configs()
+    if search:
+        dirs = ",".join(f"file://{Path(d).resolve()}" for d in search)
+        overrides = [*overrides, f"hydra.searchpath=[{dirs}]"]
     try:
-        with initialize_config_module(config_module=CONFIG_MODULE, version_base="1.3"):
+        with initialize_config_dir(config_dir=str(config_dir()), version_base="1.3"):
             return compose(config_name="config", overrides=overrides)
     except (HydraException, OmegaConfBaseException, ValueError) as e:
         raise ConfigError(user_message(e)) from None
 
 
-def compose_run(overrides: list[str]) -> RunConfig:
+def compose_run(overrides: list[str], search: Sequence[str] = ()) -> RunConfig:
     """Composed and typed run config (raises ConfigError on any user mistake)."""
-    return typed(compose_raw(overrides))
+    return typed(compose_raw(overrides, search))
 
 
 def typed(cfg: DictConfig) -> RunConfig:

@@ -1,9 +1,9 @@
 """Typed configuration schemas, registered in Hydra's ConfigStore.
 
 One ``kw_only`` dataclass per config group; choices are str Enums (OmegaConf 2.3
-rejects ``Literal``); required values are ``MISSING``. The YAML files under
-``xspec/conf/`` hold values only and select plugins by *name* (registry keys), never
-by import path.
+rejects ``Literal``); required values are ``MISSING``. The YAML files under the
+top-level ``conf/`` (:func:`config_dir`) hold values only and select plugins by *name*
+(registry keys), never by import path.
 
 ``to_typed`` is the single conversion point from a composed ``DictConfig`` to these
 dataclasses. It refuses keys that the schema would silently drop, and ``validate``
@@ -16,6 +16,7 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field, fields, is_dataclass
 from importlib import resources
+from pathlib import Path
 from typing import Any
 
 from hydra.core.config_store import ConfigStore
@@ -84,11 +85,25 @@ class SamplingConfig:
     seed: int | None = 0  # per-request seeds are seed + request index; null = nondeterministic
 
 
+class WorkloadKind(str, enum.Enum):
+    """``workload.kind``: where the requests come from (see xspec/engine/workloads.py)."""
+
+    prompts = "prompts"  # workload.prompts, or the JSONL workload.prompts_file
+    synthetic = "synthetic"  # random token ids: input_len in, output_len out
+
+
 @dataclass(kw_only=True)
 class WorkloadConfig:
     """What the CLI's main job generates."""
 
+    kind: WorkloadKind = WorkloadKind.prompts
     prompts: list[str] = field(default_factory=list)  # text prompts, cycled over requests
+    # JSONL, one {"prompt": str} or {"prompt_token_ids": [int]} per line (optional
+    # "max_new_tokens"); replaces workload.prompts, cycled over requests like them
+    prompts_file: str | None = None
+    input_len: int = 128  # synthetic: prompt tokens per request
+    output_len: int = 128  # synthetic: generated tokens per request (EOS ignored)
+    seed: int = 0  # synthetic: the random prompts' seed
     num_requests: int = 4
     concurrency: int = 4  # requests decoded together (continuous batching)
     max_new_tokens: int = 32
@@ -99,12 +114,21 @@ class WorkloadConfig:
 
 
 @dataclass(kw_only=True)
+class MetricsConfig:
+    """``metrics.port``: serve Prometheus text at http://host:port/metrics during the run."""
+
+    port: int | None = None  # null = no exporter; 0 = any free port (printed)
+    host: str = "127.0.0.1"  # loopback: reachable from this machine only
+
+
+@dataclass(kw_only=True)
 class RunConfig:
     model: ModelConfig = MISSING
     spec: SpecConfig = MISSING
     platform: PlatformConfig = MISSING
     workload: WorkloadConfig = MISSING
     sampling: SamplingConfig = field(default_factory=SamplingConfig)
+    metrics: MetricsConfig = field(default_factory=MetricsConfig)
 
 
 _GROUPS: dict[str, type] = {
@@ -113,7 +137,18 @@ _GROUPS: dict[str, type] = {
     "platform": PlatformConfig,
     "workload": WorkloadConfig,
     "sampling": SamplingConfig,
+    "metrics": MetricsConfig,
 }
+
+
+def config_dir() -> Path:
+    """The Hydra YAML: ``conf/`` of the source checkout when xspec runs from one (``python
+    -m xspec`` in the repository, an editable install), else the copy a wheel installs as
+    the package ``xspec.conf`` (pyproject maps that package to ``conf/``)."""
+    root = Path(__file__).resolve().parents[1]
+    if (root / "pyproject.toml").is_file() and (root / "conf" / "config.yaml").is_file():
+        return root / "conf"
+    return Path(str(resources.files("xspec.conf")))
 
 
 def register_configs() -> None:
@@ -132,14 +167,14 @@ def register_configs() -> None:
     cs.store(name="run_schema", node=RunConfig)
     for group, schema in _GROUPS.items():
         cs.store(group="schema", name=group, node=schema)
-    conf = resources.files("xspec.conf")
+    conf = config_dir()
     for group, reg, make in (
         ("platform", platforms, lambda n: PlatformConfig(name=n)),
         ("spec", spec_methods, lambda n: SpecConfig(method=n)),
         ("model", models, lambda n: ModelConfig(arch=n)),
     ):
         for name in reg.names():
-            if not conf.joinpath(group).joinpath(f"{name}.yaml").is_file():
+            if not (conf / group / f"{name}.yaml").is_file():
                 cs.store(group=group, name=name, node=make(name))
 
 
@@ -189,6 +224,8 @@ def validate(cfg: RunConfig) -> None:
         ("workload.concurrency", w.concurrency),
         ("workload.max_new_tokens", w.max_new_tokens),
         ("workload.repeats", w.repeats),
+        ("workload.input_len", w.input_len),
+        ("workload.output_len", w.output_len),
     ):
         if value < 1:
             problems.append(f"{key} must be >= 1 (got {value})")
@@ -199,6 +236,9 @@ def validate(cfg: RunConfig) -> None:
             )
     if w.warmup_requests < 0:
         problems.append(f"workload.warmup_requests must be >= 0 (got {w.warmup_requests})")
+    port = cfg.metrics.port
+    if port is not None and not 0 <= port <= 65535:
+        problems.append(f"metrics.port must be in 0..65535 (got {port}; 0 = any free port)")
     if cfg.model.path is None and cfg.model.preset is None:
         problems.append(
             "model.path is required (this model has no built-in preset): set model.path=/dir/of/checkpoint"

@@ -144,3 +144,16 @@ def load_tokenizer(
     if required and checkpoint_dir is not None and (problem := missing_tokenizer(checkpoint_dir)):
         raise CheckpointError(problem)
     return ByteTokenizer(vocab_size, bos_id, stops)
+
+
+def plain_token_ids(tokenizer: Tokenizer, vocab_size: int) -> list[int]:
+    """Ids that decode to ordinary text: no bos / stop / added (special) tokens, and for
+    the byte tokenizer only its 256-id block. Synthetic prompts draw from these."""
+    if isinstance(tokenizer, ByteTokenizer):
+        return list(range(tokenizer.offset, tokenizer.offset + 256))
+    special = {i for i in (tokenizer.bos_id, *tokenizer.stop_ids) if i is not None}
+    limit = vocab_size
+    if isinstance(tokenizer, HFTokenizer):
+        special |= set(tokenizer._tok.get_added_tokens_decoder())
+        limit = min(limit, tokenizer._tok.get_vocab_size(with_added_tokens=True))
+    return [i for i in range(limit) if i not in special]

@@ -14,16 +14,17 @@ Timing rules (what the figures mean):
 
 from __future__ import annotations
 
+import contextlib
 import statistics
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import TextIO
+from typing import Any, TextIO
 
 from xspec.build import Built
 from xspec.config import SamplingConfig, WorkloadConfig
-from xspec.engine.engine import Generation, Request, seeded
-from xspec.errors import ConfigError
+from xspec.engine.engine import Generation, Request
+from xspec.engine.workloads import load_workload
 from xspec.metrics import SpecDecodeMetrics
 from xspec.sampling import SamplingParams
 
@@ -73,98 +74,24 @@ def timings(gens: list[Generation]) -> RunTimings:
     )
 
 
-@dataclass(frozen=True)
-class RunSummary:
-    """One job's headline numbers over its repeats (a row of the comparison table)."""
-
-    label: str
-    runs: list[RunTimings]
-    acceptance: float | None  # over every measured run
-    tokens_per_step: float
-
-    @property
-    def throughput(self) -> Spread:
-        return spread([r.throughput for r in self.runs])  # type: ignore[return-value]
-
-    @property
-    def ttft_ms(self) -> Spread:
-        return spread([r.ttft_ms for r in self.runs])  # type: ignore[return-value]
-
-    @property
-    def tpot_ms(self) -> Spread | None:
-        return spread([r.tpot_ms for r in self.runs])
-
-
-def summarize(label: str, built: Built, runs: list[list[Generation]]) -> RunSummary:
-    rep = built.engine.metrics.report()
-    return RunSummary(
-        label=label,
-        runs=[timings(gens) for gens in runs],
-        acceptance=rep.acceptance_rate if built.drafter.gamma > 0 else None,
-        tokens_per_step=rep.mean_tokens_per_step,
-    )
-
-
-def _cell(value: Spread | None, spec: str, width: int) -> str:
-    return f"{value.format(spec) if value is not None else 'n/a':>{width}}"
-
-
-def comparison_table(rows: list[RunSummary]) -> str:
-    """Runs side by side; ratios relative to the first run (measured in the same process)."""
-    repeats = sorted({len(r.runs) for r in rows})
-    note = (
-        f"figures: median ±half the min-max range over {'/'.join(map(str, repeats))} repeat(s); "
-        "TPOT over requests with >= 2 output tokens; ratio of medians"
-    )
-    head = (
-        f"{'run':<40} {'tok/s':>14} {'TTFT ms':>14} {'TPOT ms':>14} {'accept':>7} "
-        f"{'tok/step':>8} {'TPOT vs first':>13}"
-    )
-    lines = [note, head, "-" * len(head)]
-    first = rows[0].tpot_ms
-    for r in rows:
-        acc = f"{r.acceptance:.3f}" if r.acceptance is not None else "-"
-        tpot = r.tpot_ms
-        ratio = (
-            f"{tpot.median / first.median:.3f}"
-            if tpot is not None and first is not None and first.median
-            else "n/a"
-        )
-        lines.append(
-            f"{r.label:<40} {_cell(r.throughput, '.1f', 14)} {_cell(r.ttft_ms, '.1f', 14)} "
-            f"{_cell(tpot, '.2f', 14)} {acc:>7} {r.tokens_per_step:>8.3f} {ratio:>13}"
-        )
-    return "\n".join(lines)
-
-
-def workload_problems(w: WorkloadConfig) -> list[str]:
-    """What the CLI's main job cannot run with (checked before any job starts)."""
-    problems = []
-    if not w.prompts:
-        problems.append(
-            "workload.prompts is empty; give at least one prompt, e.g. 'workload.prompts=[Hello]'"
-        )
-    return problems
-
-
 def run_workload(
     built: Built,
     w: WorkloadConfig,
     s: SamplingConfig,
     out: TextIO = sys.stdout,
     model_option: str | None = None,  # the model=<option> the user picked (e.g. dsv4_tiny)
+    on_run: Callable[[list[Generation]], None] = lambda gens: None,  # each measured run
 ) -> list[list[Generation]]:
     """Warm up, then run the workload ``w.repeats`` times; the generations of each run."""
-    if problems := workload_problems(w):
-        raise ConfigError("cannot run the workload:", problems=problems)
     params = SamplingParams(temperature=s.temperature, top_k=s.top_k, top_p=s.top_p, seed=s.seed)
-    texts = [w.prompts[i % len(w.prompts)] for i in range(w.num_requests)]
-    requests = [
-        Request(built.tokenizer.encode(t), w.max_new_tokens, seeded(params, i), w.ignore_eos)
-        for i, t in enumerate(texts)
-    ]
+    work = load_workload(w, built.tokenizer, built.target.vocab_size, params)
+    texts, requests = work.texts, work.requests
     warmup(built, requests, w)
-    runs = [built.engine.run(requests, w.concurrency) for _ in range(w.repeats)]
+    runs = []
+    with progress_bar(built, requests, w.repeats, enabled=out.isatty()):
+        for _ in range(w.repeats):
+            runs.append(built.engine.run(requests, w.concurrency))
+            on_run(runs[-1])
     for gens in runs:
         for g in gens:
             g.text = built.tokenizer.decode(g.token_ids)
@@ -189,6 +116,37 @@ def run_workload(
     if built.drafter.gamma > 0:
         print(built.engine.metrics.report().format(), file=out)
     return runs
+
+
+class _ProgressMetrics(SpecDecodeMetrics):
+    """The engine's metrics, also advancing a progress bar by each step's committed tokens."""
+
+    def __init__(self, bar: Any) -> None:
+        super().__init__()
+        self.bar = bar
+
+    def observe_step(self, *args: Any, **kwargs: Any) -> None:
+        before = self._num_committed
+        super().observe_step(*args, **kwargs)
+        self.bar.update(self._num_committed - before)
+
+
+@contextlib.contextmanager
+def progress_bar(
+    built: Built, requests: list[Request], repeats: int, *, enabled: bool
+) -> Iterator[None]:
+    """A tqdm bar (on stderr) over the decode tokens of the measured runs; off unless
+    stdout is a terminal. It counts committed tokens through the metrics object, so
+    the engine needs no hook."""
+    if not enabled:
+        yield
+        return
+    from tqdm import tqdm
+
+    total = repeats * sum(r.max_new_tokens - 1 for r in requests)  # the first comes from prefill
+    with tqdm(total=total, unit="tok", desc="decoding", leave=False, file=sys.stderr) as bar:
+        built.engine.metrics = _ProgressMetrics(bar)
+        yield
 
 
 def warmup(built: Built, requests: list[Request], w: WorkloadConfig) -> None:

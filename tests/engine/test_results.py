@@ -1,0 +1,103 @@
+"""results.json content, the combined table with speedups vs spec=none, the plot."""
+
+from __future__ import annotations
+
+import io
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+import xspec
+from xspec.config import SamplingConfig, WorkloadConfig
+from xspec.engine.engine import Generation
+from xspec.engine.report import run_workload
+from xspec.engine.results import (
+    job_results,
+    plot,
+    run_figures,
+    summary_markdown,
+    summary_rows,
+    write_summary,
+)
+
+
+def gen(n_prompt: int, n_out: int, ttft: float, latency: float) -> Generation:
+    return Generation(list(range(n_prompt)), list(range(n_out)), ttft, latency, 0)
+
+
+def test_run_figures_are_means_over_requests() -> None:
+    f = run_figures([gen(4, 1, 0.010, 0.010), gen(8, 5, 0.020, 0.060)])
+    assert f["input_tokens_mean"] == 6 and f["output_tokens_mean"] == 3
+    assert f["ttft_ms_mean"] == pytest.approx(15.0)
+    assert f["tpot_ms_mean"] == pytest.approx(10.0)  # only the 5-token request: 40 ms / 4
+    assert f["e2e_ms_mean"] == pytest.approx(35.0)
+    assert f["output_tok_s"] == pytest.approx(6 / 0.060)
+
+
+@pytest.fixture(scope="module")
+def oracle_job() -> dict:
+    built = xspec.LLM(model="qwen3_tiny", spec="oracle", platform="cpu")._built  # gamma 3
+    w = WorkloadConfig(prompts=["ab", "cde"], num_requests=2, max_new_tokens=9, repeats=3)
+    runs = run_workload(built, w, SamplingConfig(), io.StringIO())
+    return json.loads(json.dumps(job_results(built, w, runs, "qwen3_tiny")))  # plain JSON types
+
+
+def test_results_schema(oracle_job: dict) -> None:
+    j = oracle_job
+    assert (j["model"], j["spec"], j["platform"], j["gamma"]) == ("qwen3_tiny", "oracle", "cpu", 3)
+    assert (j["concurrency"], j["num_requests"], j["num_repeats"]) == (4, 2, 3)
+    assert j["output_tokens_mean"] == 9 and j["input_tokens_mean"] == 2.5
+    for key in ("ttft_ms_mean", "tpot_ms_mean", "e2e_ms_mean", "output_tok_s"):
+        assert j[key] == sorted(r[key] for r in j["repeats"])[1]  # the median of 3 repeats
+        assert j["half_range"][key] >= 0
+    acc = j["acceptance"]
+    assert acc["aggregate"] == 1.0 and acc["per_position"] == [1.0, 1.0, 1.0]
+    assert (acc["full_block"], acc["zero_accept"]) == (1.0, 0.0)
+    assert "calibration" not in acc  # the oracle has no confidence head
+    assert j["mean_committed_per_step"] == 4.0
+    assert j["spec_decode"]["num_committed_tokens"] == 3 * 2 * 8  # the exported counters
+    assert len(j["requests"]) == 6 and [r["repeat"] for r in j["requests"]] == [0, 0, 1, 1, 2, 2]
+    r = j["requests"][0]
+    assert r["prompt_tokens"] == 2 and len(r["output_token_ids"]) == 9 and r["error"] is None
+    assert 0 < r["ttft_ms"] <= r["e2e_ms"] and r["tpot_ms"] > 0
+
+
+def job(spec: str, concurrency: int, tpot: float, tok_s: float) -> dict:
+    return {
+        "model": "m", "spec": spec, "platform": "cpu", "gamma": 0 if spec == "none" else 2,
+        "concurrency": concurrency, "num_requests": 4, "num_repeats": 1,
+        "input_tokens_mean": 5.0, "output_tokens_mean": 8.0, "ttft_ms_mean": 3.0,
+        "tpot_ms_mean": tpot, "e2e_ms_mean": 20.0, "output_tok_s": tok_s,
+        "half_range": {}, "mean_committed_per_step": 1.0 if spec == "none" else 2.0,
+        "acceptance": None if spec == "none" else {"aggregate": 0.5, "per_position": [0.6, 0.4]},
+    }  # fmt: skip
+
+
+def test_speedups_are_vs_spec_none_at_the_same_concurrency() -> None:
+    jobs = [job("none", 1, 10.0, 100.0), job("mtp", 1, 5.0, 150.0), job("none", 8, 20.0, 400.0),
+            job("mtp", 8, 16.0, 500.0), job("mtp", 2, 4.0, 10.0)]  # fmt: skip
+    rows = summary_rows(jobs)
+    assert [r["speedup_tpot"] for r in rows] == [1.0, 2.0, 1.0, 1.25, None]  # no none at c=2
+    assert [r["speedup_tok_s"] for r in rows] == [1.0, 1.5, 1.0, 1.25, None]
+    table = summary_markdown(rows).splitlines()
+    assert "speedup TPOT" in table[2] and "speedup tok/s" in table[2]
+    assert table[5].endswith("| 2.000 | 1.500 |") and table[8].endswith("| n/a | n/a |")
+
+
+def test_summary_files_and_plot(tmp_path: Path) -> None:
+    jobs = [job("none", 1, 10.0, 100.0), job("mtp", 1, 5.0, 150.0)]
+    table = write_summary(jobs, tmp_path)
+    assert (tmp_path / "summary.md").read_text().strip() == table
+    assert json.loads((tmp_path / "summary.json").read_text())[1]["speedup_tpot"] == 2.0
+    assert plot(jobs, tmp_path / "summary.png")
+    assert (tmp_path / "summary.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_plot_without_matplotlib_is_a_hint_not_a_failure(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # import matplotlib -> ImportError
+    assert plot([job("none", 1, 10.0, 100.0)], tmp_path / "p.png") is False
+    assert not (tmp_path / "p.png").exists()

@@ -1,1 +1,0 @@
-"""Hydra configuration (YAML values only; schemas live in xspec/config.py)."""
