@@ -110,10 +110,11 @@ _SUMMARIES: list = []  # one RunSummary per job of this process (multirun)
 
 def run(cfg: RunConfig, choices: dict[str, str] | None = None) -> None:
     """The main job: generate for the workload's prompts and report timings and acceptance."""
-    from xspec.build import build
+    from xspec.build import build, plan_summary
     from xspec.engine.report import run_workload, summarize
 
     built = build(cfg)
+    print(plan_summary(built))
     model = (choices or {}).get("model", cfg.model.arch)
     runs = run_workload(built, cfg.workload, cfg.sampling, model_option=model)
     label = f"model={model} spec={cfg.spec.method} gamma={built.drafter.gamma}"

@@ -160,14 +160,22 @@ def run_workload(
     params = SamplingParams(temperature=s.temperature, top_k=s.top_k, top_p=s.top_p, seed=s.seed)
     texts = [w.prompts[i % len(w.prompts)] for i in range(w.num_requests)]
     requests = [
-        Request(built.tokenizer.encode(t), w.max_new_tokens, seeded(params, i), w.ignore_eos)
+        Request(
+            built.tokenizer.encode(t),
+            w.max_new_tokens,
+            seeded(params, i),
+            w.ignore_eos,
+            list(w.stop),
+        )
         for i, t in enumerate(texts)
     ]
     warmup(built, requests, w)
     runs = [built.engine.run(requests, w.concurrency) for _ in range(w.repeats)]
     for gens in runs:
         for g in gens:
-            g.text = built.tokenizer.decode(g.token_ids)
+            g.text = (
+                g.text if w.stop else built.tokenizer.decode(g.token_ids)
+            )  # stop: cut by the engine
     cfg = built.cfg
     source = cfg.model.path or f"preset {cfg.model.preset}"
     print(

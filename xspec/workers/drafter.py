@@ -31,6 +31,7 @@ from typing import Any, Protocol, runtime_checkable
 
 import torch
 
+from xspec.models.base import KvBytes
 from xspec.sampling import SamplingParams
 
 
@@ -74,7 +75,15 @@ class Drafter(Protocol):
     gamma: int  # draft tokens per step; 0 = no speculation
     capture_layer_ids: list[int]  # raw checkpoint layer ids of the aux hidden it consumes
 
-    def new_state(self) -> Any: ...
+    def new_state(self, max_tokens: int | None = None) -> Any:
+        """A sequence's empty draft state (``None`` when the method keeps none);
+        ``max_tokens`` caps its growing buffers like ``TargetModel.new_state``. A state
+        that is not None exposes ``nbytes_allocated()``."""
+        ...
+
+    def kv_bytes(self) -> KvBytes:
+        """Analytic per-sequence bytes of :meth:`new_state` (``KvBytes()`` for none)."""
+        ...
 
     def observe(self, states: list[Any], rows: list[CommittedRows]) -> None: ...
 
