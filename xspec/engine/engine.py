@@ -146,6 +146,11 @@ class Engine:
                 and self.pool.try_reserve(waiting[0], self._reservation(requests[waiting[0]]))
             ):
                 admitted.append(waiting.popleft())
+            if not admitted and not running:  # cannot happen while the pool releases
+                raise RuntimeError(
+                    f"request {waiting[0]} does not fit an empty memory pool "
+                    f"({self.pool.reserved} of {self.pool.capacity} bytes still reserved)"
+                )
             t_step = time.perf_counter()
             if admitted:  # prefill the newcomers; the others wait one iteration
                 seqs = [self._start(requests[i]) for i in admitted]
