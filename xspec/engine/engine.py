@@ -84,6 +84,7 @@ class Engine:
         self.peak_allocated = 0  # bytes, with measure_memory: max over steps of the states' sum
         self.step_s = 0.0  # last run: seconds inside prefill / decode_step
         self.run_s = 0.0  # last run: seconds of the whole run
+        self.iterations = 0  # last run: prefill + decode_step calls
 
     def check(self, req: Request, where: str) -> None:
         """A clear error for a malformed request (raised: the caller's input is wrong)."""
@@ -121,6 +122,7 @@ class Engine:
         for i, r in enumerate(requests):
             self.check(r, f"request {i}")
         self.pool, self.peak_allocated, self.step_s = self._new_pool(), 0, 0.0
+        self.iterations = 0
         out: dict[int, Generation] = {}
         waiting: deque[int] = deque()
         for i, r in enumerate(requests):
@@ -173,6 +175,7 @@ class Engine:
                 for i in stepped:
                     steps[i] += 1
             self.step_s += t0 + now - t_step  # the step itself, up to its synchronize
+            self.iterations += 1
             if self.measure_memory:
                 self.peak_allocated = max(self.peak_allocated, self._allocated(running))
             for j, i in enumerate(stepped):  # only these committed tokens in this iteration
