@@ -46,7 +46,8 @@ def main() -> None:
             torch.randint(3, 500, (a.prompt,), generator=gen).tolist(),
             a.max_new,
             SamplingParams(),
-            True,
+            ignore_eos=True,
+            stop=["\x00never"] if a.stop else [],
         )
         for _ in range(a.requests)
     ]
@@ -64,7 +65,8 @@ def main() -> None:
             per_iter[c].append(outside / engine.iterations)
     base = statistics.median(tput[a.concurrency[0]])
     print(
-        f"dsv4_tiny spec={a.spec}: {a.requests} requests x {a.max_new} new tokens, prompt {a.prompt}"
+        f"dsv4_tiny spec={a.spec}: {a.requests} requests x {a.max_new} new tokens, prompt "
+        f"{a.prompt}{', a stop string each' if a.stop else ''}"
     )
     print(
         f"{'concurrency':>11} {'tok/s':>9} {'vs c=' + str(a.concurrency[0]):>8} {'overhead/step time':>19} {'per iteration':>14}"
