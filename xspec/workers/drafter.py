@@ -15,6 +15,11 @@ A drafter keeps its own per-sequence state. The step talks to it twice per decod
   which is the new anchor), and the target's hidden rows (pre-head hidden, and the aux
   hidden captured at ``capture_layer_ids`` when the drafter asked for any).
 
+Memory: ``kv_bytes()`` gives the analytic per-sequence bytes of ``new_state`` (fixed +
+per token; the engine's planner adds them to the target's) and ``new_state(max_tokens)``
+caps a state's growing buffers at the engine's reservation, so the bytes a state
+allocates (``nbytes_allocated()``) never exceed what was planned for it.
+
 Optional class-level hooks, read by :mod:`xspec.build` before anything is loaded:
 ``preflight(spec_cfg, model_cfg) -> list[str]`` (checkpoint problems from headers) and
 ``default_gamma(spec_cfg, model_cfg) -> int`` (the gamma the drafter will use when
