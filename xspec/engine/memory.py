@@ -63,7 +63,7 @@ def weight_bytes(*objects: Any) -> int:
     total = 0
     for module in _modules(objects):
         for t in [*module.parameters(), *module.buffers()]:
-            if t.device.type == "meta":
+            if t.is_meta:  # shape-only modules hold no memory
                 continue
             key = (t.untyped_storage().data_ptr(), t.untyped_storage().nbytes())
             if key not in seen:
