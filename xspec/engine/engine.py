@@ -129,7 +129,7 @@ class Engine:
             if (problem := self.capacity_problem(r)) is not None:  # rejected alone
                 out[i] = Generation(r.prompt_ids, [], 0.0, 0.0, 0, error=f"request {i}: {problem}")
             else:
-                waiting.append(i)
+                waiting.append(i)  # admitted in this order
         running: dict[int, RunningSeq] = {}
         steps = dict.fromkeys(range(len(requests)), 0)
         t0 = time.perf_counter()
@@ -139,20 +139,7 @@ class Engine:
             return time.perf_counter() - t0
 
         while waiting or running:
-            # admit in order while a slot and the request's reservation are free (an
-            # empty pool holds any request that passed capacity_problem)
-            admitted: list[int] = []
-            while (
-                waiting
-                and len(running) + len(admitted) < concurrency
-                and self.pool.try_reserve(waiting[0], self._reservation(requests[waiting[0]]))
-            ):
-                admitted.append(waiting.popleft())
-            if not admitted and not running:  # cannot happen while the pool releases
-                raise RuntimeError(
-                    f"request {waiting[0]} does not fit an empty memory pool "
-                    f"({self.pool.reserved} of {self.pool.capacity} bytes still reserved)"
-                )
+            admitted = self._admit(requests, waiting, concurrency - len(running), bool(running))
             t_step = time.perf_counter()
             if admitted:  # prefill the newcomers; the others wait one iteration
                 seqs = [self._start(requests[i]) for i in admitted]
@@ -188,6 +175,24 @@ class Engine:
         for i, g in out.items():
             g.num_steps = steps[i]
         return [out[i] for i in range(len(requests))]
+
+    def _admit(
+        self, requests: Sequence[Request], waiting: deque[int], slots: int, busy: bool
+    ) -> list[int]:
+        """Pop waiting requests in order while a slot and their reservation are free."""
+        admitted: list[int] = []
+        while (
+            waiting
+            and len(admitted) < slots
+            and self.pool.try_reserve(waiting[0], self._reservation(requests[waiting[0]]))
+        ):
+            admitted.append(waiting.popleft())
+        if waiting and not admitted and not busy:  # an empty pool holds any checked request
+            raise RuntimeError(
+                f"request {waiting[0]} does not fit an empty memory pool "
+                f"({self.pool.reserved} of {self.pool.capacity} bytes still reserved)"
+            )
+        return admitted
 
     def _new_pool(self) -> ReservationPool:
         return ReservationPool(self.plan.available if self.plan is not None else math.inf)
