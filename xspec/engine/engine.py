@@ -26,6 +26,10 @@ from xspec.sampling import SamplingParams, make_generator
 from xspec.workers.drafter import Drafter
 from xspec.workers.step import RunningSeq, decode_step, prefill
 
+# tokens decoded beyond the longest stop string when checking for one (covers tokens that
+# decode to nothing and a tokenizer's special handling of the first token of a slice)
+STOP_WINDOW_SLACK = 8
+
 
 @dataclass
 class Request:
@@ -168,6 +172,7 @@ class Engine:
             for j, i in enumerate(stepped):  # only these committed tokens in this iteration
                 if (error := running[i].error) is not None:  # fails alone, the rest go on
                     out[i].error, out[i].latency_s = f"request {i}: {error}", now
+                    self._final_text(requests[i], out[i])
                     self._finish(i, running)
                 elif self._take(requests[i], result.new_tokens[j], out[i], now):
                     self._finish(i, running)
@@ -229,7 +234,8 @@ class Engine:
     def _take(self, req: Request, new_tokens: list[int], gen: Generation, now: float) -> bool:
         """Append one step's committed tokens, one at a time; True when the request is
         finished (a stop string, max_new_tokens or a stop id): the tokens after the one
-        that finished it are dropped, also those of the same verify step."""
+        that finished it are dropped, also those of the same verify step. With stop
+        strings the engine sets ``gen.text`` (cut before a matched stop string)."""
         for t in new_tokens:
             gen.token_ids.append(t)
             gen.latency_s = now
@@ -238,18 +244,31 @@ class Engine:
             if len(gen.token_ids) >= req.max_new_tokens or (
                 t in self.stop_ids and not req.ignore_eos
             ):
+                self._final_text(req, gen)
                 return True
         return False
 
+    def _final_text(self, req: Request, gen: Generation) -> None:
+        """The text of an output with stop strings that ended another way."""
+        if req.stop and self.decode is not None:
+            gen.text = self.decode(gen.token_ids)
+
     def _reached_stop(self, stop: list[str], gen: Generation) -> bool:
-        """Decode the output so far (after every committed token, so a stop string is
-        found at the token that completes it, even across tokens); on a match cut
-        ``gen.text`` before it."""
+        """Whether the newest token completes a stop string; on a match ``gen.text`` is
+        the output before it.
+
+        Incremental: only the last ``longest stop + STOP_WINDOW_SLACK`` tokens are
+        decoded per token (a stop string that the newest token completes lies inside
+        them, since a token decodes to at least one character); the whole output is
+        decoded once, on a match, to cut the text. Earlier tokens were already checked."""
         assert self.decode is not None  # check() refuses stop strings without a decoder
-        gen.text = self.decode(gen.token_ids)
-        found = [k for k in (gen.text.find(s) for s in stop) if k >= 0]
+        window = max(len(x) for x in stop) + STOP_WINDOW_SLACK
+        if not any(x in self.decode(gen.token_ids[-window:]) for x in stop):
+            return False
+        text = self.decode(gen.token_ids)
+        found = [k for k in (text.find(x) for x in stop) if k >= 0]
         if found:
-            gen.text = gen.text[: min(found)]
+            gen.text = text[: min(found)]
         return bool(found)
 
 
