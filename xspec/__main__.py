@@ -139,11 +139,12 @@ _EXPORTER: list = []  # the MetricsExporter of this process, when metrics.port i
 def run(cfg: RunConfig, choices: dict[str, str] | None = None, out_dir: Path | None = None) -> None:
     """The main job: generate for the workload's requests, report timings and acceptance,
     and write ``results.json`` into ``out_dir`` (Hydra's job directory)."""
-    from xspec.build import build
+    from xspec.build import build, plan_summary
     from xspec.engine.report import run_workload
     from xspec.engine.results import RESULTS_FILE, job_results, write_json
 
     built = build(cfg)
+    print(plan_summary(built))
     model = (choices or {}).get("model", cfg.model.arch)
     exporter = _EXPORTER[0] if _EXPORTER else None
     if exporter is not None:

@@ -65,9 +65,13 @@ class LLM:
         seed: int | None = 0,
         ignore_eos: bool = False,
         concurrency: int | None = None,
+        stop: Sequence[str] | None = None,
     ) -> list[Generation]:
         """One :class:`Generation` per prompt, in order. Request ``i`` samples with
-        seed ``seed + i`` (reproducible; ``seed=None`` for fresh randomness)."""
+        seed ``seed + i`` (reproducible; ``seed=None`` for fresh randomness). ``stop``:
+        strings that end an output (``text`` stops before the first one). A request
+        that can never fit (model context, memory plan) comes back with ``error`` set
+        and no tokens; the others run."""
         items = _as_prompt_list(prompts)
         max_new_tokens = _integer("max_new_tokens", max_new_tokens, minimum=1)
         if concurrency is not None:
@@ -77,13 +81,20 @@ class LLM:
         params = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed)
         if problems := params.problems():
             raise RequestError("invalid sampling arguments:", problems=problems)
+        if isinstance(stop, str) or (
+            stop is not None
+            and (not isinstance(stop, Sequence) or not all(isinstance(x, str) and x for x in stop))
+        ):
+            raise RequestError(f"stop must be a list of non-empty strings (got {stop!r})")
+        stops = list(stop or [])
         requests = [
-            Request(self._ids(p, i), max_new_tokens, seeded(params, i), ignore_eos)
+            Request(self._ids(p, i), max_new_tokens, seeded(params, i), ignore_eos, stop=stops)
             for i, p in enumerate(items)
         ]
         outs = self._built.engine.run(requests, concurrency or len(requests))
-        for g in outs:
-            g.text = self.tokenizer.decode(g.token_ids)
+        if not stops:  # with stop strings the engine already cut the text
+            for g in outs:
+                g.text = self.tokenizer.decode(g.token_ids)
         return outs
 
     def score(self, token_ids: Prompt) -> torch.Tensor:

@@ -25,6 +25,7 @@ import torch
 
 from xspec.config import RunConfig, validate
 from xspec.engine.engine import Engine
+from xspec.engine.memory import MemoryPlan, plan_memory, resolve_budget, weight_bytes
 from xspec.errors import CheckpointError, ConfigError, UserError
 from xspec.models.base import CapturePoint, TargetModel
 from xspec.platforms import get_platform
@@ -114,8 +115,40 @@ def build(cfg: RunConfig) -> Built:
         getattr(tokenizer, "eos_id", None),
         getattr(getattr(target, "args", None), "eos_token_id", None),
     )
-    engine = Engine(target, drafter, capture, stop_ids=stop_ids, synchronize=platform.synchronize)
+    plan = _plan(cfg, platform, target, drafter)
+    engine = Engine(
+        target,
+        drafter,
+        capture,
+        stop_ids=stop_ids,
+        synchronize=platform.synchronize,
+        plan=plan,
+        decode=tokenizer.decode,
+    )
     return Built(cfg, platform, target, drafter, capture, tokenizer, engine)
+
+
+def _plan(cfg: RunConfig, platform: Platform, target: TargetModel, drafter: Drafter) -> MemoryPlan:
+    """The memory plan under ``engine.memory_budget``; MemoryBudgetError when not even one
+    short sequence fits beside the weights."""
+    weights = weight_bytes(target, drafter)
+    budget = resolve_budget(
+        cfg.engine.memory_budget,
+        platform.memory_available(),
+        weights,
+        platform.default_memory_fraction,
+    )
+    plan = plan_memory(target, drafter, budget, weights)
+    plan.check_one_sequence()
+    return plan
+
+
+def plan_summary(built: Built) -> str:
+    """The start-up memory block, at the workload's longest prompt and max_new_tokens."""
+    w = built.cfg.workload
+    longest = max((len(built.tokenizer.encode(p)) for p in w.prompts), default=1)
+    assert built.engine.plan is not None
+    return built.engine.plan.describe(longest, w.max_new_tokens, w.concurrency)
 
 
 def stop_ids_of(*sources: object) -> frozenset[int]:

@@ -111,6 +111,17 @@ class WorkloadConfig:
     print_outputs: bool = True
     warmup_requests: int = 1  # a short unmeasured generation first (0 = none); metrics reset after
     repeats: int = 1  # measured runs of the workload; figures are medians with their spread
+    stop: list[str] = field(default_factory=list)  # an output ends at the first of these strings
+
+
+@dataclass(kw_only=True)
+class EngineConfig:
+    """``engine``: how the engine plans memory (xspec/engine/memory.py)."""
+
+    # bytes for weights + KV caches + step workspace when > 1; a fraction of the device
+    # memory free before loading when in (0, 1]; null = the platform's default fraction
+    # (CPU: 0.5 of available RAM)
+    memory_budget: float | None = None
 
 
 @dataclass(kw_only=True)
@@ -129,6 +140,7 @@ class RunConfig:
     workload: WorkloadConfig = MISSING
     sampling: SamplingConfig = field(default_factory=SamplingConfig)
     metrics: MetricsConfig = field(default_factory=MetricsConfig)
+    engine: EngineConfig = field(default_factory=EngineConfig)
 
 
 _GROUPS: dict[str, type] = {
@@ -138,6 +150,7 @@ _GROUPS: dict[str, type] = {
     "workload": WorkloadConfig,
     "sampling": SamplingConfig,
     "metrics": MetricsConfig,
+    "engine": EngineConfig,
 }
 
 
@@ -234,6 +247,15 @@ def validate(cfg: RunConfig) -> None:
             problems.append(
                 f"workload.prompts[{i}] is an empty string; give some text or remove it"
             )
+    for i, stop in enumerate(w.stop):
+        if not stop:
+            problems.append(f"workload.stop[{i}] is an empty string; remove it")
+    budget = cfg.engine.memory_budget
+    if budget is not None and budget <= 0:
+        problems.append(
+            f"engine.memory_budget must be > 0: bytes, or a fraction of free memory in (0, 1] "
+            f"(got {budget})"
+        )
     if w.warmup_requests < 0:
         problems.append(f"workload.warmup_requests must be >= 0 (got {w.warmup_requests})")
     port = cfg.metrics.port

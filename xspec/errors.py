@@ -35,3 +35,7 @@ class PlatformError(UserError):
 
 class RequestError(UserError):
     """A generation request is invalid (empty prompt, too long, ids outside the vocabulary)."""
+
+
+class MemoryBudgetError(UserError):
+    """The memory budget cannot hold the weights plus even one sequence."""

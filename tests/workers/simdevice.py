@@ -174,9 +174,9 @@ class SimTarget:
     def __getattr__(self, name: str) -> Any:  # vocab_size, max_context, args, embed...
         return getattr(self.inner, name)
 
-    def new_state(self) -> Any:
+    def new_state(self, max_tokens: int | None = None) -> Any:
         with self.mode.bypassed():
-            return self.inner.new_state()
+            return self.inner.new_state(max_tokens)
 
     def truncate(self, state: Any, num_tokens: int) -> None:
         with self.mode.bypassed():

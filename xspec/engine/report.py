@@ -65,13 +65,20 @@ class RunTimings:
 
 
 def timings(gens: list[Generation]) -> RunTimings:
-    tpots = [g.tpot_s for g in gens if g.tpot_s is not None]
+    ok = served(gens)
+    tpots = [g.tpot_s for g in ok if g.tpot_s is not None]
     return RunTimings(
         output_tokens=sum(len(g.token_ids) for g in gens),
         wall_s=max(g.latency_s for g in gens),
-        ttft_ms=statistics.mean(g.ttft_s for g in gens) * 1e3,
+        ttft_ms=statistics.mean(g.ttft_s for g in ok) * 1e3,
         tpot_ms=statistics.mean(tpots) * 1e3 if tpots else None,
     )
+
+
+def served(gens: list[Generation]) -> list[Generation]:
+    """The requests latency figures average over: those that did not fail (a rejected or
+    failed request has no meaningful TTFT); all of them if every one failed."""
+    return [g for g in gens if g.error is None] or gens
 
 
 def run_workload(
@@ -94,7 +101,9 @@ def run_workload(
             on_run(runs[-1])
     for gens in runs:
         for g in gens:
-            g.text = built.tokenizer.decode(g.token_ids)
+            g.text = (
+                g.text if w.stop else built.tokenizer.decode(g.token_ids)
+            )  # stop: cut by the engine
     cfg = built.cfg
     source = cfg.model.path or f"preset {cfg.model.preset}"
     print(

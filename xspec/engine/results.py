@@ -25,7 +25,7 @@ from typing import Any
 from xspec.build import Built
 from xspec.config import WorkloadConfig
 from xspec.engine.engine import Generation
-from xspec.engine.report import spread
+from xspec.engine.report import served, spread
 
 RESULTS_FILE = "results.json"
 SUMMARY_JSON = "summary.json"
@@ -49,15 +49,16 @@ def _mean(values: list[float]) -> float | None:
 
 def run_figures(gens: list[Generation]) -> dict[str, Any]:
     """One measured run: means over its requests (TPOT: requests with >= 2 tokens)."""
-    tpots = [g.tpot_s * 1e3 for g in gens if g.tpot_s is not None]
+    ok = served(gens)  # latencies of the requests that were served
+    tpots = [g.tpot_s * 1e3 for g in ok if g.tpot_s is not None]
     output_tokens = sum(len(g.token_ids) for g in gens)
     wall_s = max(g.latency_s for g in gens)
     return {
         "input_tokens_mean": _mean([len(g.prompt_ids) for g in gens]),
         "output_tokens_mean": _mean([len(g.token_ids) for g in gens]),
-        "ttft_ms_mean": _mean([g.ttft_s * 1e3 for g in gens]),
+        "ttft_ms_mean": _mean([g.ttft_s * 1e3 for g in ok]),
         "tpot_ms_mean": _mean(tpots),
-        "e2e_ms_mean": _mean([g.latency_s * 1e3 for g in gens]),
+        "e2e_ms_mean": _mean([g.latency_s * 1e3 for g in ok]),
         "output_tok_s": output_tokens / wall_s if wall_s > 0 else None,
         "output_tokens": output_tokens,
         "wall_s": wall_s,

@@ -137,7 +137,7 @@ def load_workload(
             assert line.text is not None
             ids, text = tokenizer.encode(line.text), line.text
         budget = line.max_new_tokens or w.max_new_tokens
-        requests.append(Request(ids, budget, seeded(params, i), w.ignore_eos))
+        requests.append(Request(ids, budget, seeded(params, i), w.ignore_eos, list(w.stop)))
         texts.append(text)
     return Workload(requests, texts)
 

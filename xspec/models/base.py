@@ -20,6 +20,7 @@ returns the hidden state at each point, concatenated in list order, as
 from __future__ import annotations
 
 import enum
+import math
 from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
 
@@ -80,6 +81,23 @@ class ModelOutput:
     aux_hidden: torch.Tensor | None = None  # [T, K*d] at the requested capture points, else None
 
 
+@dataclass(frozen=True)
+class KvBytes:
+    """Cache bytes one sequence needs, analytically: ``fixed`` whatever its length (SWA
+    rings, compressor rows) plus ``per_token`` for every token it holds (full-attention
+    K/V, compressed entries, indexer keys). The memory planner adds target and draft."""
+
+    fixed: int = 0
+    per_token: float = 0.0
+
+    def at(self, num_tokens: int) -> int:
+        """Bytes of a sequence holding ``num_tokens`` tokens."""
+        return self.fixed + math.ceil(self.per_token * num_tokens)
+
+    def __add__(self, other: KvBytes) -> KvBytes:
+        return KvBytes(self.fixed + other.fixed, self.per_token + other.per_token)
+
+
 @runtime_checkable
 class DecodeState(Protocol):
     """Per-sequence decoding state (KV caches, compressor state...)."""
@@ -102,7 +120,15 @@ class TargetModel(Protocol):
         probabilities here and synchronises with the host once per step."""
         ...
 
-    def new_state(self) -> DecodeState: ...
+    def new_state(self, max_tokens: int | None = None) -> DecodeState:
+        """An empty state; ``max_tokens`` (the engine's reservation for the request) caps
+        how far its growing buffers may allocate (None: up to ``max_context``). States
+        expose ``nbytes_allocated()``: bytes of the tensors they hold now."""
+        ...
+
+    def kv_bytes(self) -> KvBytes:
+        """Analytic per-sequence cache bytes of :meth:`new_state` (for the planner)."""
+        ...
 
     def forward(self, batch: ForwardBatch) -> ModelOutput: ...
 

@@ -138,6 +138,9 @@ class Platform(abc.ABC):
     description: ClassVar[str] = ""
     # True only where `platform.native_sas=on` can be honoured (a native SAS operator).
     supports_native_sas_option: ClassVar[bool] = False
+    # share of memory_available() (+ the loaded weights) the memory planner budgets when
+    # engine.memory_budget is null
+    default_memory_fraction: ClassVar[float] = 0.9
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)

@@ -16,6 +16,8 @@ _CGROUP_UNLIMITED = 1 << 60
 class HostDevice:
     """Device hooks of a platform that executes on the host CPU (mixed in before Platform)."""
 
+    default_memory_fraction = 0.5  # the host's RAM is shared with everything else
+
     def device(self) -> torch.device:
         return torch.device("cpu")
 

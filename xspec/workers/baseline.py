@@ -7,6 +7,7 @@ from typing import Any
 import torch
 
 from xspec.errors import ConfigError
+from xspec.models.base import KvBytes
 from xspec.workers.drafter import CommittedRows, DraftProposal, DraftRequest
 
 
@@ -32,8 +33,11 @@ class NoDrafter:
     def default_gamma(spec_cfg: Any, model_cfg: Any = None) -> int:
         return 0
 
-    def new_state(self) -> None:
+    def new_state(self, max_tokens: int | None = None) -> None:
         return None
+
+    def kv_bytes(self) -> KvBytes:
+        return KvBytes()
 
     def observe(self, states: list[Any], rows: list[CommittedRows]) -> None:
         pass

@@ -36,6 +36,7 @@ from typing import Any, Protocol, runtime_checkable
 
 import torch
 
+from xspec.models.base import KvBytes
 from xspec.models.draft_heads import ConfidenceHead, MarkovHead
 from xspec.sampling import SamplingParams, logits_to_probs, sample
 from xspec.workers.drafter import CommittedRows, DraftProposal, DraftRequest
@@ -70,7 +71,14 @@ class BlockDraftModel(Protocol):
     @property
     def confidence(self) -> ConfidenceHead | None: ...
 
-    def new_cache(self, gamma: int) -> Any: ...
+    def new_cache(self, gamma: int, max_tokens: int | None = None) -> Any:
+        """One sequence's empty context cache (``max_tokens`` caps growing buffers);
+        it exposes ``nbytes_allocated()``."""
+        ...
+
+    def kv_bytes(self, gamma: int) -> KvBytes:
+        """Analytic per-sequence bytes of :meth:`new_cache`."""
+        ...
 
     def write_context(self, caches: list[Any], aux: torch.Tensor, seq_lens: list[int]) -> None:
         """Context K/V of ``seq_lens[b]`` new committed positions per sequence from the
@@ -144,8 +152,11 @@ class BlockDrafter:
         self.capture_layer_ids = list(capture_layer_ids)
         self.device = device
 
-    def new_state(self) -> Any:
-        return self.model.new_cache(self.gamma)
+    def new_state(self, max_tokens: int | None = None) -> Any:
+        return self.model.new_cache(self.gamma, max_tokens)
+
+    def kv_bytes(self) -> KvBytes:
+        return self.model.kv_bytes(self.gamma)
 
     @torch.no_grad()
     def observe(self, states: list[Any], rows: list[CommittedRows]) -> None:

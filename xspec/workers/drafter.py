@@ -15,6 +15,11 @@ A drafter keeps its own per-sequence state. The step talks to it twice per decod
   which is the new anchor), and the target's hidden rows (pre-head hidden, and the aux
   hidden captured at ``capture_layer_ids`` when the drafter asked for any).
 
+Memory: ``kv_bytes()`` gives the analytic per-sequence bytes of ``new_state`` (fixed +
+per token; the engine's planner adds them to the target's) and ``new_state(max_tokens)``
+caps a state's growing buffers at the engine's reservation, so the bytes a state
+allocates (``nbytes_allocated()``) never exceed what was planned for it.
+
 Optional class-level hooks, read by :mod:`xspec.build` before anything is loaded:
 ``preflight(spec_cfg, model_cfg) -> list[str]`` (checkpoint problems from headers) and
 ``default_gamma(spec_cfg, model_cfg) -> int`` (the gamma the drafter will use when
@@ -31,6 +36,7 @@ from typing import Any, Protocol, runtime_checkable
 
 import torch
 
+from xspec.models.base import KvBytes
 from xspec.sampling import SamplingParams
 
 
@@ -74,7 +80,15 @@ class Drafter(Protocol):
     gamma: int  # draft tokens per step; 0 = no speculation
     capture_layer_ids: list[int]  # raw checkpoint layer ids of the aux hidden it consumes
 
-    def new_state(self) -> Any: ...
+    def new_state(self, max_tokens: int | None = None) -> Any:
+        """A sequence's empty draft state (``None`` when the method keeps none);
+        ``max_tokens`` caps its growing buffers like ``TargetModel.new_state``. A state
+        that is not None exposes ``nbytes_allocated()``."""
+        ...
+
+    def kv_bytes(self) -> KvBytes:
+        """Analytic per-sequence bytes of :meth:`new_state` (``KvBytes()`` for none)."""
+        ...
 
     def observe(self, states: list[Any], rows: list[CommittedRows]) -> None: ...
 

@@ -31,7 +31,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from xspec.errors import ConfigError, UserError
-from xspec.models.base import TargetModel
+from xspec.models.base import KvBytes, TargetModel
 from xspec.sampling import logits_to_probs, sample
 from xspec.workers.drafter import CommittedRows, DraftProposal, DraftRequest
 
@@ -57,6 +57,9 @@ class MtpState:
     @property
     def num_tokens(self) -> int:
         return int(self.cache.num_tokens)
+
+    def nbytes_allocated(self) -> int:
+        return int(self.cache.nbytes_allocated())
 
 
 class MtpDrafter:
@@ -134,12 +137,21 @@ class MtpDrafter:
 
     # -- Drafter protocol ---------------------------------------------------------------
 
-    def new_state(self) -> MtpState:
+    def new_state(self, max_tokens: int | None = None) -> MtpState:
         # propose appends gamma - 1 speculative rows and rolls them back
-        cache = self.module.new_cache(
-            max_rollback=self.gamma - 1, max_context=self.target.max_context
-        )
+        limit = min(self.target.max_context, max_tokens or self.target.max_context)
+        cache = self.module.new_cache(max_rollback=self.gamma - 1, max_context=limit)
         return MtpState(cache)
+
+    def kv_bytes(self) -> KvBytes:
+        """The MTP block's layer cache: its SWA ring (+ compressed entries if its ratio has any)."""
+        from xspec.models.deepseek_v4.state import layer_kv_bytes
+
+        m = self.module
+        fixed, per_token = layer_kv_bytes(
+            m.args, m.compress_ratio, m.attn.wkv.weight.dtype, self.gamma - 1
+        )
+        return KvBytes(fixed, per_token)
 
     @torch.no_grad()
     def observe(self, states: list[MtpState], rows: list[CommittedRows]) -> None:

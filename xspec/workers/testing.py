@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-from xspec.models.base import DecodeState, ForwardBatch, TargetModel
+from xspec.models.base import DecodeState, ForwardBatch, KvBytes, TargetModel
 from xspec.workers.drafter import CommittedRows, DraftProposal, DraftRequest
 
 DEFAULT_GAMMA = 3
@@ -30,8 +30,11 @@ class OracleDrafter:
     def default_gamma(spec_cfg: Any, model_cfg: Any = None) -> int:
         return int(spec_cfg.num_speculative_tokens or DEFAULT_GAMMA)
 
-    def new_state(self) -> DecodeState:
-        return self.target.new_state()
+    def new_state(self, max_tokens: int | None = None) -> DecodeState:
+        return self.target.new_state(max_tokens)
+
+    def kv_bytes(self) -> KvBytes:
+        return self.target.kv_bytes()  # a private target state per sequence
 
     def observe(self, states: list[Any], rows: list[CommittedRows]) -> None:
         # Mirror the committed context into the private state.

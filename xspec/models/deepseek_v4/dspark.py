@@ -45,6 +45,7 @@ import torch
 from torch import nn
 
 from xspec.errors import CheckpointError, UserError
+from xspec.models.base import KvBytes
 from xspec.models.deepseek_v4.args import DeepseekV4Args
 from xspec.models.deepseek_v4.draft_plan import plan_tensors
 from xspec.models.deepseek_v4.layout import BatchLayout
@@ -207,6 +208,9 @@ class DSparkCache:
         self.rings = rings
         self.num_tokens = 0
 
+    def nbytes_allocated(self) -> int:
+        return sum(r.data.numel() * r.data.element_size() for r in self.rings)
+
 
 class DSparkDraft(nn.Module):
     """The S stages (state_dict keys = the official ``mtp.{i}.*`` names) as a
@@ -272,7 +276,14 @@ class DSparkDraft(nn.Module):
 
     # -- BlockDraftModel ------------------------------------------------------------------
 
-    def new_cache(self, gamma: int) -> DSparkCache:
+    def kv_bytes(self, gamma: int) -> KvBytes:
+        """One ``[window, head_dim]`` context ring per stage; every stage is ratio 1, so
+        nothing grows with the context (xLLM: the DSpark draft reserves only its SWA pool)."""
+        ref = self.stages[0].attn.wkv.weight
+        w, hd = self.args.sliding_window, self.args.head_dim
+        return KvBytes(len(self.stages) * w * hd * ref.element_size(), 0.0)
+
+    def new_cache(self, gamma: int, max_tokens: int | None = None) -> DSparkCache:
         w, hd = self.args.sliding_window, self.args.head_dim
         ref = self.stages[0].attn.wkv.weight
         return DSparkCache(

@@ -19,12 +19,12 @@ import torch
 from torch import nn
 
 from xspec.errors import ConfigError, RequestError
-from xspec.models.base import CapturePoint, CaptureSite, ForwardBatch, ModelOutput
+from xspec.models.base import CapturePoint, CaptureSite, ForwardBatch, KvBytes, ModelOutput
 from xspec.models.deepseek_v4.args import DeepseekV4Args
 from xspec.models.deepseek_v4.attention import Attention
 from xspec.models.deepseek_v4.mhc import HyperHead, RMSNorm, hc_post, hc_pre, new_hc_params
 from xspec.models.deepseek_v4.moe import MoE
-from xspec.models.deepseek_v4.state import BlockContext, DeepseekV4State, LayerCache
+from xspec.models.deepseek_v4.state import BlockContext, DeepseekV4State, LayerCache, kv_bytes
 
 
 class Block(nn.Module):
@@ -117,13 +117,17 @@ class DeepseekV4Model(nn.Module, HyperHead):
     def device(self) -> torch.device:
         return self.embed.weight.device
 
-    def new_state(self) -> DeepseekV4State:
+    def new_state(self, max_tokens: int | None = None) -> DeepseekV4State:
         blocks: list[Block] = list(self.layers)  # type: ignore[arg-type]
+        limit = min(self.max_context, max_tokens or self.max_context)  # entry growth cap
         layers = [
-            block.new_cache(max_rollback=self.max_rollback, max_context=self.max_context)
-            for block in blocks
+            block.new_cache(max_rollback=self.max_rollback, max_context=limit) for block in blocks
         ]
         return DeepseekV4State(layers, self.max_rollback)
+
+    def kv_bytes(self) -> KvBytes:
+        fixed, per_token = kv_bytes(self.args, self.dtype, self.max_rollback)
+        return KvBytes(fixed, per_token)
 
     def truncate(self, state: DeepseekV4State, num_tokens: int) -> None:
         state.truncate(num_tokens)

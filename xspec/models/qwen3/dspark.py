@@ -35,6 +35,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from xspec.errors import CheckpointError, UserError
+from xspec.models.base import KvBytes
 from xspec.models.draft_heads import ConfidenceHead, MarkovHead
 from xspec.models.loading import CONFIG_NAME, Checkpoint, check_params, load_params
 from xspec.models.qwen3.args import Qwen3Args
@@ -149,10 +150,14 @@ class DraftCache:
 
     num_tokens: int  # context rows written == the anchor's position at propose time
     kv: torch.Tensor  # [L, 2, KV, capacity, hd]; rows >= num_tokens are stale
+    max_tokens: int | None = None  # growth cap (the engine's reservation); None: max_context
 
     @property
     def capacity(self) -> int:
         return self.kv.shape[3]
+
+    def nbytes_allocated(self) -> int:
+        return self.kv.numel() * self.kv.element_size()
 
 
 class Qwen3BlockDraft(nn.Module):
@@ -235,13 +240,19 @@ class Qwen3BlockDraft(nn.Module):
 
     # -- BlockDraftModel ----------------------------------------------------------------
 
-    def new_cache(self, gamma: int) -> DraftCache:
+    def new_cache(self, gamma: int, max_tokens: int | None = None) -> DraftCache:
         a = self.args
         kv = torch.empty(
             a.num_hidden_layers, 2, a.num_key_value_heads, 0, a.head_dim,
             dtype=self.dtype, device=self.device,
         )  # fmt: skip
-        return DraftCache(num_tokens=0, kv=kv)
+        return DraftCache(num_tokens=0, kv=kv, max_tokens=max_tokens)
+
+    def kv_bytes(self, gamma: int) -> KvBytes:
+        """Context K/V of every committed position, per draft layer; nothing fixed."""
+        a = self.args
+        es = torch.empty(0, dtype=self.dtype).element_size()
+        return KvBytes(0, float(a.num_hidden_layers * 2 * a.num_key_value_heads * a.head_dim * es))
 
     @torch.no_grad()
     def write_context(
@@ -311,7 +322,8 @@ class Qwen3BlockDraft(nn.Module):
         if needed <= cache.capacity:
             return
         blocks = -(-max(needed, 2 * cache.capacity) // KV_BLOCK)
-        capacity = min(blocks * KV_BLOCK, max(self.max_context, needed))
+        limit = min(self.max_context, cache.max_tokens or self.max_context)
+        capacity = min(blocks * KV_BLOCK, max(limit, needed))
         kv = cache.kv.new_empty(*cache.kv.shape[:3], capacity, cache.kv.shape[4])
         kv[:, :, :, : cache.num_tokens] = cache.kv[:, :, :, : cache.num_tokens]
         cache.kv = kv

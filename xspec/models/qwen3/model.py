@@ -27,7 +27,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from xspec.errors import ConfigError, RequestError
-from xspec.models.base import CapturePoint, CaptureSite, ForwardBatch, ModelOutput
+from xspec.models.base import CapturePoint, CaptureSite, ForwardBatch, KvBytes, ModelOutput
 from xspec.models.qwen3.args import Qwen3Args
 
 KV_BLOCK = 16  # cache capacity granularity (tokens)
@@ -39,10 +39,14 @@ class Qwen3State:
 
     num_tokens: int  # tokens held == position of the next row
     kv: torch.Tensor  # [L, 2, KV, capacity, hd]; rows >= num_tokens are stale
+    max_tokens: int | None = None  # growth cap (the engine's reservation); None: max_context
 
     @property
     def capacity(self) -> int:
         return self.kv.shape[3]
+
+    def nbytes_allocated(self) -> int:
+        return self.kv.numel() * self.kv.element_size()
 
 
 class RMSNorm(nn.Module):
@@ -330,7 +334,13 @@ class Qwen3Model(nn.Module):
 
     # -- TargetModel -------------------------------------------------------------------
 
-    def new_state(self) -> Qwen3State:
+    def kv_bytes(self) -> KvBytes:
+        """Full attention: K and V of every layer per token, nothing fixed."""
+        a = self.args
+        es = torch.empty(0, dtype=self.dtype).element_size()
+        return KvBytes(0, float(self.num_layers * 2 * a.num_key_value_heads * a.head_dim * es))
+
+    def new_state(self, max_tokens: int | None = None) -> Qwen3State:
         a = self.args
         kv = torch.empty(
             self.num_layers,
@@ -341,7 +351,7 @@ class Qwen3Model(nn.Module):
             dtype=self.dtype,
             device=self.device,
         )
-        return Qwen3State(num_tokens=0, kv=kv)
+        return Qwen3State(num_tokens=0, kv=kv, max_tokens=max_tokens)
 
     def truncate(self, state: Qwen3State, num_tokens: int) -> None:
         """Keep the first ``num_tokens`` tokens; full attention needs nothing else reset."""
@@ -409,7 +419,8 @@ class Qwen3Model(nn.Module):
         if needed <= state.capacity:
             return
         blocks = -(-max(needed, 2 * state.capacity) // KV_BLOCK)
-        capacity = min(blocks * KV_BLOCK, max(self.max_context, needed))
+        limit = min(self.max_context, state.max_tokens or self.max_context)
+        capacity = min(blocks * KV_BLOCK, max(limit, needed))
         kv = state.kv.new_empty(*state.kv.shape[:3], capacity, state.kv.shape[4])
         kv[:, :, :, : state.num_tokens] = state.kv[:, :, :, : state.num_tokens]
         state.kv = kv
