@@ -96,3 +96,16 @@ def test_progress_bar_counts_decoded_tokens_only_on_a_terminal(
     run_workload(built, w, SamplingConfig(), Tty())
     assert sum(updates) == 2 * 8  # decode tokens: 9 per request, the first from prefill
     assert built.engine.metrics.report().num_committed_tokens == 2 * 8
+
+
+def test_latency_means_leave_out_failed_requests() -> None:
+    """A request rejected at admission (no tokens, TTFT 0) must not pull the means down."""
+    from xspec.engine.results import run_figures
+
+    good = gen(5, ttft=0.2, latency=0.6)
+    rejected = Generation([1], [], 0.0, 0.0, 0, error="request 1: can never fit")
+    t = timings([good, rejected])
+    assert t.ttft_ms == pytest.approx(200.0) and t.tpot_ms == pytest.approx(100.0)
+    figures = run_figures([good, rejected])
+    assert figures["ttft_ms_mean"] == pytest.approx(200.0)
+    assert figures["e2e_ms_mean"] == pytest.approx(600.0) and figures["errors"] == 1
