@@ -40,7 +40,13 @@ from xspec.models.draft_heads import ConfidenceHead, MarkovHead
 from xspec.models.loading import CONFIG_NAME, Checkpoint, check_params, load_params
 from xspec.models.qwen3.args import Qwen3Args
 from xspec.models.qwen3.draft_config import DraftConfig, parse_config
-from xspec.models.qwen3.model import KV_BLOCK, DecoderLayer, RMSNorm, rope_inv_freq, rope_tables
+from xspec.models.qwen3.model import (
+    DecoderLayer,
+    Qwen3State,
+    RMSNorm,
+    rope_inv_freq,
+    rope_tables,
+)
 from xspec.workers.block import BlockLayout
 
 if TYPE_CHECKING:
@@ -144,20 +150,10 @@ def _target_problems(layout: BlockLayout, cfg: DraftConfig, target: Qwen3Args) -
 # -- the model ---------------------------------------------------------------------------
 
 
-@dataclass(eq=False)
-class DraftCache:
-    """One sequence's draft context: per layer K/V of every committed position."""
-
-    num_tokens: int  # context rows written == the anchor's position at propose time
-    kv: torch.Tensor  # [L, 2, KV, capacity, hd]; rows >= num_tokens are stale
-    max_tokens: int | None = None  # growth cap (the engine's reservation); None: max_context
-
-    @property
-    def capacity(self) -> int:
-        return self.kv.shape[3]
-
-    def nbytes_allocated(self) -> int:
-        return self.kv.numel() * self.kv.element_size()
+# One sequence's draft context: per layer K/V of every committed position
+# (``num_tokens`` = context rows written = the anchor's position at propose time); the
+# same growable buffer as the target's state.
+DraftCache = Qwen3State
 
 
 class Qwen3BlockDraft(nn.Module):
@@ -265,7 +261,7 @@ class Qwen3BlockDraft(nn.Module):
         positions = torch.cat([torch.arange(p, p + n) for p, n in zip(starts, seq_lens)])
         rope = rope_tables(positions.to(self.device), self.inv_freq, self.rope_scale, self.dtype)
         for c, n in zip(caches, seq_lens):
-            self._reserve(c, c.num_tokens + n)
+            c.reserve(c.num_tokens + n, self.max_context)
         for i, layer in enumerate(self._layers()):
             k, v = layer.self_attn.project_kv(ctx, rope)  # [T, KV, hd] each
             row = 0
@@ -316,17 +312,6 @@ class Qwen3BlockDraft(nn.Module):
         hidden = self.norm(h)  # [B*W, d]
         logits = F.linear(hidden, self._head_weight()).float()  # [B*W, V]
         return hidden.view(B, W, -1), logits.view(B, W, -1)
-
-    def _reserve(self, cache: DraftCache, needed: int) -> None:
-        """Grow ``cache`` to hold ``needed`` positions (blocks, at least doubling)."""
-        if needed <= cache.capacity:
-            return
-        blocks = -(-max(needed, 2 * cache.capacity) // KV_BLOCK)
-        limit = min(self.max_context, cache.max_tokens or self.max_context)
-        capacity = min(blocks * KV_BLOCK, max(limit, needed))
-        kv = cache.kv.new_empty(*cache.kv.shape[:3], capacity, cache.kv.shape[4])
-        kv[:, :, :, : cache.num_tokens] = cache.kv[:, :, :, : cache.num_tokens]
-        cache.kv = kv
 
 
 # -- entry points for xspec.workers.dspark -------------------------------------------------

@@ -48,6 +48,18 @@ class Qwen3State:
     def nbytes_allocated(self) -> int:
         return self.kv.numel() * self.kv.element_size()
 
+    def reserve(self, needed: int, max_context: int) -> None:
+        """Grow the KV buffer to hold ``needed`` tokens (blocks, at least doubling), never
+        past ``max_tokens`` / ``max_context`` unless ``needed`` itself is larger."""
+        if needed <= self.capacity:
+            return
+        blocks = -(-max(needed, 2 * self.capacity) // KV_BLOCK)
+        limit = min(max_context, self.max_tokens or max_context)
+        capacity = min(blocks * KV_BLOCK, max(limit, needed))
+        kv = self.kv.new_empty(*self.kv.shape[:3], capacity, self.kv.shape[4])
+        kv[:, :, :, : self.num_tokens] = self.kv[:, :, :, : self.num_tokens]
+        self.kv = kv
+
 
 class RMSNorm(nn.Module):
     """transformers' order: normalise in fp32, cast back, then scale by the weight."""
@@ -415,15 +427,7 @@ class Qwen3Model(nn.Module):
                 )
 
     def _reserve(self, state: Qwen3State, needed: int) -> None:
-        """Grow the state's KV buffer to hold ``needed`` tokens (blocks, at least doubling)."""
-        if needed <= state.capacity:
-            return
-        blocks = -(-max(needed, 2 * state.capacity) // KV_BLOCK)
-        limit = min(self.max_context, state.max_tokens or self.max_context)
-        capacity = min(blocks * KV_BLOCK, max(limit, needed))
-        kv = state.kv.new_empty(*state.kv.shape[:3], capacity, state.kv.shape[4])
-        kv[:, :, :, : state.num_tokens] = state.kv[:, :, :, : state.num_tokens]
-        state.kv = kv
+        state.reserve(needed, self.max_context)
 
     @torch.no_grad()
     def init_random_(self, seed: int = 0) -> Qwen3Model:
