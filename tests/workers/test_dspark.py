@@ -398,3 +398,19 @@ def test_0731_presets(baseline: list[list[int]], preset: str) -> None:
     assert (draft._vocab[1] is not llm._built.target.head) == own
     out = llm.generate(PROMPTS[2:], NEW, ignore_eos=True)
     assert out[0].token_ids == baseline[2]
+
+
+def test_block_drafters_on_an_unsupported_target_family() -> None:
+    """A target family without block drafts (e.g. a model plugin) is a preflight problem,
+    before anything is loaded; so is DFlash on DeepSeek-V4."""
+    from xspec.config import ModelConfig, SpecConfig
+    from xspec.workers.dspark import DFlashDrafter, DSparkDrafter
+
+    plugin = ModelConfig(arch="toy_lm", path="/nowhere")
+    [problem] = DSparkDrafter.preflight(SpecConfig(method="dspark"), plugin)
+    assert "model.arch: deepseek_v4, qwen3" in problem and "not model.arch=toy_lm" in problem
+    dsv4 = ModelConfig(arch="deepseek_v4", preset="tiny")
+    [problem] = DFlashDrafter.preflight(SpecConfig(method="dflash"), dsv4)
+    assert "model.arch: qwen3" in problem
+    assert DSparkDrafter.default_gamma(SpecConfig(method="dspark"), plugin) == 1
+    assert DSparkDrafter.default_gamma(SpecConfig(method="dspark"), dsv4) == 5
