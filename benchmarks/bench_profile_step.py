@@ -28,10 +28,11 @@ import torch
 from bench_draft_step import setup, timers
 from torch.profiler import ProfilerActivity, profile
 
+import xspec
 from xspec.models.base import ForwardBatch
 
 
-def verify_timer(llm, seqs: list, rows: int) -> Callable[[], None]:  # noqa: ANN001
+def verify_timer(llm: xspec.LLM, seqs: list, rows: int) -> Callable[[], None]:
     """One target forward of ``rows`` rows per sequence at the current position, rolled back."""
     target = llm._built.target
     ids = torch.tensor([s.anchor for s in seqs for _ in range(rows)])
