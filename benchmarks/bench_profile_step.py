@@ -12,8 +12,9 @@ speculative step (``bench_draft_step.setup``), then each of these is profiled ov
 * ``mtp observe`` / ``mtp propose``: the MTP draft's per-step work (gamma 1);
 * ``dspark observe`` / ``dspark propose``: the DSpark draft of ``--gamma`` tokens.
 
-Printed per step kind: wall ms per call, operator calls per call (every dispatched
-aten op, nested ones included: each costs its dispatch on CPU and a launch on GPU),
+Printed per step kind: wall ms per call, ops per call (those dispatched from Python,
+and every aten op with nested ones: each costs its dispatch on CPU and a launch on GPU),
+the self-CPU time inside ops,
 and the top ``--top`` operators by self CPU time with their calls per step. Use it to
 judge whether a change removed ops or only moved time. Nothing is asserted.
 """
@@ -27,6 +28,7 @@ from collections.abc import Callable
 import torch
 from bench_draft_step import setup, timers
 from torch.profiler import ProfilerActivity, profile
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import xspec
 from xspec.models.base import ForwardBatch
@@ -46,6 +48,18 @@ def verify_timer(llm: xspec.LLM, seqs: list, rows: int) -> Callable[[], None]:
     return fn
 
 
+class _OpCounter(TorchDispatchMode):
+    """Counts the ops dispatched from Python (the nested calls inside an op not included)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        self.calls += 1
+        return func(*args, **(kwargs or {}))
+
+
 def report(name: str, fn: Callable[[], None], steps: int, top: int) -> None:
     """Profile ``steps`` calls of ``fn``; print ms/call, ops/call and the top self-CPU ops."""
     for _ in range(3):  # warm-up: lazy allocations, memo tables, restacked rings
@@ -57,10 +71,16 @@ def report(name: str, fn: Callable[[], None], steps: int, top: int) -> None:
     with profile(activities=[ProfilerActivity.CPU]) as prof:
         for _ in range(steps):
             fn()
+    with _OpCounter() as counter:
+        fn()
     events = prof.key_averages()
     calls = sum(e.count for e in events if e.key.startswith("aten::")) / steps
     total = sum(e.self_cpu_time_total for e in events) / steps
-    print(f"\n== {name}: {wall * 1e3:.2f} ms/call (unprofiled), {calls:.0f} aten ops/call")
+    print(
+        f"\n== {name}: {wall * 1e3:.2f} ms/call (unprofiled); {counter.calls} ops dispatched "
+        f"from Python, {calls:.0f} aten ops with nested ones; {total / 1e3:.2f} ms/call "
+        "self-CPU inside ops (profiled; the rest of the wall time is Python and dispatch)"
+    )
     print(f"  {'operator':<34} {'self ms':>8} {'share':>6} {'calls':>7}")
     ranked = sorted(events, key=lambda e: e.self_cpu_time_total, reverse=True)
     for e in ranked[:top]:
