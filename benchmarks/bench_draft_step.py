@@ -29,7 +29,7 @@ import xspec
 from xspec.models.base import ForwardBatch
 from xspec.sampling import SamplingParams
 from xspec.workers.drafter import CommittedRows, DraftRequest
-from xspec.workers.step import Sequence as Running
+from xspec.workers.step import RunningSeq as Running
 from xspec.workers.step import prefill
 
 
@@ -45,6 +45,7 @@ def setup(spec: str, gamma: int | None, context: int, batch: int) -> tuple[xspec
             draft_state=b.drafter.new_state(),
             params=SamplingParams(),
             generator=None,
+            max_len=context + 1_000_000,
         )
         for _ in range(batch)
     ]
@@ -55,7 +56,8 @@ def setup(spec: str, gamma: int | None, context: int, batch: int) -> tuple[xspec
 def timers(llm: xspec.LLM, seqs: list, name: str) -> dict[str, Callable[[], None]]:
     b = llm._built
     target, drafter = b.target, b.drafter
-    requests = [DraftRequest(s.anchor, s.params, None) for s in seqs]
+    gamma = drafter.gamma
+    requests = [DraftRequest(s.anchor, s.params, None, gamma) for s in seqs]
     anchors = torch.tensor([s.anchor for s in seqs])
     n0 = [s.target_state.num_tokens for s in seqs]
     out = target.forward(
@@ -80,7 +82,7 @@ def timers(llm: xspec.LLM, seqs: list, name: str) -> dict[str, Callable[[], None
             target.truncate(s.target_state, n)
 
     def propose() -> None:
-        drafter.propose(states, requests)
+        drafter.propose(states, requests, gamma)
 
     def observe() -> None:  # not undone: the draft context grows by one row per call
         drafter.observe(states, rows)

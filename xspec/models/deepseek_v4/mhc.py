@@ -92,11 +92,21 @@ def _sinkhorn_last(comb: torch.Tensor, iters: int, eps: float) -> torch.Tensor:
     hc = comb.shape[0]
     buf = comb.new_full((hc + 1, hc + 1, comb.shape[-1]), eps)
     buf[:hc, :hc] = comb
+    return _sinkhorn_bordered(buf, iters)
+
+
+def _sinkhorn_bordered(buf: torch.Tensor, iters: int) -> torch.Tensor:
+    """Sinkhorn in place on the top-left ``[hc, hc, N]`` block of the eps-bordered
+    ``buf [hc+1, hc+1, N]`` -> ``[N, hc, hc]`` contiguous. The sums go into two
+    preallocated buffers (``out=``): no allocation per round, only the dispatch."""
+    hc = buf.shape[0] - 1
     comb, rows, cols = buf[:hc, :hc], buf[:hc, :], buf[:, :hc]
-    comb.div_(cols.sum(dim=0, keepdim=True))
+    row_sums = buf.new_empty(hc, 1, buf.shape[-1])  # [hc, 1, N]
+    col_sums = buf.new_empty(1, hc, buf.shape[-1])  # [1, hc, N]
+    comb.div_(torch.sum(cols, dim=0, keepdim=True, out=col_sums))
     for _ in range(iters - 1):
-        comb.div_(rows.sum(dim=1, keepdim=True))
-        comb.div_(cols.sum(dim=0, keepdim=True))
+        comb.div_(torch.sum(rows, dim=1, keepdim=True, out=row_sums))
+        comb.div_(torch.sum(cols, dim=0, keepdim=True, out=col_sums))
     return comb.permute(2, 0, 1).contiguous()
 
 
@@ -124,20 +134,24 @@ def hc_pre(
         comb = torch.softmax(logits, dim=-1) + args.hc_eps
         comb = sinkhorn(comb, args.hc_sinkhorn_iters, args.hc_eps)
     else:  # softmax and Sinkhorn with the rows along the last dim (vectorised at any T)
-        comb = torch.softmax(logits.permute(1, 2, 0).contiguous(), dim=1) + args.hc_eps
-        comb = _sinkhorn_last(comb, args.hc_sinkhorn_iters, args.hc_eps)
+        buf = x.new_full((hc + 1, hc + 1, t), args.hc_eps, dtype=torch.float32)
+        soft = torch.softmax(logits.permute(1, 2, 0), dim=1)  # [hc, hc, T]
+        torch.add(soft, args.hc_eps, out=buf[:hc, :hc])  # softmax + eps, into the buffer
+        comb = _sinkhorn_bordered(buf, args.hc_sinkhorn_iters)
     u = (pre.unsqueeze(-1) * x).sum(dim=1).to(x.dtype)  # sum_i pre_i X_i
     return u, post, comb
 
 
 def _site_scale(scale: torch.Tensor, hc: int) -> torch.Tensor:
     """``scale [3]`` -> ``[(2+hc)*hc]``, one factor per column of ``[pre | post | comb]``."""
-    return scale.repeat_interleave(_repeats(hc, scale.device), output_size=(2 + hc) * hc)
+    return scale.index_select(0, _column_site(hc, scale.device))
 
 
 @functools.lru_cache(maxsize=8)
-def _repeats(hc: int, device: torch.device) -> torch.Tensor:
-    return torch.tensor([hc, hc, hc * hc], device=device)
+def _column_site(hc: int, device: torch.device) -> torch.Tensor:
+    """``[(2+hc)*hc]`` int64: 0 for the pre columns, 1 for post, 2 for comb (one gather
+    expands ``scale``; ``repeat_interleave`` costs several ops)."""
+    return torch.tensor([0] * hc + [1] * hc + [2] * hc * hc, device=device)
 
 
 def hc_post(
