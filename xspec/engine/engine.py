@@ -18,7 +18,7 @@ from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
-from xspec.engine.memory import MemoryPlan, ReservationPool, allocated_bytes
+from xspec.engine.memory import MemoryPlan, ReservationPool, allocated_bytes, context_problem
 from xspec.errors import RequestError
 from xspec.metrics import SpecDecodeMetrics
 from xspec.models.base import CapturePoint, TargetModel
@@ -114,13 +114,7 @@ class Engine:
         n, gamma = len(req.prompt_ids), self.drafter.gamma
         if self.plan is not None:
             return self.plan.problem(n, req.max_new_tokens)
-        if n + req.max_new_tokens + gamma > self.target.max_context:
-            return (
-                f"prompt of {n} tokens + max_new_tokens {req.max_new_tokens} (+ {gamma} draft "
-                f"rows) exceeds the model context of {self.target.max_context} tokens; shorten "
-                f"the prompt, lower max_new_tokens, or raise model.max_context"
-            )
-        return None
+        return context_problem(n, req.max_new_tokens, gamma, self.target.max_context)
 
     def run(self, requests: Sequence[Request], concurrency: int) -> list[Generation]:
         for i, r in enumerate(requests):

@@ -87,6 +87,19 @@ def allocated_bytes(state: Any) -> int:
     return 0 if state is None else int(state.nbytes_allocated())
 
 
+def context_problem(
+    prompt_len: int, max_new_tokens: int, gamma: int, max_context: int
+) -> str | None:
+    """Why a request can never fit the model's context (its draft rows included), or None."""
+    if prompt_len + max_new_tokens + gamma <= max_context:
+        return None
+    return (
+        f"prompt of {prompt_len} tokens + max_new_tokens {max_new_tokens} (+ {gamma} draft "
+        f"rows) exceeds the model context of {max_context} tokens; shorten the prompt, lower "
+        f"max_new_tokens, or raise model.max_context"
+    )
+
+
 @dataclass(frozen=True)
 class MemoryPlan:
     budget: int  # bytes for weights + caches + workspace
@@ -122,12 +135,8 @@ class MemoryPlan:
     def problem(self, prompt_len: int, max_new_tokens: int) -> str | None:
         """Why a request of this length can never run (None: it fits when the pool is free)."""
         n = self.seq_tokens(prompt_len, max_new_tokens)
-        if n > self.max_context:
-            return (
-                f"prompt of {prompt_len} tokens + max_new_tokens {max_new_tokens} (+ {self.gamma} "
-                f"draft rows) exceeds the model context of {self.max_context} tokens; shorten the "
-                f"prompt, lower max_new_tokens, or raise model.max_context"
-            )
+        if problem := context_problem(prompt_len, max_new_tokens, self.gamma, self.max_context):
+            return problem
         need = self.seq_bytes(prompt_len, max_new_tokens)
         if need > self.available:
             return (

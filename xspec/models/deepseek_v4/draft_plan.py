@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
+from pathlib import Path
 
+from xspec.models.deepseek_v4.args import DeepseekV4Args
 from xspec.models.deepseek_v4.weights import (
     FLOAT_CODES,
     QUANT_DESCRIPTION,
@@ -131,3 +133,19 @@ def siblings_ok(
             )
             ok = False
     return ok
+
+
+def crossover_problems(
+    where: Path, args: DeepseekV4Args, target_args: DeepseekV4Args, what: str
+) -> list[str]:
+    """A drafter reads the target's hidden states and token ids: ``hidden_size``,
+    ``vocab_size`` and ``hc_mult`` must match (``what`` names the drafter)."""
+    problems = []
+    for key in ("hidden_size", "vocab_size", "hc_mult"):
+        mine, theirs = getattr(args, key), getattr(target_args, key)
+        if mine != theirs:
+            problems.append(
+                f"{where}: {key} is {mine} but the target's is {theirs}; the {what} consumes "
+                f"the target's hidden states and token ids, use the {what} of this target"
+            )
+    return problems

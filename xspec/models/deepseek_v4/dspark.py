@@ -47,7 +47,7 @@ from torch import nn
 from xspec.errors import CheckpointError, UserError
 from xspec.models.base import KvBytes
 from xspec.models.deepseek_v4.args import DeepseekV4Args
-from xspec.models.deepseek_v4.draft_plan import plan_tensors
+from xspec.models.deepseek_v4.draft_plan import crossover_problems, plan_tensors
 from xspec.models.deepseek_v4.layout import BatchLayout
 from xspec.models.deepseek_v4.mhc import HyperHead, RMSNorm
 from xspec.models.deepseek_v4.model import Block, init_random
@@ -509,13 +509,7 @@ def _config_problems(
             f"{where}: dspark_capture={capture!r}; use one of {', '.join(CAPTURE_MODES)}"
         )
     if target_args is not None:
-        for key in ("hidden_size", "vocab_size", "hc_mult"):
-            mine, theirs = getattr(args, key), getattr(target_args, key)
-            if mine != theirs:
-                problems.append(
-                    f"{where}: {key} is {mine} but the target's is {theirs}; the draft consumes "
-                    "the target's hidden states and token ids, use the draft of this target"
-                )
+        problems += crossover_problems(where, args, target_args, "draft")
         n = target_args.num_hidden_layers
         if bad := [i for i in ids if not 0 <= i < n]:
             problems.append(

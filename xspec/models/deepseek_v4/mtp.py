@@ -49,7 +49,7 @@ from torch import nn
 
 from xspec.errors import CheckpointError
 from xspec.models.deepseek_v4.args import DeepseekV4Args
-from xspec.models.deepseek_v4.draft_plan import plan_tensors
+from xspec.models.deepseek_v4.draft_plan import crossover_problems, plan_tensors
 from xspec.models.deepseek_v4.mhc import HyperHead, RMSNorm
 from xspec.models.deepseek_v4.model import Block, init_random
 from xspec.models.deepseek_v4.state import BlockContext
@@ -271,13 +271,7 @@ def _config_problems(
             "layer is sliding-window only, set it to 0"
         )
     if target_args is not None:
-        for key in ("hidden_size", "vocab_size", "hc_mult"):
-            mine, theirs = getattr(args, key), getattr(target_args, key)
-            if mine != theirs:
-                problems.append(
-                    f"{where}: {key} is {mine} but the target's is {theirs}; the MTP consumes the "
-                    "target's hidden states and token ids, use the MTP exported from this target"
-                )
+        problems += crossover_problems(where, args, target_args, "MTP")
     return problems
 
 
