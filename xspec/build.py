@@ -97,12 +97,15 @@ def build(cfg: RunConfig) -> Built:
     make_drafter: Any = spec_methods.get(cfg.spec.method)
     gamma = effective_gamma(make_drafter, cfg.spec, cfg.model)
 
-    torch.set_grad_enabled(False)
     max_rollback = max(gamma, DEFAULT_MAX_ROLLBACK)
-    target: TargetModel = models.get(cfg.model.arch)(
-        cfg.model, device=platform.device(), max_rollback=max_rollback
-    )
-    drafter: Drafter = make_drafter(cfg.spec, target=target, model_cfg=cfg.model, platform=platform)
+    with torch.no_grad():  # not a global switch: training code may share the process
+        target: TargetModel = models.get(cfg.model.arch)(
+            cfg.model, device=platform.device(), max_rollback=max_rollback
+        )
+        drafter: Drafter = make_drafter(
+            cfg.spec, target=target, model_cfg=cfg.model, platform=platform
+        )
+    _freeze(target, drafter)
     if drafter.gamma > max_rollback:
         raise ConfigError(
             f"spec.num_speculative_tokens: the drafter proposes {drafter.gamma} tokens but the caches "
@@ -168,6 +171,16 @@ def stop_ids_of(*sources: object) -> frozenset[int]:
                 f"a stop / eos token id must be an int or a list of ints, got {source!r}"
             )
     return frozenset(ids)
+
+
+def _freeze(*parts: Any) -> None:
+    """No parameter of an inference run records autograd history: each part that is a
+    module, or holds modules as attributes (drafters), stops requiring grad."""
+    for part in parts:
+        held = [part] if isinstance(part, torch.nn.Module) else list(vars(part).values())
+        for module in held:
+            if isinstance(module, torch.nn.Module):
+                module.requires_grad_(False)
 
 
 def _tokenizer_problem(model_cfg: Any) -> str | None:
