@@ -58,10 +58,15 @@ class ConfidenceHead(nn.Module):
 
     def forward(self, h: torch.Tensor, markov_embed: torch.Tensor | None) -> torch.Tensor:
         """``h [..., d]``, ``markov_embed [..., r]`` (or None) -> confidence ``[...]`` fp32."""
+        return torch.sigmoid(self.logits(h, markov_embed))
+
+    def logits(self, h: torch.Tensor, markov_embed: torch.Tensor | None) -> torch.Tensor:
+        """The raw confidence logit ``z`` (``c = sigmoid(z)``) ``[...]`` fp32: what
+        training's BCE-with-logits and temperature scaling read."""
         if self.with_markov:
             if markov_embed is None:
                 raise ValueError("this confidence head reads the Markov embedding; pass it")
             h = torch.cat([h, markov_embed.to(h.dtype)], dim=-1)
         w = self.proj.weight.float()
         b = None if self.proj.bias is None else self.proj.bias.float()
-        return torch.sigmoid(nn.functional.linear(h.float(), w, b)).squeeze(-1)
+        return nn.functional.linear(h.float(), w, b).squeeze(-1)

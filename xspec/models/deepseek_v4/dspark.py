@@ -37,6 +37,7 @@ number of visible keys is ``ori_win_left + 1``.
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -72,12 +73,18 @@ VOCAB_ALIASES = {
 # -- index sets of the draft window ------------------------------------------------------
 
 
-def context_index(starts: torch.Tensor, ring: int, visible: int) -> torch.Tensor:
+def context_index(
+    starts: torch.Tensor, ring: int, visible: int, base: torch.Tensor | None = None
+) -> torch.Tensor:
     """Rows of a ring stack ``[B * ring, D]`` holding context positions
     ``[p_b - visible, p_b)`` of each sequence: ``starts [B]`` (= ``p_b``) -> ``[B, visible]``,
-    ``b * ring + pos % ring`` (the remainder wraps, never clamps), -1 before position 0."""
+    ``b * ring + pos % ring`` (the remainder wraps, never clamps), -1 before position 0.
+    ``base [B]``: the first stack row of each block's sequence instead of ``b * ring``
+    (training: many blocks read one sequence's whole context, ``ring`` >= its length)."""
     pos = starts[:, None] - visible + torch.arange(visible, device=starts.device)  # [B, C]
-    index = torch.arange(len(starts), device=starts.device)[:, None] * ring + pos.remainder(ring)
+    if base is None:
+        base = torch.arange(len(starts), device=starts.device) * ring
+    index = base[:, None] + pos.remainder(ring)
     return index.masked_fill_(pos < 0, -1)
 
 
@@ -138,13 +145,18 @@ class BlockRows:
     window: int
     block: torch.Tensor  # [B*W, W] block_index
     ring: torch.Tensor | None = None  # [B*window, D] the current stage's ring stack, flattened
+    # training: the stack holds whole sequences (``ring_rows`` rows each, no wrap) and
+    # block b reads the one starting at row ``ring_base[b]``
+    ring_rows: int | None = None
+    ring_base: torch.Tensor | None = None
     _context: dict[SasMode, torch.Tensor] = field(default_factory=dict)
 
     def context(self, mode: SasMode) -> torch.Tensor:
         """``[B*W, C]`` ring rows of the context each block row sees under ``mode``."""
         if mode not in self._context:
             visible = visible_context(mode, self.window, self.width)
-            index = context_index(self.starts, self.window, visible)  # [B, C]
+            rows = self.ring_rows or self.window
+            index = context_index(self.starts, rows, visible, self.ring_base)  # [B, C]
             self._context[mode] = index.repeat_interleave(self.width, dim=0)
         return self._context[mode]
 
@@ -294,46 +306,70 @@ class DSparkDraft(nn.Module):
         self, caches: list[DSparkCache], aux: torch.Tensor, seq_lens: list[int]
     ) -> None:
         """Context K/V of the new committed positions: ``aux [sum seq_lens, K*d]``."""
-        first = self.stages[0]
-        dtype = first.main_proj.weight.dtype
-        main_x = first.main_norm(first.main_proj(aux.to(dtype)))  # [T, d]
         starts = [c.num_tokens for c in caches]
-        positions = torch.cat(
-            [torch.arange(s, s + n, device=aux.device) for s, n in zip(starts, seq_lens)]
-        )
-        layout = BatchLayout(positions, seq_lens, starts)
+        layout = BatchLayout(_positions(starts, seq_lens, aux.device), seq_lens, starts)
         live = [caches[b] for b in layout.live]
         window = self.args.sliding_window
-        for i, stage in enumerate(self.stages):
-            kv = stage.attn.key_value(main_x, layout.rotation(stage.attn.rope))  # [T, D]
+        for i, kv in enumerate(self.context_kv(aux, layout)):
             ring = stack_rings([c.rings[i] for c in live])  # [B, window, D]
             scatter_rows(ring, kv, layout.ring_slots(window))  # the last `window` rows
         for cache, n in zip(caches, seq_lens):
             cache.num_tokens += n
+
+    def context_kv(self, aux: torch.Tensor, layout: BatchLayout) -> list[torch.Tensor]:
+        """Each stage's context K/V rows ``[T, D]`` (roped at ``layout``'s positions) of the
+        captures ``aux [T, K*d]``: ``kv_norm(wkv(main_norm(main_proj(aux))))``."""
+        first = self.stages[0]
+        main_x = first.main_norm(first.main_proj(aux.to(first.main_proj.weight.dtype)))
+        return [
+            stage.attn.key_value(main_x, layout.rotation(stage.attn.rope)) for stage in self.stages
+        ]
 
     def forward_block(
         self, caches: list[DSparkCache], tokens: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """``tokens [B, W]`` at positions ``p_b .. p_b+W-1`` -> (hc_head output before the
         final norm ``[B, W, d]``, raw logits ``[B, W, V]`` fp32)."""
+        starts = torch.tensor([c.num_tokens for c in caches], device=tokens.device)  # [B]
+        rows = self.block_rows(tokens, starts)
+        return self.run_block(
+            rows, lambda i: stack_rings([c.rings[i] for c in caches]).flatten(0, 1)
+        )
+
+    def block_rows(
+        self,
+        tokens: torch.Tensor,
+        starts: torch.Tensor,
+        *,
+        ring_rows: int | None = None,
+        ring_base: torch.Tensor | None = None,
+    ) -> BlockRows:
+        """The layout of blocks ``tokens [B, W]`` anchored at ``starts [B]``."""
         batch, width = tokens.shape
         device = tokens.device
-        starts = torch.tensor([c.num_tokens for c in caches], device=device)  # [B]
         positions = (starts[:, None] + torch.arange(width, device=device)).flatten()  # [B*W]
-        limit = int(starts.max()) + width
-        ids = tokens.flatten()
-        rows = BlockRows(
-            input_ids=ids,
-            rot=self.stages[0].attn.rope.rotation(positions, limit),
+        return BlockRows(
+            input_ids=tokens.flatten(),
+            rot=self.stages[0].attn.rope.rotation(positions, int(starts.max()) + width),
             starts=starts,
             width=width,
             window=self.args.sliding_window,
             block=block_index(batch, width, device),
+            ring_rows=ring_rows,
+            ring_base=ring_base,
         )
-        x = self._vocab[0](ids)  # [B*W, d]
+
+    def run_block(
+        self, rows: BlockRows, ring: Callable[[int], torch.Tensor]
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The stages over ``rows``; ``ring(i)``: stage i's context K/V stack ``[N, D]``
+        (inference: the sequences' rings; training: whole sequences) -> (hc_head output
+        before the final norm ``[B, W, d]``, raw logits ``[B, W, V]`` fp32)."""
+        batch, width = rows.starts.shape[0], rows.width
+        x = self._vocab[0](rows.input_ids)  # [B*W, d]
         x = x.unsqueeze(1).expand(-1, self.args.hc_mult, -1).contiguous()  # [B*W, hc, d]
         for i, stage in enumerate(self.stages):
-            rows.ring = stack_rings([c.rings[i] for c in caches]).flatten(0, 1)
+            rows.ring = ring(i)
             x = stage(x, rows)
         last = self.stages[-1]
         h = last.hyper_head(x)  # [B*W, d], before the final norm
@@ -344,6 +380,10 @@ class DSparkDraft(nn.Module):
     def init_random_(self, seed: int) -> None:
         """Deterministic random weights, the target's scheme (tests, the tiny preset)."""
         init_random(self, self.args, seed)
+
+
+def _positions(starts: list[int], seq_lens: list[int], device: torch.device) -> torch.Tensor:
+    return torch.cat([torch.arange(s, s + n, device=device) for s, n in zip(starts, seq_lens)])
 
 
 # -- planning from headers -------------------------------------------------------------------

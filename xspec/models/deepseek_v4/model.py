@@ -135,6 +135,11 @@ class DeepseekV4Model(nn.Module, HyperHead):
     @torch.no_grad()
     def forward(self, batch: ForwardBatch) -> ModelOutput:
         """Score ``batch`` (see ForwardBatch); every state advances by its row count."""
+        return self.score(batch)
+
+    def score(self, batch: ForwardBatch) -> ModelOutput:
+        """:meth:`forward` under the caller's grad mode: training runs the inference
+        modules themselves through it (fresh states, whole sequences as prefill)."""
         self._check_batch(batch)
         boundary = self._capture_boundaries(batch.capture)  # validated before any state moves
         device = self.embed.weight.device
