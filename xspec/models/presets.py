@@ -13,6 +13,19 @@ from typing import Any
 from xspec.errors import CheckpointError, ConfigError
 
 DTYPES = ("float32", "bfloat16", "float16")
+ASSETS = Path(__file__).resolve().parent.parent / "assets"  # checkpoints shipped in the package
+
+
+def shipped_dir(name: str) -> Path:
+    """A checkpoint directory shipped inside the package (``xspec/assets/<name>``)."""
+    path = ASSETS / name
+    if not (path / "config.json").is_file():
+        raise CheckpointError(
+            f"the shipped checkpoint {path} is missing from this installation; rebuild it "
+            f"with `python -m xspec.train all --work <dir>` (see docs/training.md), or use "
+            f"a random preset (model=dsv4_tiny_random)"
+        )
+    return path
 
 
 def checkpoint_dir(

@@ -1,0 +1,1 @@
+"""Training the tiny checkpoints xspec ships (target, MTP and DSpark drafters)."""
