@@ -372,6 +372,17 @@ def trained_block_size(layout: BlockLayout, spec_cfg: Any, model_cfg: Any) -> in
     return plan_for(layout, cfg, own_vocab=False).trained_gamma
 
 
+def has_confidence_head(layout: BlockLayout, spec_cfg: Any, model_cfg: Any) -> bool | None:
+    """Whether this layout's draft scores its proposals (DSpark with
+    ``enable_confidence_head``; never DFlash); None when config.json cannot be read."""
+    try:
+        ckpt = Checkpoint(draft_dir(spec_cfg, model_cfg))
+        cfg = parse_config(ckpt.config, ckpt.path / CONFIG_NAME)
+    except UserError:
+        return None
+    return plan_for(layout, cfg, own_vocab=False).use_confidence
+
+
 def load_block_draft(
     layout: BlockLayout, spec_cfg: Any, *, target: Any, model_cfg: Any, platform: Any
 ) -> LoadedDraft:
@@ -393,4 +404,5 @@ def load_block_draft(
         model=model.eval(),
         trained_block_size=plan.trained_gamma,
         capture_layer_ids=list(plan.cfg.target_layer_ids),
+        path=ckpt.path,
     )
