@@ -89,3 +89,42 @@ def test_wrong_number_of_positions_and_malformed_files(tmp_path: Path) -> None:
         load_calibration(path, 1, "spec.adaptive.calibration")
     with pytest.raises(ConfigError, match="does not exist"):
         load_calibration(tmp_path / "missing.json", 1, "spec.adaptive.calibration")
+
+
+def test_calibrate_command_writes_a_table_the_run_reads(tmp_path: Path) -> None:
+    """``python -m xspec.train calibrate``: the tiny Qwen3 DSpark draft on a short workload
+    gives one temperature per position; an adaptive run reads the file. A method without
+    a confidence head exits 2 with the reason, before loading."""
+    import os
+    import subprocess
+    import sys
+
+    import xspec
+
+    root = Path(__file__).resolve().parents[2]
+    env = {**os.environ, "PYTHONPATH": str(root)}
+    out = tmp_path / "cal.json"
+    cmd = [sys.executable, "-m", "xspec.train", "calibrate", "--out", str(out)]
+    run = [
+        *cmd,
+        "model=qwen3_tiny",
+        "spec=dspark",
+        "workload.num_requests=4",
+        "workload.max_new_tokens=24",
+    ]
+    r = subprocess.run(run, capture_output=True, text=True, env=env, timeout=300)
+    assert r.returncode == 0, r.stderr
+    assert "calibrated 4 positions" in r.stdout and str(out) in r.stdout
+    body = json.loads(out.read_text())
+    assert len(body["temperatures"]) == 4 and body["num_samples"] > 0
+    llm = xspec.LLM(
+        model="qwen3_tiny",
+        spec="dspark",
+        platform="cpu",
+        overrides={"spec.adaptive.calibration": str(out)},
+    )
+    assert llm._built.drafter.calibration_file == out  # type: ignore[attr-defined]
+    bad = subprocess.run(
+        [*cmd, "model=dsv4_tiny", "spec=mtp"], capture_output=True, text=True, env=env, timeout=300
+    )
+    assert bad.returncode == 2 and "needs a drafter with a confidence head" in bad.stderr

@@ -121,21 +121,20 @@ class ConfidenceRecorder(SpecDecodeMetrics):
 
 def calibrate(overrides: list[str], out: Path | None) -> tuple[ConfidenceCalibration, Path]:
     """Run the workload of ``overrides`` with raw confidences, fit, write; returns both."""
-    from xspec.build import build
+    from xspec.build import build, check
     from xspec.compose import compose_run
     from xspec.engine.workloads import load_workload
     from xspec.errors import ConfigError
     from xspec.sampling import SamplingParams
 
-    forced = ["spec.adaptive.enabled=false", "spec.adaptive.calibration=off"]
-    cfg = compose_run([*overrides, *forced])
+    # checked as an adaptive run (a draft with a confidence head), before anything loads;
+    # run at fixed gamma with raw confidences
+    cfg = compose_run([*overrides, "spec.adaptive.enabled=true", "spec.adaptive.calibration=off"])
+    if problems := check(cfg):
+        raise ConfigError("calibrate cannot run:", problems=problems)
+    cfg.spec.adaptive.enabled = False
     built = build(cfg)
     drafter: Any = built.drafter
-    if not getattr(drafter, "has_confidence", False):
-        raise ConfigError(
-            f"calibrate needs a draft with a confidence head; spec={cfg.spec.method} here has "
-            "none (use spec=dspark with a DSpark checkpoint that stores confidence_head)"
-        )
     s, w = cfg.sampling, cfg.workload
     params = SamplingParams(temperature=s.temperature, top_k=s.top_k, top_p=s.top_p, seed=s.seed)
     work = load_workload(w, built.tokenizer, built.target.vocab_size, params)
