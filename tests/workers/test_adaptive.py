@@ -137,7 +137,10 @@ def test_qwen3_measured_profile_then_cached(qwen_baseline: list[list[int]]) -> N
     second = adaptive("qwen3_tiny")
     assert second._built.profile is not None
     assert second._built.profile.source.startswith("cached, loaded from")
-    assert second._built.profile.cost == first._built.profile.cost  # type: ignore[union-attr]
+    cost = second._built.profile.cost
+    assert cost == first._built.profile.cost  # type: ignore[union-attr]
+    assert cost.requests == [1, 2, 4] and cost.drafts == [0, 2, 4]  # max_requests 4, gamma 4
+    assert all(a <= b for row in cost.seconds for a, b in itertools.pairwise(row))
 
 
 def test_calibrated_confidences_are_scaled_logits(tmp_path: Path) -> None:

@@ -8,7 +8,8 @@ and verifies fewer) plus the target's verify forward of the B rows and their
 ``logits_to_probs``. The median of ``spec.adaptive.profile_reps`` timed runs after one
 untimed warm-up; R runs over powers of two up to ``min(spec.adaptive.max_requests, the
 memory plan's sequences)``, x over ``{0, gamma // 2, gamma}`` (the time is close to linear
-in the rows; :class:`StepCost` interpolates). Not timed: the rejection sampler and the
+in the rows; :class:`StepCost` interpolates; a row is made non-decreasing in x, since a
+dip is timing noise). Not timed: the rejection sampler and the
 drafter's context write, both small next to a forward.
 
 **Where it comes from**: ``spec.adaptive.profile=<file>`` reuses a saved profile (refused
@@ -23,6 +24,7 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import itertools
 import json
 import statistics
 import time
@@ -86,11 +88,14 @@ def cached_profile_path(key: dict[str, Any]) -> Path:
     return cache_root() / "step_cost" / f"{digest}.json"
 
 
-def save_profile(path: Path, key: dict[str, Any], cost: StepCost, seconds: float) -> None:
+def save_profile(
+    path: Path, key: dict[str, Any], cost: StepCost, seconds: float, reps: int
+) -> None:
     body = {
         "format": FORMAT,
         "key": key,
         "profile_seconds": seconds,
+        "reps": reps,
         "requests": cost.requests,
         "drafts": cost.drafts,
         "seconds": cost.seconds,
@@ -198,7 +203,8 @@ def measure_step_cost(
             _median_seconds(functools.partial(verify, ids[:, CONTEXT - x :]), reps, synchronize)
             for x in drafts
         ]
-        seconds.append([t_draft + t for t in row])
+        # more rows never make a step faster: a measured dip is noise, flattened
+        seconds.append([t_draft + t for t in itertools.accumulate(row, max)])
     return StepCost(request_grid(max_requests), drafts, seconds)
 
 
@@ -221,7 +227,9 @@ def step_cost_profile(
     if path.is_file():
         try:
             cost = read_profile(path, key)
-            if cost.requests[-1] >= max_requests:  # covers this run's batch sizes
+            reps = json.loads(path.read_text(encoding="utf-8")).get("reps", 0)
+            # reused when it covers this run's batch sizes at least as carefully
+            if cost.requests[-1] >= max_requests and reps >= a.profile_reps:
                 return Profile(cost, f"cached, loaded from {path}", path)
         except ConfigError:
             pass  # a stale or damaged cache entry: measure again
@@ -235,7 +243,7 @@ def step_cost_profile(
         synchronize=platform.synchronize,
     )
     spent = time.perf_counter() - t0
-    save_profile(path, key, cost, spent)
+    save_profile(path, key, cost, spent, a.profile_reps)
     return Profile(cost, f"measured in {spent:.1f} s (not in any figure), cached to {path}", path)
 
 
