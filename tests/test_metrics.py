@@ -167,3 +167,27 @@ def test_confidence_calibration_per_position() -> None:
     assert "confidence[2]" in m.report().format()
     assert "predicted_accepted_tokens_per_pos" in m.exposition()
     assert SpecDecodeMetrics().report().calibration == []
+
+
+def test_target_rows_wasted_rows_and_predicted_acceptance() -> None:
+    """Rows scored (anchor + verified drafts), verified drafts rejected, and the draft's
+    expected accepted tokens vs the realised ones, in the report and the export."""
+    m = SpecDecodeMetrics()
+    out = torch.tensor(
+        [[5, 6, 7, -1], [8, -1, -1, -1], [9, -1, -1, -1]]
+    )  # 2 of 3, 0 of 2, baseline
+    conf = torch.tensor([[0.5, 0.5, 0.5], [1.0, 0.8, 0.3], [0.9, 0.9, 0.9]])
+    m.observe_step(out, torch.tensor([3, 2, 0]), conf)
+    r = m.report()
+    assert r.num_target_rows == 4 + 3 + 1 and r.mean_target_rows == pytest.approx(8 / 3)
+    assert r.num_wasted_target_rows == 5 - 2
+    # predicted: (0.5 + 1.0) + (0.25 + 0.8) + 0.125 over 5 verified drafts; realised 2 of 5
+    assert r.predicted_acceptance_rate == pytest.approx(2.675 / 5)
+    assert r.realised_acceptance_rate == pytest.approx(2 / 5)
+    got = _scrape(m)
+    assert got[("xspec_spec_decode_num_target_rows_total", "")] == 8.0
+    assert got[("xspec_spec_decode_num_wasted_target_rows_total", "")] == 3.0
+    assert "acceptance predicted/realised" in r.format()
+    plain = SpecDecodeMetrics()
+    plain.observe_step(torch.tensor([[1, 2, -1]]), torch.tensor([2]))
+    assert plain.report().predicted_acceptance_rate is None

@@ -178,6 +178,10 @@ def _hydra_entry(cfg: DictConfig) -> None:
 
 
 def main() -> None:
+    from xspec.compose import normalise_override
+
+    overrides = set(overrides_of(sys.argv[1:]))  # shorthands (spec.adaptive=true), for Hydra too
+    sys.argv[1:] = [normalise_override(a) if a in overrides else a for a in sys.argv[1:]]
     args = sys.argv[1:]
     # --cfg job prints the composed config: composing it is checked like a run
     info_only = any(

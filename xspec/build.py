@@ -19,7 +19,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -33,6 +33,10 @@ from xspec.platforms.base import Platform
 from xspec.registry import models, spec_methods
 from xspec.tokenizer import Tokenizer, load_tokenizer, missing_tokenizer
 from xspec.workers.drafter import Drafter
+from xspec.workers.schedule import AdaptiveVerify
+
+if TYPE_CHECKING:
+    from xspec.engine.step_cost import Profile
 
 # Rows a decoding state can roll back when the method's gamma is not set explicitly.
 DEFAULT_MAX_ROLLBACK = 8
@@ -47,6 +51,7 @@ class Built:
     capture: list[CapturePoint]
     tokenizer: Tokenizer
     engine: Engine
+    profile: Profile | None = None  # spec.adaptive: the step-cost profile it schedules with
 
 
 def effective_gamma(make_drafter: Any, spec_cfg: Any, model_cfg: Any) -> int:
@@ -83,7 +88,34 @@ def _checks(cfg: RunConfig) -> list[tuple[type[UserError], str]]:
     preflight = getattr(make_drafter, "preflight", None)
     if preflight is not None:  # drafter checkpoint checks, before the target is loaded
         problems += [(ConfigError, p) for p in preflight(cfg.spec, cfg.model)]
+    if cfg.spec.adaptive.enabled:
+        problems += [
+            (ConfigError, p) for p in _adaptive_problems(cfg, make_drafter, platform, gamma)
+        ]
     return problems
+
+
+def _adaptive_problems(
+    cfg: RunConfig, make_drafter: Any, platform: Platform, gamma: int
+) -> list[str]:
+    """``spec.adaptive`` with a method that cannot score its drafts; a profile file that
+    was measured for another setup (the drafter's preflight checks its confidence head
+    and calibration file)."""
+    if not getattr(make_drafter, "supports_adaptive", False):
+        return [
+            f"spec.adaptive.enabled=true needs a drafter with a confidence head (spec=dspark "
+            f"with a checkpoint that stores one); spec={cfg.spec.method} has none; set "
+            f"spec.adaptive.enabled=false or pick spec=dspark"
+        ]
+    if cfg.spec.adaptive.profile is None:
+        return []
+    from xspec.engine.step_cost import profile_key, read_profile
+
+    try:
+        read_profile(Path(cfg.spec.adaptive.profile), profile_key(cfg, platform, gamma))
+    except ConfigError as e:
+        return [str(e)]
+    return []
 
 
 def build(cfg: RunConfig) -> Built:
@@ -119,6 +151,7 @@ def build(cfg: RunConfig) -> Built:
         getattr(getattr(target, "args", None), "eos_token_id", None),
     )
     plan = _plan(cfg, platform, target, drafter)
+    profile = _profile(cfg, platform, target, drafter, capture, plan)
     engine = Engine(
         target,
         drafter,
@@ -127,8 +160,28 @@ def build(cfg: RunConfig) -> Built:
         synchronize=platform.synchronize,
         plan=plan,
         decode=tokenizer.decode,
+        schedule=AdaptiveVerify(profile.cost) if profile is not None else None,
     )
-    return Built(cfg, platform, target, drafter, capture, tokenizer, engine)
+    return Built(cfg, platform, target, drafter, capture, tokenizer, engine, profile)
+
+
+def _profile(
+    cfg: RunConfig,
+    platform: Platform,
+    target: TargetModel,
+    drafter: Drafter,
+    capture: list[CapturePoint],
+    plan: MemoryPlan,
+) -> Profile | None:
+    """``spec.adaptive``: the step-cost profile, for at most as many requests per step as
+    the plan holds (short sequences) and ``spec.adaptive.max_requests``."""
+    if not cfg.spec.adaptive.enabled:
+        return None
+    from xspec.engine.step_cost import CONTEXT, step_cost_profile
+
+    fits = plan.max_seqs(CONTEXT, drafter.gamma + 1)
+    max_requests = max(1, min(cfg.spec.adaptive.max_requests, fits))
+    return step_cost_profile(cfg, platform, target, drafter, capture, max_requests)
 
 
 def _plan(cfg: RunConfig, platform: Platform, target: TargetModel, drafter: Drafter) -> MemoryPlan:
@@ -151,7 +204,23 @@ def plan_summary(built: Built) -> str:
     w = built.cfg.workload
     longest = max((len(built.tokenizer.encode(p)) for p in w.prompts), default=1)
     assert built.engine.plan is not None
-    return built.engine.plan.describe(longest, w.max_new_tokens, w.concurrency)
+    text = built.engine.plan.describe(longest, w.max_new_tokens, w.concurrency)
+    if built.profile is not None:
+        from xspec.engine.step_cost import describe
+
+        text += "\n" + describe(built.profile) + "\n" + adaptive_summary(built)
+    return text
+
+
+def adaptive_summary(built: Built) -> str:
+    """One line: which confidences the adaptive scheduler reads."""
+    path = getattr(built.drafter, "calibration_file", None)
+    if path is None:
+        return (
+            "adaptive verification: confidences are UNCALIBRATED (no calibration file; fit "
+            "one with python -m xspec.train calibrate)"
+        )
+    return f"adaptive verification: confidences calibrated by {path}"
 
 
 def stop_ids_of(*sources: object) -> frozenset[int]:

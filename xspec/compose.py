@@ -89,10 +89,24 @@ def user_message(e: BaseException) -> str:
     return "\n".join(lines[:14])
 
 
+# ``key=value`` shorthands for a boolean switch inside a config section
+SHORTHANDS = {"spec.adaptive": "spec.adaptive.enabled"}
+
+
+def normalise_override(override: str) -> str:
+    """``spec.adaptive=true`` -> ``spec.adaptive.enabled=true`` (sweeps included:
+    ``spec.adaptive=true,false``); a mapping value (``spec.adaptive={...}``) is kept."""
+    key, eq, value = override.partition("=")
+    if eq and key in SHORTHANDS and not value.lstrip().startswith("{"):
+        return f"{SHORTHANDS[key]}={value}"
+    return override
+
+
 def compose_raw(overrides: list[str], search: Sequence[str] = ()) -> DictConfig:
     """``search``: extra config directories (the CLI's ``--config-dir``), searched after
     xspec's own ``conf/`` like Hydra's ``hydra.searchpath``."""
     register_configs()
+    overrides = [normalise_override(o) for o in overrides]
     if search:
         dirs = ",".join(f"file://{Path(d).resolve()}" for d in search)
         overrides = [*overrides, f"hydra.searchpath=[{dirs}]"]

@@ -58,6 +58,29 @@ class ModelConfig:
     tokenizer: TokenizerKind = TokenizerKind.auto
 
 
+class Calibration(str, enum.Enum):
+    """``spec.adaptive.calibration`` keywords (any other value is a file path)."""
+
+    auto = "auto"  # confidence_calibration.json next to the draft weights, when present
+    off = "off"  # raw confidences (reported as uncalibrated)
+
+
+@dataclass(kw_only=True)
+class AdaptiveConfig:
+    """``spec.adaptive``: confidence-scheduled verification (docs/adaptive.md).
+
+    ``spec.adaptive=true`` on the command line is shorthand for ``spec.adaptive.enabled=true``
+    (:func:`xspec.compose.normalise_override`)."""
+
+    enabled: bool = False
+    # step-cost profile JSON to reuse; null = the cached one for this model, platform and
+    # dtype under $XSPEC_CACHE_DIR/step_cost, else measured at engine start (and cached)
+    profile: str | None = None
+    calibration: str = Calibration.auto.value  # auto | off | path to a calibration JSON
+    max_requests: int = 64  # the profile covers 1..this many requests per step (and the plan's)
+    profile_reps: int = 3  # timed forwards per profile point (the median is kept)
+
+
 @dataclass(kw_only=True)
 class SpecConfig:
     """``spec=<method>``: the speculative method and its options."""
@@ -66,6 +89,7 @@ class SpecConfig:
     # gamma; null = the method's / checkpoint's trained default (MTP: 1)
     num_speculative_tokens: int | None = None
     draft_path: str | None = None  # null = the target directory (drafter stored with the target)
+    adaptive: AdaptiveConfig = field(default_factory=AdaptiveConfig)
 
 
 @dataclass(kw_only=True)
@@ -231,6 +255,15 @@ def validate(cfg: RunConfig) -> None:
     gamma = cfg.spec.num_speculative_tokens
     if gamma is not None and gamma < 1:
         problems.append(f"spec.num_speculative_tokens must be >= 1 (got {gamma})")
+    a = cfg.spec.adaptive
+    for key, value in (
+        ("spec.adaptive.max_requests", a.max_requests),
+        ("spec.adaptive.profile_reps", a.profile_reps),
+    ):
+        if value < 1:
+            problems.append(f"{key} must be >= 1 (got {value})")
+    if not a.calibration:
+        problems.append("spec.adaptive.calibration must be auto, off or a file path (got '')")
     w = cfg.workload
     for key, value in (
         ("workload.num_requests", w.num_requests),

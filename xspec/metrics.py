@@ -15,7 +15,10 @@ Semantics follow vLLM's ``vllm:spec_decode_*`` counters:
 - ``num_committed_tokens``: every committed token (accepted + 1 per row);
 - ``num_accepted_tokens_per_pos{position=k}``: rows whose accepted prefix has >= k+1
   tokens, so ``per_pos[k] / num_drafts`` is the survival probability through k;
-- gauge ``mean_tokens_per_step``: committed tokens / row-steps so far.
+- gauge ``mean_tokens_per_step``: committed tokens / row-steps so far;
+- ``num_target_rows``: rows the target scored in verification (anchor + verified drafts
+  per row; xspec's, for adaptive verification), ``num_wasted_target_rows``: verified
+  drafts that were rejected (draft tokens - accepted tokens).
 
 A baseline row (0 draft tokens) commits one token: it adds to committed tokens and
 row-steps, never to drafts.
@@ -63,6 +66,15 @@ class AcceptanceReport:
     # (mean predicted survival prod_{i<=k} c_i, realised fraction accepting >= k+1); empty
     # when no draft reported confidences
     calibration: list[tuple[float, float]] = field(default_factory=list)
+    # target rows verification scored: the anchor + the verified drafts of every row
+    num_target_rows: int = 0
+    mean_target_rows: float = 0.0  # target rows per row-step (1.0 without drafts)
+    # verified drafts the target rejected: rows that bought nothing (drafts - accepted)
+    num_wasted_target_rows: int = 0
+    # over rows with confidences: the draft's expected accepted tokens (sum of prod c_i over
+    # the verified positions) and the realised ones, per draft token; None without a head
+    predicted_acceptance_rate: float | None = None
+    realised_acceptance_rate: float | None = None
 
     def format(self) -> str:
         """A small aligned two-column table (each line is explained in docs/metrics.md)."""
@@ -78,7 +90,16 @@ class AcceptanceReport:
             ("mean tokens per step", f"{self.mean_tokens_per_step:.4f}"),
             ("full-block fraction", f"{self.full_block_fraction:.4f}"),
             ("zero-accept fraction", f"{self.zero_accept_fraction:.4f}"),
+            ("target rows per request-step", f"{self.mean_target_rows:.4f}"),
+            ("wasted target rows", str(self.num_wasted_target_rows)),
         ]
+        if self.predicted_acceptance_rate is not None:
+            rows.append(
+                (
+                    "acceptance predicted/realised",
+                    f"{self.predicted_acceptance_rate:.4f} / {self.realised_acceptance_rate:.4f}",
+                )
+            )
         rows += [
             (f"survival[{k}]", f"{s:.4f}  ({c})")
             for k, (s, c) in enumerate(zip(self.survival, self.accepted_per_position))
@@ -125,6 +146,16 @@ class SpecDecodeMetrics:
             ["position"],
             registry=reg,
         )
+        self._target_rows = Counter(
+            f"{_PREFIX}_num_target_rows",
+            "Target rows scored by verification (anchor + verified drafts per row)",
+            registry=reg,
+        )
+        self._wasted_rows = Counter(
+            f"{_PREFIX}_num_wasted_target_rows",
+            "Verified draft rows the target rejected (draft tokens - accepted tokens)",
+            registry=reg,
+        )
         self._tokens_per_step = Gauge(
             f"{_PREFIX}_mean_tokens_per_step",
             "Committed tokens per verify row so far",
@@ -139,6 +170,7 @@ class SpecDecodeMetrics:
         self._num_committed = 0
         self._num_full = 0
         self._num_zero = 0
+        self._num_target_rows = 0
         self._per_position: list[int] = []
         # calibration, per position: rows with a confidence, sum of predicted survival,
         # rows that really accepted >= k+1
@@ -170,6 +202,7 @@ class SpecDecodeMetrics:
         self._num_draft_tokens += int(drafted.sum())
         self._num_accepted += int(accepted.sum())
         self._num_committed += int(committed.sum())
+        self._num_target_rows += int((drafted + 1).sum())
         self._num_full += int((has_drafts & (accepted == drafted)).sum())
         self._num_zero += int((has_drafts & (accepted == 0)).sum())
         self._per_position += [0] * (gamma - len(self._per_position))
@@ -184,6 +217,8 @@ class SpecDecodeMetrics:
         self._draft_tokens.inc(int(drafted.sum()))
         self._accepted.inc(int(accepted.sum()))
         self._committed.inc(int(committed.sum()))
+        self._target_rows.inc(int((drafted + 1).sum()))
+        self._wasted_rows.inc(int((drafted - accepted).sum()))
         self._tokens_per_step.set(_ratio(self._num_committed, self._row_steps))
 
     def _observe_confidence(self, confidence: Tensor, accepted: Tensor, drafted: Tensor) -> None:
@@ -203,6 +238,7 @@ class SpecDecodeMetrics:
 
     def report(self) -> AcceptanceReport:
         drafts = self._num_drafts
+        scored, predicted, realised = (sum(e[i] for e in self._calib) for i in range(3))
         return AcceptanceReport(
             num_steps=self._steps,
             num_row_steps=self._row_steps,
@@ -220,6 +256,11 @@ class SpecDecodeMetrics:
             full_block_fraction=_ratio(self._num_full, drafts),
             zero_accept_fraction=_ratio(self._num_zero, drafts),
             calibration=[(_ratio(p, n), _ratio(r, n)) for n, p, r in self._calib],
+            num_target_rows=self._num_target_rows,
+            mean_target_rows=_ratio(self._num_target_rows, self._row_steps),
+            num_wasted_target_rows=self._num_draft_tokens - self._num_accepted,
+            predicted_acceptance_rate=_ratio(predicted, scored) if self._calib else None,
+            realised_acceptance_rate=_ratio(realised, scored) if self._calib else None,
         )
 
     def exposition(self) -> str:

@@ -17,6 +17,7 @@ import time
 from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 from xspec.engine.memory import MemoryPlan, ReservationPool, allocated_bytes, context_problem
 from xspec.errors import RequestError
@@ -75,7 +76,10 @@ class Engine:
         plan: MemoryPlan | None = None,  # None: no memory limit (only model.max_context)
         decode: Callable[[list[int]], str] | None = None,  # the tokenizer's, for stop strings
         measure_memory: bool = False,  # record the peak of allocated state bytes (tests)
+        # spec.adaptive: drafts each request verifies, from the proposal's confidences
+        schedule: Callable[[Any, list[int]], list[int]] | None = None,
     ) -> None:
+        self.schedule = schedule
         self.target, self.drafter, self.capture = target, drafter, capture
         self.stop_ids = frozenset(stop_ids)  # a request ends at any of these (unless ignore_eos)
         self.synchronize = synchronize
@@ -155,6 +159,7 @@ class Engine:
                     [running[i] for i in stepped],
                     self.capture,
                     self.metrics,
+                    self.schedule,
                 )
                 now = elapsed()
                 for i in stepped:

@@ -103,6 +103,9 @@ def job_results(
             acceptance["calibration"] = [
                 {"predicted": p, "realised": r} for p, r in rep.calibration
             ]
+            acceptance["predicted_rate"] = rep.predicted_acceptance_rate
+            acceptance["realised_rate"] = rep.realised_acceptance_rate
+            acceptance["calibrated"] = getattr(built.drafter, "calibration_file", None) is not None
     return {
         "model": model_option,
         "arch": cfg.model.arch,
@@ -113,12 +116,28 @@ def job_results(
         "num_requests": w.num_requests,
         **medians,
         "mean_committed_per_step": rep.mean_tokens_per_step,
+        "mean_target_rows_per_step": rep.mean_target_rows,  # per request (anchor + drafts)
+        "wasted_target_rows": rep.num_wasted_target_rows,  # verified, then rejected
+        "adaptive": _adaptive(built),
         "acceptance": acceptance,
         "spec_decode": asdict(rep),  # the counters the Prometheus export serves
         "num_repeats": len(runs),
         "half_range": half_ranges,  # (max - min) / 2 over the repeats
         "repeats": per_run,
         "requests": [_request(g, k) for k, gens in enumerate(runs) for g in gens],
+    }
+
+
+def _adaptive(built: Built) -> dict[str, Any] | None:
+    """``spec.adaptive``: the profile and calibration the scheduler used (None when off)."""
+    if built.profile is None:
+        return None
+    calibration = getattr(built.drafter, "calibration_file", None)
+    return {
+        "profile": str(built.profile.path) if built.profile.path else None,
+        "profile_source": built.profile.source,
+        "calibration": str(calibration) if calibration is not None else None,
+        "calibrated": calibration is not None,
     }
 
 
@@ -147,6 +166,8 @@ def summary_rows(jobs: list[dict[str, Any]]) -> list[dict[str, Any]]:
         rows.append(
             {
                 **{k: j[k] for k in ("model", "spec", "platform", "gamma", "concurrency")},
+                "adaptive": j.get("adaptive") is not None,
+                "mean_target_rows_per_step": j.get("mean_target_rows_per_step"),
                 **{k: j[k] for k in ("num_requests", "num_repeats", *FIGURES)},
                 "half_range": j["half_range"],
                 "acceptance": acc["aggregate"] if acc is not None else None,
@@ -185,7 +206,8 @@ def summary_markdown(rows: list[dict[str, Any]]) -> str:
     ]
     for r in rows:
         cells = [
-            r["model"], r["spec"], str(r["gamma"]), str(r["concurrency"]),
+            r["model"], r["spec"] + ("+adaptive" if r.get("adaptive") else ""),
+            str(r["gamma"]), str(r["concurrency"]),
             _fmt(r, "output_tok_s", ".1f"), _fmt(r, "ttft_ms_mean", ".1f"),
             _fmt(r, "tpot_ms_mean", ".2f"),
             f"{r['acceptance']:.3f}" if r["acceptance"] is not None else "-",

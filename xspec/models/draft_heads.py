@@ -56,13 +56,8 @@ class ConfidenceHead(nn.Module):
         self.with_markov = markov_rank > 0
         self.proj = nn.Linear(hidden + markov_rank, 1, bias=bias, dtype=dtype, device=device)
 
-    def forward(self, h: torch.Tensor, markov_embed: torch.Tensor | None) -> torch.Tensor:
-        """``h [..., d]``, ``markov_embed [..., r]`` (or None) -> confidence ``[...]`` fp32."""
-        return torch.sigmoid(self.logits(h, markov_embed))
-
     def logits(self, h: torch.Tensor, markov_embed: torch.Tensor | None) -> torch.Tensor:
-        """The raw confidence logit ``z`` (``c = sigmoid(z)``) ``[...]`` fp32: what
-        training's BCE-with-logits and temperature scaling read."""
+        """``h [..., d]``, ``markov_embed [..., r]`` (or None) -> raw logits ``z [...]`` fp32."""
         if self.with_markov:
             if markov_embed is None:
                 raise ValueError("this confidence head reads the Markov embedding; pass it")
@@ -70,3 +65,7 @@ class ConfidenceHead(nn.Module):
         w = self.proj.weight.float()
         b = None if self.proj.bias is None else self.proj.bias.float()
         return nn.functional.linear(h.float(), w, b).squeeze(-1)
+
+    def forward(self, h: torch.Tensor, markov_embed: torch.Tensor | None) -> torch.Tensor:
+        """``sigmoid(logits)``: the uncalibrated confidence ``[...]`` fp32."""
+        return torch.sigmoid(self.logits(h, markov_embed))

@@ -347,6 +347,43 @@ def _logged(work: Path, name: str) -> dict[str, Any]:
     return last_logged(work / f"{name}_log.jsonl")
 
 
+# -- calibration ----------------------------------------------------------------------------
+
+
+def stage_calibrate(work: Path, recipe: Recipe, out: Path | None = None) -> dict[str, Any]:
+    """Sequential Temperature Scaling of the exported DSpark confidence head on held-out
+    prompts (greedy, as the default run decodes), written next to the stages."""
+    from xspec.models.presets import ASSETS
+    from xspec.train.calibrate import calibrate
+
+    out = out or ASSETS
+    prompts = work / "calibration_prompts.jsonl"
+    texts = corpus.prompts(corpus.source_files(split="heldout"), 32, seed=recipe.seed + 99)
+    prompts.write_text("".join(json.dumps({"prompt": t}) + "\n" for t in texts))
+    cal, path = calibrate(
+        [
+            "model=dsv4_tiny",
+            f"model.path={out / TARGET_ASSET}",
+            "spec=dspark",
+            f"spec.draft_path={out / DSPARK_ASSET}",
+            "platform=cpu",
+            f"workload.prompts_file={prompts}",
+            f"workload.num_requests={len(texts)}",
+            "workload.concurrency=8",
+            "workload.max_new_tokens=96",
+            "workload.ignore_eos=true",
+            "workload.print_outputs=false",
+        ],
+        None,
+    )
+    return {
+        "path": str(path),
+        "temperatures": cal.temperatures,
+        "ece_before": cal.ece_before,
+        "ece_after": cal.ece_after,
+    }
+
+
 # -- model card -------------------------------------------------------------------------------
 
 
@@ -459,6 +496,23 @@ def stage_card(work: Path, recipe: Recipe, out: Path | None = None) -> Path:
             f"| {method} | {mode} | {e['gamma']} | {e['tokens_per_step']:.2f} | "
             f"{e['acceptance_rate']:.3f} | {surv} |"
         )
+    cal_path = dspark_dir / "confidence_calibration.json"
+    if cal_path.exists():
+        cal = json.loads(cal_path.read_text())
+        lines += [
+            "",
+            f"## Confidence calibration ({cal['num_samples']} verify rows on 32 held-out prompts, greedy)",
+            "",
+            "Sequential Temperature Scaling, `dsv4_tiny_dspark/confidence_calibration.json`; expected "
+            "calibration error of the cumulative product against realised prefix acceptance:",
+            "",
+            "| position | temperature | ECE before | ECE after |",
+            "|---|---|---|---|",
+        ]
+        for k, (t, b, a) in enumerate(
+            zip(cal["temperatures"], cal["ece_before"], cal["ece_after"])
+        ):
+            lines.append(f"| {k + 1} | {t:.3g} | {b:.4f} | {a:.4f} |")
     lines += [
         "",
         "## Recipe",

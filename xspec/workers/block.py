@@ -22,7 +22,8 @@ layers. With the anchor ``a`` (last committed token) at position ``p``:
   then the request's own temperature / top-k / top-p, so the full q the rejection
   sampler needs is exactly what each draft was drawn from. DFlash samples each row on
   its own. The confidence head, where the checkpoint has one, scores every position
-  after the loop, in one batched call.
+  after the loop, in one batched call; a calibration file (per-position temperatures,
+  :mod:`xspec.workers.calibration`) divides its logits before the sigmoid.
 
 The model-specific half (DeepSeek-V4 DSpark stages, Qwen3 DSpark / DFlash layers)
 implements :class:`BlockDraftModel`.
@@ -39,6 +40,7 @@ import torch
 from xspec.models.base import KvBytes
 from xspec.models.draft_heads import ConfidenceHead, MarkovHead
 from xspec.sampling import SamplingParams, logits_to_probs, sample
+from xspec.workers.calibration import ConfidenceCalibration
 from xspec.workers.drafter import CommittedRows, DraftProposal, DraftRequest
 
 log = logging.getLogger(__name__)
@@ -145,12 +147,24 @@ class BlockDrafter:
         gamma: int,
         capture_layer_ids: list[int],
         device: torch.device,
+        calibration: ConfidenceCalibration | None = None,
     ) -> None:
         self.model = model
         self.layout = layout
         self.gamma = gamma
         self.capture_layer_ids = list(capture_layer_ids)
         self.device = device
+        self.calibration = calibration
+        self.temperatures = (  # [gamma] fp32: c_k = sigmoid(z_k / T_k); None = raw
+            None
+            if calibration is None
+            else torch.tensor(calibration.temperatures, dtype=torch.float32, device=device)
+        )
+
+    @property
+    def has_confidence(self) -> bool:
+        """Whether proposals carry confidences (the checkpoint has a confidence head)."""
+        return self.model.confidence is not None
 
     def new_state(self, max_tokens: int | None = None) -> Any:
         return self.model.new_cache(self.gamma, max_tokens)
@@ -193,6 +207,9 @@ class BlockDrafter:
         confidence = None
         if self.model.confidence is not None:
             embed = self.model.markov.embed(prev) if self.model.confidence.with_markov else None  # type: ignore[union-attr]
-            confidence = self.model.confidence(hidden, embed)  # [B, gamma]
+            z = self.model.confidence.logits(hidden, embed)  # [B, num_tokens] raw logits
+            if self.temperatures is not None:  # Sequential Temperature Scaling, per position
+                z = z / self.temperatures[: z.shape[1]]
+            confidence = torch.sigmoid(z)  # [B, num_tokens]
         greedy = all(p.greedy for p in params)
         return DraftProposal(tokens=drafts, probs=None if greedy else probs, confidence=confidence)

@@ -9,24 +9,32 @@ only when selected) with two functions:
 * ``trained_block_size(layout, spec_cfg, model_cfg) -> int | None``: the default gamma,
   from config.json only;
 * ``load_block_draft(layout, spec_cfg, *, target, model_cfg, platform) -> LoadedDraft``
-  (the platform answers device and SAS-mode questions).
+  (the platform answers device and SAS-mode questions);
+* ``draft_dir(spec_cfg, model_cfg) -> Path`` and ``has_confidence_head(layout, spec_cfg,
+  model_cfg) -> bool | None`` (headers only): where the draft is read from (its
+  ``confidence_calibration.json`` sits there) and whether it scores its drafts, for
+  ``spec.adaptive``.
 """
 
 from __future__ import annotations
 
 import importlib
 from dataclasses import dataclass
+from pathlib import Path
 from types import ModuleType
 from typing import Any
 
+from xspec.config import Calibration
 from xspec.errors import ConfigError
 from xspec.workers.block import BlockDrafter, BlockDraftModel, BlockLayout, resolve_gamma
+from xspec.workers.calibration import calibration_path, load_calibration
 
 # model.arch -> the module implementing its block drafts
 FAMILIES = {
     "deepseek_v4": "xspec.models.deepseek_v4.dspark",
     "qwen3": "xspec.models.qwen3.dspark",
 }
+CALIBRATION_KEY = "spec.adaptive.calibration"
 # DFlash drafts exist for these families only (DeepSeek-V4 ships DSpark stages)
 DFLASH_FAMILIES = ("qwen3",)
 
@@ -36,6 +44,7 @@ class LoadedDraft:
     model: BlockDraftModel
     trained_block_size: int  # gamma when spec.num_speculative_tokens is null
     capture_layer_ids: list[int]  # raw checkpoint ids, in the order the draft concatenates
+    path: Path  # the draft's directory (a calibration file sits next to its weights)
 
 
 def _family(layout: BlockLayout, arch: str) -> ModuleType | str:
@@ -62,13 +71,20 @@ class DSparkDrafter(BlockDrafter):
             self.layout, cfg, target=target, model_cfg=model_cfg, platform=platform
         )
         gamma = resolve_gamma(cfg.num_speculative_tokens, loaded.trained_block_size, cfg.method)
+        path = calibration_path(cfg.adaptive.calibration, loaded.path)
+        calibration = None
+        if path is not None and loaded.model.confidence is not None:
+            calibration = load_calibration(path, gamma, CALIBRATION_KEY)
         super().__init__(
             loaded.model,
             layout=self.layout,
             gamma=gamma,
             capture_layer_ids=loaded.capture_layer_ids,
             device=platform.device(),
+            calibration=calibration,
         )
+        self.draft_dir = loaded.path  # where the weights (and a calibration file) are
+        self.calibration_file = path if calibration is not None else None
 
     @classmethod
     def default_gamma(cls, spec_cfg: Any, model_cfg: Any) -> int:
@@ -86,7 +102,41 @@ class DSparkDrafter(BlockDrafter):
         family = _family(cls.layout, model_cfg.arch)
         if isinstance(family, str):
             return [family]
-        return list(family.preflight_block_draft(cls.layout, spec_cfg, model_cfg))
+        problems = list(family.preflight_block_draft(cls.layout, spec_cfg, model_cfg))
+        if problems:
+            return problems
+        return _adaptive_problems(cls, family, spec_cfg, model_cfg)
+
+    # spec.adaptive works with this drafter when its checkpoint has a confidence head
+    supports_adaptive = True
+
+
+def _adaptive_problems(
+    cls: type[DSparkDrafter], family: ModuleType, spec_cfg: Any, model_cfg: Any
+) -> list[str]:
+    """``spec.adaptive`` without a confidence head; a calibration file that does not fit."""
+    a = spec_cfg.adaptive
+    explicit = a.calibration not in (Calibration.auto.value, Calibration.off.value)
+    head = family.has_confidence_head(cls.layout, spec_cfg, model_cfg)
+    path = family.draft_dir(spec_cfg, model_cfg)
+    if head is False and (a.enabled or explicit):
+        setting = (
+            "spec.adaptive.enabled=true" if a.enabled else f"{CALIBRATION_KEY}={a.calibration}"
+        )
+        return [
+            f"{setting} needs a draft with a confidence head; the spec={cls.layout.value} "
+            f"draft in {path} has none (DSpark checkpoints store confidence_head.proj.weight; "
+            f"DFlash drafts never have one); use spec=dspark with such a draft, or set "
+            f"spec.adaptive.enabled=false"
+        ]
+    found = calibration_path(a.calibration, path) if head else None
+    if found is None:
+        return []
+    try:
+        load_calibration(found, cls.default_gamma(spec_cfg, model_cfg), CALIBRATION_KEY)
+    except ConfigError as e:
+        return [str(e)]
+    return []
 
 
 class DFlashDrafter(DSparkDrafter):

@@ -11,6 +11,7 @@ Device discipline: drafts, verify rows and probabilities live on the target's de
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -145,8 +146,14 @@ def decode_step(
     seqs: list[RunningSeq],
     capture: list[CapturePoint],
     metrics: SpecDecodeMetrics,
+    schedule: Callable[[torch.Tensor, list[int]], list[int]] | None = None,
 ) -> StepResult:
-    """One speculative step for every sequence in ``seqs`` (each with ``remaining >= 1``)."""
+    """One speculative step for every sequence in ``seqs`` (each with ``remaining >= 1``).
+
+    ``schedule`` (``spec.adaptive``, :class:`xspec.workers.schedule.AdaptiveVerify`):
+    from the proposal's confidences ``[B, gamma]`` and the drafts each sequence may verify,
+    how many it does verify; the rest of its drafts are dropped before the target sees
+    them. It reads the confidences on the host: one more small sync."""
     B, device = len(seqs), target.device
     params = [s.params for s in seqs]
     generators = [s.generator for s in seqs]
@@ -167,9 +174,16 @@ def decode_step(
         ]
         proposal = drafter.propose([s.draft_state for s in seqs], requests, gamma)
         drafts, draft_probs = proposal.tokens, proposal.probs
+        if schedule is not None:
+            if proposal.confidence is None:  # build() refuses this; a plugin drafter could
+                raise RuntimeError("spec.adaptive: the drafter proposed without confidences")
+            n = schedule(proposal.confidence, n)  # [B] verified prefix per sequence
+            width = max(n)  # drafts beyond every sequence's prefix are never scored
+            drafts = drafts[:, :width]
+            draft_probs = draft_probs[:, :width] if draft_probs is not None else None
 
     # 2. verify: the target scores [anchor, d_1 .. d_n] (n + 1 rows) per sequence in one forward
-    blocks = torch.cat([anchors[:, None], drafts], dim=1)  # [B, gamma+1]
+    blocks = torch.cat([anchors[:, None], drafts], dim=1)  # [B, max(n)+1]
     lens = [k + 1 for k in n]
     out = target.forward(
         ForwardBatch(
@@ -182,12 +196,12 @@ def decode_step(
     row_params = [p for p, k in zip(params, lens) for _ in range(k)]
     logits, bad = _mask_nonfinite(out.logits, lens)  # [sum(lens), V], [B]
     p_rows = logits_to_probs(logits, row_params).split(lens)  # B x [n_b+1, V]
-    p = torch.nn.utils.rnn.pad_sequence(list(p_rows), batch_first=True)  # [B, gamma+1, V]
+    p = torch.nn.utils.rnn.pad_sequence(list(p_rows), batch_first=True)  # [B, max(n)+1, V]
 
     # 3. accept: the accepted prefix + one correction (on rejection) or bonus token
     result = rejection_sample(p, drafts, draft_probs, generators, n, check_tokens=False)
     host = torch.cat([result.output_tokens, bad.long()[:, None]], dim=1).cpu()  # one host sync
-    output = host[:, :-1]  # [B, gamma+1]
+    output = host[:, :-1]  # [B, max(n)+1]
     _flag(seqs, host[:, -1].bool().tolist())
     committed = (output >= 0).sum(dim=1).tolist()  # [B] accepted + 1
 

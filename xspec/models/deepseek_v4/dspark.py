@@ -602,7 +602,8 @@ def load_dspark(
 # -- the family hooks of xspec.workers.dspark ------------------------------------------------
 
 
-def _draft_dir(spec_cfg: Any, model_cfg: Any) -> Path:
+def draft_dir(spec_cfg: Any, model_cfg: Any) -> Path:
+    """``spec.draft_path``, the preset's companion, else the target's own directory."""
     from xspec.models.deepseek_v4 import PRESET_DRAFTS, checkpoint_path
     from xspec.models.presets import draft_checkpoint_dir
 
@@ -626,8 +627,7 @@ def preflight_block_draft(layout: Any, spec_cfg: Any, model_cfg: Any) -> list[st
     except UserError:
         target_args = None  # the target loader reports its own checkpoint precisely
     try:
-        draft_dir = _draft_dir(spec_cfg, model_cfg)
-        plan_dspark(draft_dir, target_args)
+        plan_dspark(draft_dir(spec_cfg, model_cfg), target_args)
     except UserError as e:
         where = f"spec.draft_path={spec_cfg.draft_path}: " if spec_cfg.draft_path else ""
         problems += [f"{where}{p}" for p in e.problems] or [f"{where}{e}"]
@@ -638,10 +638,19 @@ def trained_block_size(layout: Any, spec_cfg: Any, model_cfg: Any) -> int | None
     """``dspark_block_size`` of the draft's config.json (None when it cannot be read:
     ``preflight_block_draft`` reports why)."""
     try:
-        size = Checkpoint(_draft_dir(spec_cfg, model_cfg)).config.get("dspark_block_size")
+        size = Checkpoint(draft_dir(spec_cfg, model_cfg)).config.get("dspark_block_size")
     except UserError:
         return None
     return size if isinstance(size, int) and size >= 1 else None
+
+
+def has_confidence_head(layout: Any, spec_cfg: Any, model_cfg: Any) -> bool | None:
+    """Whether the draft stores ``mtp.{S-1}.confidence_head.proj.weight`` (headers only;
+    None when the checkpoint cannot be read: ``preflight_block_draft`` says why)."""
+    try:
+        return plan_dspark(draft_dir(spec_cfg, model_cfg), None).confidence
+    except UserError:
+        return None
 
 
 def load_block_draft(
@@ -654,7 +663,7 @@ def load_block_draft(
         raise CheckpointError(
             f"spec=dspark on model.arch=deepseek_v4 needs its target, got {type(target).__name__}"
         )
-    plan = plan_dspark(_draft_dir(spec_cfg, model_cfg), target.args)
+    plan = plan_dspark(draft_dir(spec_cfg, model_cfg), target.args)
     draft = load_dspark(
         plan,
         embed=target.embed,
@@ -663,4 +672,4 @@ def load_block_draft(
         dtype=target.dtype,
         device=platform.device(),
     )
-    return LoadedDraft(draft, plan.block_size, plan.capture_layer_ids)
+    return LoadedDraft(draft, plan.block_size, plan.capture_layer_ids, plan.ckpt.path)

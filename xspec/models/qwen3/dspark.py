@@ -361,15 +361,28 @@ def preflight_block_draft(layout: BlockLayout, spec_cfg: Any, model_cfg: Any) ->
     return []
 
 
-def trained_block_size(layout: BlockLayout, spec_cfg: Any, model_cfg: Any) -> int | None:
-    """The draft's default gamma from its config.json (None when it cannot be read:
+def _config_plan(layout: BlockLayout, spec_cfg: Any, model_cfg: Any) -> DraftPlan | None:
+    """The plan from the draft's config.json alone (None when it cannot be read:
     ``preflight_block_draft`` reports why)."""
     try:
         ckpt = Checkpoint(draft_dir(spec_cfg, model_cfg))
         cfg = parse_config(ckpt.config, ckpt.path / CONFIG_NAME)
     except UserError:
         return None
-    return plan_for(layout, cfg, own_vocab=False).trained_gamma
+    return plan_for(layout, cfg, own_vocab=False)
+
+
+def trained_block_size(layout: BlockLayout, spec_cfg: Any, model_cfg: Any) -> int | None:
+    """The draft's default gamma from its config.json."""
+    plan = _config_plan(layout, spec_cfg, model_cfg)
+    return plan.trained_gamma if plan is not None else None
+
+
+def has_confidence_head(layout: BlockLayout, spec_cfg: Any, model_cfg: Any) -> bool | None:
+    """Whether this layout's draft scores its proposals (DSpark with
+    ``enable_confidence_head``; never DFlash)."""
+    plan = _config_plan(layout, spec_cfg, model_cfg)
+    return plan.use_confidence if plan is not None else None
 
 
 def load_block_draft(
@@ -393,4 +406,5 @@ def load_block_draft(
         model=model.eval(),
         trained_block_size=plan.trained_gamma,
         capture_layer_ids=list(plan.cfg.target_layer_ids),
+        path=ckpt.path,
     )

@@ -1,0 +1,181 @@
+"""``python -m xspec.train calibrate [--out FILE] key=value ...``: fit a draft's confidence
+temperatures by Sequential Temperature Scaling (DSpark paper section 4).
+
+The command builds the run the overrides describe (``spec=dspark``, a model, a workload:
+the held-out prompts), runs the workload at fixed gamma with raw confidences
+(``spec.adaptive`` off), records per verify row the head's raw logits ``z [gamma]``, the
+drafts verified and the drafts accepted, and fits one temperature per position:
+
+    for k = 1 .. gamma (left to right, earlier T frozen):
+        T_k = argmin_T ECE( prod_{i<k} sigmoid(z_i / T_i) * sigmoid(z_k / T),
+                            1[row accepted >= k drafts] )    over rows that verified k drafts
+
+by a 1-D grid search (:data:`GRID`, T = 1 included). Dividing a logit by T > 0 keeps the
+order of the confidences at each position. ECE: 20 equal-width bins, weighted by counts.
+The table is written next to the draft weights (``confidence_calibration.json``, read
+by ``spec.adaptive.calibration=auto``) or to ``--out``. Acceptance depends on the
+sampling settings: calibrate with the ``sampling.*`` the runs will use.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from xspec.metrics import SpecDecodeMetrics
+from xspec.workers.calibration import (
+    CALIBRATION_FILE,
+    ConfidenceCalibration,
+    save_calibration,
+)
+
+GRID = sorted({1.0, *torch.logspace(-1.5, 1.5, 121, dtype=torch.float64).tolist()})
+BINS = 20
+LOGIT_EPS = 1e-6  # raw confidences are recorded as sigmoid outputs: logit(clamp(c))
+
+
+def ece(pred: Tensor, label: Tensor, bins: int = BINS) -> float:
+    """Expected calibration error of ``pred [N]`` in [0, 1] against ``label [N]`` in {0, 1}."""
+    if pred.numel() == 0:
+        return 0.0
+    idx = (pred * bins).long().clamp(0, bins - 1)  # [N] equal-width bin of each prediction
+    p_sum = torch.zeros(bins, dtype=torch.float64).index_add_(0, idx, pred.double())
+    y_sum = torch.zeros(bins, dtype=torch.float64).index_add_(0, idx, label.double())
+    return float((p_sum - y_sum).abs().sum() / pred.numel())  # sum_b n_b/N |mean p - mean y|
+
+
+def _prefix_ece(
+    logits: Tensor, temps: list[float], drafted: Tensor, accepted: Tensor, k: int
+) -> float:
+    """ECE at position k (0-based) of the cumulative product under ``temps[: k+1]``."""
+    rows = drafted > k  # [N] rows that verified position k
+    z = logits[rows, : k + 1] / torch.tensor(temps[: k + 1], dtype=torch.float64)
+    return ece(torch.sigmoid(z).prod(dim=1), (accepted[rows] > k).double())
+
+
+def fit_sts(logits: Tensor, drafted: Tensor, accepted: Tensor) -> ConfidenceCalibration:
+    """Sequential Temperature Scaling (module docstring).
+
+    logits:   [N, G] raw confidence logits of N verify rows (float)
+    drafted:  [N] drafts each row verified (positions >= drafted[r] carry no label)
+    accepted: [N] drafts each row accepted (<= drafted)
+    """
+    logits = logits.to(torch.float64)
+    N, G = logits.shape
+    temps: list[float] = []
+    before, after = [], []
+    for k in range(G):
+        before.append(_prefix_ece(logits, [1.0] * G, drafted, accepted, k))
+        scores = [_prefix_ece(logits, [*temps, t], drafted, accepted, k) for t in GRID]
+        best = min(range(len(GRID)), key=lambda i: (scores[i], abs(GRID[i] - 1.0)))
+        temps.append(GRID[best])
+        after.append(scores[best])
+    counts = [int((drafted > k).sum()) for k in range(G)]
+    return ConfidenceCalibration(
+        temperatures=temps,
+        num_samples=N,
+        num_samples_per_position=counts,
+        ece_before=before,
+        ece_after=after,
+        ece_before_mean=_weighted(before, counts),
+        ece_after_mean=_weighted(after, counts),
+    )
+
+
+def _weighted(values: list[float], counts: list[int]) -> float:
+    total = sum(counts)
+    return sum(v * c for v, c in zip(values, counts)) / total if total else 0.0
+
+
+class ConfidenceRecorder(SpecDecodeMetrics):
+    """The engine's metrics, also keeping each verify row's confidences and outcome."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.logits: list[Tensor] = []  # [B, G] per step
+        self.drafted: list[Tensor] = []  # [B]
+        self.accepted: list[Tensor] = []  # [B]
+
+    def observe_step(
+        self, output_tokens: Tensor, num_draft_tokens: Tensor, confidence: Tensor | None = None
+    ) -> None:
+        super().observe_step(output_tokens, num_draft_tokens, confidence)
+        if confidence is None:
+            return
+        c = confidence.detach().to("cpu", torch.float64)
+        self.logits.append(torch.logit(c, eps=LOGIT_EPS))
+        self.drafted.append(num_draft_tokens.detach().cpu().long())
+        self.accepted.append((output_tokens.detach().cpu() >= 0).sum(dim=1) - 1)
+
+    def samples(self, gamma: int) -> tuple[Tensor, Tensor, Tensor]:
+        """(logits [N, gamma], drafted [N], accepted [N]) of every recorded row; steps near
+        the end of a request's budget drafted fewer positions (their columns are padding)."""
+        pad = [torch.nn.functional.pad(z, (0, gamma - z.shape[1])) for z in self.logits]
+        return torch.cat(pad), torch.cat(self.drafted), torch.cat(self.accepted)
+
+
+def calibrate(overrides: list[str], out: Path | None) -> tuple[ConfidenceCalibration, Path]:
+    """Run the workload of ``overrides`` with raw confidences, fit, write; returns both."""
+    from xspec.build import build, check
+    from xspec.compose import compose_run
+    from xspec.engine.workloads import load_workload
+    from xspec.errors import ConfigError
+    from xspec.sampling import SamplingParams
+
+    # checked as an adaptive run (a draft with a confidence head), before anything loads;
+    # run at fixed gamma with raw confidences
+    cfg = compose_run([*overrides, "spec.adaptive.enabled=true", "spec.adaptive.calibration=off"])
+    if problems := check(cfg):
+        raise ConfigError("calibrate cannot run:", problems=problems)
+    cfg.spec.adaptive.enabled = False
+    built = build(cfg)
+    drafter: Any = built.drafter
+    s, w = cfg.sampling, cfg.workload
+    params = SamplingParams(temperature=s.temperature, top_k=s.top_k, top_p=s.top_p, seed=s.seed)
+    work = load_workload(w, built.tokenizer, built.target.vocab_size, params)
+    recorder = ConfidenceRecorder()
+    built.engine.metrics = recorder
+    built.engine.run(work.requests, w.concurrency)
+    logits, drafted, accepted = recorder.samples(drafter.gamma)
+    if int((drafted > 0).sum()) == 0:
+        raise ConfigError(
+            "calibrate saw no verify row with drafts; raise workload.max_new_tokens or "
+            "workload.num_requests"
+        )
+    cal = fit_sts(logits, drafted, accepted)
+    cal.sampling_temperature = s.temperature
+    cal.source = f"xspec.train calibrate {' '.join(overrides)}"
+    path = out if out is not None else Path(drafter.draft_dir) / CALIBRATION_FILE
+    save_calibration(cal, path)
+    return cal, path
+
+
+def main(argv: list[str]) -> int:
+    from xspec.errors import UserError
+
+    parser = argparse.ArgumentParser(
+        prog="python -m xspec.train calibrate",
+        description="Fit per-position confidence temperatures (STS) on the workload's prompts.",
+    )
+    parser.add_argument(
+        "--out", type=Path, default=None, help=f"default: <draft dir>/{CALIBRATION_FILE}"
+    )
+    parser.add_argument("overrides", nargs="*", help="key=value config overrides, as for xspec")
+    args = parser.parse_args(argv)
+    try:
+        cal, path = calibrate(args.overrides, args.out)
+    except UserError as e:
+        print(f"xspec.train calibrate: error: {e}", file=sys.stderr)
+        return 2
+    temps = ", ".join(f"{t:.3g}" for t in cal.temperatures)
+    print(
+        f"calibrated {len(cal.temperatures)} positions on {cal.num_samples} verify rows: "
+        f"T = [{temps}], ECE {cal.ece_before_mean:.4f} -> {cal.ece_after_mean:.4f}\n"
+        f"written to {path}"
+    )
+    return 0

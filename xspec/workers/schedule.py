@@ -1,0 +1,140 @@
+"""Confidence-scheduled verification: how many drafts each request verifies this step.
+
+DSpark's Algorithm 1 (paper section 3.2.2), exactly. Inputs: the calibrated confidences
+``c [R, gamma]`` of the R requests in the step (``c_{r,j}``: P(draft j accepted | drafts
+< j accepted)), each request's draft budget, and the platform's measured steps per
+second ``SPS(B)`` for B verify rows in a step of R requests. With survivals
+``a_{r,j} = prod_{i<=j} c_{r,i}`` (expected accepted tokens of verifying d_{r,j}):
+
+    l_r = 0 for every r;  B = R;  tau = R;  best = R * SPS(R)
+    for (r, j) in descending a_{r,j} (ties: lower position j first, then lower request r):
+        theta = (tau + a_{r,j}) * SPS(B + 1)
+        if theta <= best: stop                   # the first non-improvement ends it
+        l_r = j;  B += 1;  tau += a_{r,j};  best = theta
+
+``tau`` counts each request's bonus/correction token (1 per request) plus its expected
+accepted drafts; ``tau * SPS(B)`` is the expected tokens per second of the step. Request r
+then verifies ``[anchor, d_1 .. d_{l_r}]``: ``l_r + 1`` rows, at least the anchor row.
+
+Why it stays lossless: survivals are non-increasing in j (``c <= 1``), so (r, j) comes
+after (r, j-1) and each request verifies a prefix; whether d_{r,j} is verified depends
+on ``a_{r,j}`` (drafts before j) and on higher-ranked candidates, never on d_{r,j}
+itself, because the scan stops at the first non-improvement instead of searching the
+whole order (a global argmax would look at later candidates, whose survivals depend on
+d_{r,j}, and bias the output: paper appendix A). Rejection sampling on the verified
+prefix is unchanged.
+
+:class:`StepCost` is the measured table. Algorithm 1 asks for SPS as a function of B
+only; xspec's measured step time also depends on how many sequences share the B rows
+(per-sequence work in attention and the draft), so the table is indexed by requests R
+and drafts per request ``x = (B - R) / R``, and a step uses its own R's slice: SPS(B) for
+that R, as Algorithm 1 needs. Between measured points the step time is linear in x and
+in R; beyond the ends it is clamped to the nearest measured value (so a step of more
+requests than profiled sees the largest profiled batch's cost: profile what you run).
+"""
+
+from __future__ import annotations
+
+import bisect
+import itertools
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+
+__all__ = ["AdaptiveVerify", "StepCost", "schedule_verify"]
+
+
+def _lerp(xs: Sequence[float], ys: Sequence[float], x: float) -> float:
+    """Piecewise-linear ``y(x)`` through ``(xs, ys)`` (xs ascending), clamped at both ends."""
+    if x <= xs[0]:
+        return float(ys[0])
+    if x >= xs[-1]:
+        return float(ys[-1])
+    i = bisect.bisect_right(xs, x)  # xs[i-1] <= x < xs[i]
+    t = (x - xs[i - 1]) / (xs[i] - xs[i - 1])
+    return float(ys[i - 1] + t * (ys[i] - ys[i - 1]))
+
+
+@dataclass(frozen=True)
+class StepCost:
+    """Measured seconds of one decode step: ``seconds[i][k]`` for ``requests[i]`` requests
+    verifying ``drafts[k]`` drafts each (``requests[i] * (drafts[k] + 1)`` rows)."""
+
+    requests: list[int]  # ascending, >= 1
+    drafts: list[int]  # ascending, >= 0 (drafts per request)
+    seconds: list[list[float]]  # [len(requests)][len(drafts)], > 0
+
+    def __post_init__(self) -> None:
+        problems = []
+        for name, grid, low in (("requests", self.requests, 1), ("drafts", self.drafts, 0)):
+            if not grid or any(b <= a for a, b in itertools.pairwise(grid)) or grid[0] < low:
+                problems.append(f"{name} must be a non-empty ascending list >= {low}: {grid}")
+        shape = [len(row) for row in self.seconds]
+        if len(self.seconds) != len(self.requests) or set(shape) != {len(self.drafts)}:
+            problems.append(
+                f"seconds must be [{len(self.requests)}][{len(self.drafts)}], got rows {shape}"
+            )
+        elif any(not s > 0 for row in self.seconds for s in row):
+            problems.append("seconds must all be > 0")
+        if problems:
+            raise ValueError("invalid step-cost table: " + "; ".join(problems))
+
+    def seconds_at(self, requests: int, rows: int) -> float:
+        """Step seconds for ``rows`` verify rows over ``requests`` requests (interpolated)."""
+        x = (rows - requests) / requests  # drafts per request
+        per_r = [_lerp(self.drafts, row, x) for row in self.seconds]  # at each profiled R
+        return _lerp(self.requests, per_r, requests)
+
+    def sps(self, requests: int) -> Callable[[int], float]:
+        """SPS(B) for a step of ``requests`` requests: steps per second at B rows."""
+        return lambda rows: 1.0 / self.seconds_at(requests, rows)
+
+
+def survivals(confidence: torch.Tensor) -> torch.Tensor:
+    """``c [R, G]`` -> ``a [R, G]``, ``a_{r,j} = prod_{i<=j} c_{r,i}`` (float64)."""
+    a = confidence.to(torch.float64).clamp(0.0, 1.0).cumprod(dim=1)
+    return a.cummin(dim=1).values  # already non-increasing; kept exact for the prefix rule
+
+
+def schedule_verify(
+    confidence: torch.Tensor, max_drafts: Sequence[int], sps: Callable[[int], float]
+) -> list[int]:
+    """Algorithm 1 (module docstring): ``confidence [R, G]`` on the host, ``max_drafts[r]``
+    the drafts request r may verify (its budget, at most G), ``sps(B)`` steps per second
+    at B rows for this step's R -> drafts to verify per request, ``l_r`` in [0, max_drafts[r]].
+    """
+    R, G = confidence.shape
+    if len(max_drafts) != R:
+        raise ValueError(f"max_drafts has {len(max_drafts)} entries for {R} requests")
+    a = survivals(confidence)  # [R, G]
+    # candidates in position-major order (j, then r), so a stable sort by -a breaks
+    # ties by position, then request
+    pos = torch.arange(G).repeat_interleave(R)  # [G*R] j (0-based) per candidate
+    req = torch.arange(R).repeat(G)  # [G*R]
+    cand = a.t().reshape(-1)  # [G*R] a_{r,j}
+    allowed = pos < torch.tensor(list(max_drafts), dtype=torch.long)[req]
+    pos, req, cand = pos[allowed], req[allowed], cand[allowed]
+    order = torch.sort(-cand, stable=True).indices
+    lengths = [0] * R
+    tau, rows = float(R), R
+    best = tau * sps(rows)
+    for r, j, s in zip(req[order].tolist(), pos[order].tolist(), cand[order].tolist()):
+        theta = (tau + s) * sps(rows + 1)
+        if not theta > best:
+            break  # the first non-improvement ends the scan (lossless)
+        lengths[r], rows, tau, best = j + 1, rows + 1, tau + s, theta
+    return lengths
+
+
+@dataclass(frozen=True)
+class AdaptiveVerify:
+    """The step's hook: drafts to verify per request from the proposal's confidences."""
+
+    cost: StepCost
+
+    def __call__(self, confidence: torch.Tensor, max_drafts: Sequence[int]) -> list[int]:
+        """``confidence [R, G]`` on the target's device -> ``l_r`` per request. Copies the
+        small confidence matrix to the host: the one extra sync of an adaptive step (the
+        ragged verify batch needs its row counts on the host anyway)."""
+        return schedule_verify(confidence.cpu(), max_drafts, self.cost.sps(len(max_drafts)))
