@@ -17,7 +17,7 @@ Optional hooks, found by attribute (plugins may provide them too):
 from __future__ import annotations
 
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -28,6 +28,11 @@ from xspec.engine.engine import Engine
 from xspec.engine.memory import MemoryPlan, plan_memory, resolve_budget, weight_bytes
 from xspec.errors import CheckpointError, ConfigError, UserError
 from xspec.models.base import CapturePoint, TargetModel
+from xspec.parallel.engine import ParallelEngine
+from xspec.parallel.expert import ExpertParallel, routed_expert_bytes
+from xspec.parallel.lockstep import Lockstep
+from xspec.parallel.runtime import SINGLE, Parallel, init_parallel
+from xspec.parallel.topology import launch
 from xspec.platforms import get_platform
 from xspec.platforms.base import Platform
 from xspec.registry import models, spec_methods
@@ -47,6 +52,8 @@ class Built:
     capture: list[CapturePoint]
     tokenizer: Tokenizer
     engine: Engine
+    parallel: Parallel = SINGLE
+    expert_bytes: list[int] | None = None  # routed-expert bytes per rank (distributed runs)
 
 
 def effective_gamma(make_drafter: Any, spec_cfg: Any, model_cfg: Any) -> int:
@@ -83,6 +90,32 @@ def _checks(cfg: RunConfig) -> list[tuple[type[UserError], str]]:
     preflight = getattr(make_drafter, "preflight", None)
     if preflight is not None:  # drafter checkpoint checks, before the target is loaded
         problems += [(ConfigError, p) for p in preflight(cfg.spec, cfg.model)]
+    if cfg.parallel.ep > 1:
+        problems += [(ConfigError, p) for p in _expert_parallel_problems(cfg, make_drafter)]
+    return problems
+
+
+def _expert_parallel_problems(cfg: RunConfig, make_drafter: Any) -> list[str]:
+    """``parallel.ep > 1``: the target loader and the drafter must support it, and ``ep``
+    must divide the expert count (checked from config.json, before anything is loaded)."""
+    ep = cfg.parallel.ep
+    count = getattr(models.get(cfg.model.arch), "num_routed_experts", None)
+    problems = []
+    if count is None:
+        problems.append(
+            f"parallel.ep={ep}: model.arch={cfg.model.arch} has no expert-parallel loader "
+            "(supported: deepseek_v4); use parallel.ep=1 (parallel.dp still applies)"
+        )
+    elif (experts := count(cfg.model)) is not None and experts % ep:
+        problems.append(
+            f"parallel.ep={ep} does not divide the model's {experts} routed experts per layer "
+            f"(config.json n_routed_experts); use a divisor of {experts}"
+        )
+    if not hasattr(make_drafter, "propose_forwards"):
+        problems.append(
+            f"parallel.ep={ep}: spec={cfg.spec.method} does not support expert parallelism "
+            "(it does not declare its MoE forwards); use spec=none, mtp or dspark, or parallel.ep=1"
+        )
     return problems
 
 
@@ -94,13 +127,20 @@ def build(cfg: RunConfig) -> Built:
     if problem := _tokenizer_problem(cfg.model):  # before loading any weights
         raise CheckpointError(problem)
     platform = get_platform(cfg.platform)
+    parallel = init_parallel(cfg.parallel, platform)
+    if parallel.distributed:  # one device per process
+        index = platform.rank_device_index(launch().local_rank)
+        platform = get_platform(replace(cfg.platform, device_index=index))
     make_drafter: Any = spec_methods.get(cfg.spec.method)
     gamma = effective_gamma(make_drafter, cfg.spec, cfg.model)
 
     torch.set_grad_enabled(False)
     max_rollback = max(gamma, DEFAULT_MAX_ROLLBACK)
+    shard: dict[str, Any] = {}  # this rank's experts only (the drafters follow the target)
+    if parallel.topology.ep > 1:
+        shard["expert_parallel"] = ExpertParallel(parallel)
     target: TargetModel = models.get(cfg.model.arch)(
-        cfg.model, device=platform.device(), max_rollback=max_rollback
+        cfg.model, device=platform.device(), max_rollback=max_rollback, **shard
     )
     drafter: Drafter = make_drafter(cfg.spec, target=target, model_cfg=cfg.model, platform=platform)
     if drafter.gamma > max_rollback:
@@ -116,16 +156,32 @@ def build(cfg: RunConfig) -> Built:
         getattr(getattr(target, "args", None), "eos_token_id", None),
     )
     plan = _plan(cfg, platform, target, drafter)
-    engine = Engine(
+    kw: dict[str, Any] = dict(
+        stop_ids=stop_ids, synchronize=platform.synchronize, plan=plan, decode=tokenizer.decode
+    )
+    if not parallel.distributed:
+        engine = Engine(target, drafter, capture, **kw)
+        return Built(cfg, platform, target, drafter, capture, tokenizer, engine)
+    engine = ParallelEngine(
         target,
         drafter,
         capture,
-        stop_ids=stop_ids,
-        synchronize=platform.synchronize,
-        plan=plan,
-        decode=tokenizer.decode,
+        parallel=parallel,
+        lockstep=Lockstep(parallel, target, drafter),  # type: ignore[arg-type]
+        **kw,
     )
-    return Built(cfg, platform, target, drafter, capture, tokenizer, engine)
+    experts = parallel.all_gather_ints([routed_expert_bytes(target, drafter)])
+    return Built(
+        cfg,
+        platform,
+        target,
+        drafter,
+        capture,
+        tokenizer,
+        engine,
+        parallel,
+        [e[0] for e in experts],
+    )
 
 
 def _plan(cfg: RunConfig, platform: Platform, target: TargetModel, drafter: Drafter) -> MemoryPlan:

@@ -8,6 +8,10 @@ case (:mod:`xspec.engine.memory`), each completion frees it, and waiting request
 admitted between two decode steps as others finish. It runs
 :func:`xspec.workers.step.prefill` / ``decode_step`` and ends a request at a stop id, at
 a stop string, or at ``max_new_tokens``, whichever comes first; nothing after it is kept.
+
+Under expert parallelism (``lockstep``) each iteration first agrees its shape with the
+other ranks and tops up with idle forwards; a rank without work keeps iterating until no
+rank has any (:mod:`xspec.parallel.lockstep`).
 """
 
 from __future__ import annotations
@@ -17,6 +21,7 @@ import time
 from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from xspec.engine.memory import MemoryPlan, ReservationPool, allocated_bytes, context_problem
 from xspec.errors import RequestError
@@ -24,7 +29,10 @@ from xspec.metrics import SpecDecodeMetrics
 from xspec.models.base import CapturePoint, TargetModel
 from xspec.sampling import SamplingParams, make_generator
 from xspec.workers.drafter import Drafter
-from xspec.workers.step import RunningSeq, decode_step, prefill
+from xspec.workers.step import RunningSeq, decode_step, prefill, prefill_forwards, step_gamma
+
+if TYPE_CHECKING:
+    from xspec.parallel.lockstep import Lockstep
 
 # tokens decoded beyond the longest stop string when checking for one (covers tokens that
 # decode to nothing and a tokenizer's special handling of the first token of a slice)
@@ -75,6 +83,7 @@ class Engine:
         plan: MemoryPlan | None = None,  # None: no memory limit (only model.max_context)
         decode: Callable[[list[int]], str] | None = None,  # the tokenizer's, for stop strings
         measure_memory: bool = False,  # record the peak of allocated state bytes (tests)
+        lockstep: Lockstep | None = None,  # expert parallelism: iterations agreed across ranks
     ) -> None:
         self.target, self.drafter, self.capture = target, drafter, capture
         self.stop_ids = frozenset(stop_ids)  # a request ends at any of these (unless ignore_eos)
@@ -83,6 +92,7 @@ class Engine:
         self.plan = plan
         self.decode = decode
         self.measure_memory = measure_memory
+        self.lockstep = lockstep
         self.metrics = SpecDecodeMetrics()
         self.pool = self._new_pool()
         self.peak_allocated = 0  # bytes, with measure_memory: max over steps of the states' sum
@@ -136,12 +146,34 @@ class Engine:
             self.synchronize()
             return time.perf_counter() - t0
 
-        while waiting or running:
+        lock = self.lockstep
+        while waiting or running or lock is not None:
             admitted = self._admit(requests, waiting, concurrency - len(running), bool(running))
+            if lock is not None:  # every rank: the same MoE forwards this iteration
+                plan = lock.sync(
+                    prefill_forwards=prefill_forwards(
+                        [len(requests[i].prompt_ids) for i in admitted], self.prefill_chunk
+                    ),
+                    draft_tokens=-1
+                    if admitted or not running
+                    else step_gamma(self.drafter, list(running.values())),
+                    busy=bool(admitted or running or waiting),
+                )
+                if plan.done:
+                    break
+                if not admitted:
+                    lock.idle_prefill()
+                if not admitted and not running:  # nothing of its own this iteration
+                    lock.idle_decode()
+                    continue
             t_step = time.perf_counter()
             if admitted:  # prefill the newcomers; the others wait one iteration
                 seqs = [self._start(requests[i]) for i in admitted]
-                result = prefill(self.target, self.drafter, seqs, self.capture, self.prefill_chunk)
+                result = prefill(
+                    self.target, self.drafter, seqs, self.capture, self.prefill_chunk, lock
+                )
+                if lock is not None:
+                    lock.idle_decode()
                 now = elapsed()
                 for i, s in zip(admitted, seqs):
                     out[i] = Generation(requests[i].prompt_ids, [], now, now, 0)
@@ -155,6 +187,7 @@ class Engine:
                     [running[i] for i in stepped],
                     self.capture,
                     self.metrics,
+                    lock,
                 )
                 now = elapsed()
                 for i in stepped:
