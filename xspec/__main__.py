@@ -150,8 +150,8 @@ def run(cfg: RunConfig, choices: dict[str, str] | None = None, out_dir: Path | N
 
     built = build(cfg)
     main = built.parallel.topology.is_main  # rank 0 reports; the other ranks only compute
-    out = sys.stdout if main else open(os.devnull, "w")  # noqa: SIM115  (closed below)
-    print(plan_summary(built), file=out)
+    if main:
+        print(plan_summary(built))
     model = (choices or {}).get("model", cfg.model.arch)
     exporter = _EXPORTER[0] if _EXPORTER and main else None
     if exporter is not None:
@@ -161,11 +161,8 @@ def run(cfg: RunConfig, choices: dict[str, str] | None = None, out_dir: Path | N
         if exporter is not None:
             exporter.observe(gens, model, cfg.spec.method)
 
-    runs = run_workload(
-        built, cfg.workload, cfg.sampling, out=out, model_option=model, on_run=on_run
-    )
+    runs = run_workload(built, cfg.workload, cfg.sampling, model_option=model, on_run=on_run)
     if not main:
-        out.close()
         return
     result = job_results(built, cfg.workload, runs, model)
     _RESULTS.append(result)

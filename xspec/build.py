@@ -53,7 +53,7 @@ class Built:
     tokenizer: Tokenizer
     engine: Engine
     parallel: Parallel = SINGLE
-    expert_bytes: list[int] | None = None  # routed-expert bytes per rank (distributed runs)
+    expert_bytes: list[int] | None = None  # routed-expert bytes held by each rank
 
 
 def effective_gamma(make_drafter: Any, spec_cfg: Any, model_cfg: Any) -> int:
@@ -159,9 +159,12 @@ def build(cfg: RunConfig) -> Built:
     kw: dict[str, Any] = dict(
         stop_ids=stop_ids, synchronize=platform.synchronize, plan=plan, decode=tokenizer.decode
     )
+    experts = routed_expert_bytes(target, drafter)
     if not parallel.distributed:
         engine = Engine(target, drafter, capture, **kw)
-        return Built(cfg, platform, target, drafter, capture, tokenizer, engine)
+        return Built(
+            cfg, platform, target, drafter, capture, tokenizer, engine, expert_bytes=[experts]
+        )
     engine = ParallelEngine(
         target,
         drafter,
@@ -170,18 +173,8 @@ def build(cfg: RunConfig) -> Built:
         lockstep=Lockstep(parallel, target, drafter),  # type: ignore[arg-type]
         **kw,
     )
-    experts = parallel.all_gather_ints([routed_expert_bytes(target, drafter)])
-    return Built(
-        cfg,
-        platform,
-        target,
-        drafter,
-        capture,
-        tokenizer,
-        engine,
-        parallel,
-        [e[0] for e in experts],
-    )
+    per_rank = [row[0] for row in parallel.all_gather_ints([experts])]
+    return Built(cfg, platform, target, drafter, capture, tokenizer, engine, parallel, per_rank)
 
 
 def _plan(cfg: RunConfig, platform: Platform, target: TargetModel, drafter: Drafter) -> MemoryPlan:
@@ -204,7 +197,15 @@ def plan_summary(built: Built) -> str:
     w = built.cfg.workload
     longest = max((len(built.tokenizer.encode(p)) for p in w.prompts), default=1)
     assert built.engine.plan is not None
-    return built.engine.plan.describe(longest, w.max_new_tokens, w.concurrency)
+    text = built.engine.plan.describe(longest, w.max_new_tokens, w.concurrency)
+    topo = built.parallel.topology
+    if topo.world > 1 and built.expert_bytes:
+        mib = [f"{b / 2**20:.1f}" for b in built.expert_bytes]
+        text += (
+            f"\nparallel: {topo.world} ranks, dp={topo.dp} ep={topo.ep}; routed experts per "
+            f"rank {', '.join(mib)} MiB (the plan above is rank 0's)"
+        )
+    return text
 
 
 def stop_ids_of(*sources: object) -> frozenset[int]:

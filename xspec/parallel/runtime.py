@@ -89,7 +89,8 @@ def collective(rank: int, world: int, timeout_s: float, what: str, fn: Callable[
     except (RuntimeError, ConnectionError) as e:  # DistBackendError is a RuntimeError
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise PeerFailure(
-            f"rank {rank} of {world}: {what} failed: another rank died, hangs or raised "
+            f"rank {rank} of {world}: {what} failed, most likely another rank died, hangs or "
+            "raised "
             f"(collectives wait at most parallel.timeout_s={timeout_s:g}s; see the other "
             f"ranks' logs). Backend: {first[:300]}"
         ) from e
