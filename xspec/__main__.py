@@ -30,6 +30,7 @@ from omegaconf import DictConfig
 from xspec.compose import compose_run, typed
 from xspec.config import RunConfig, config_dir, register_configs, validate
 from xspec.errors import ConfigError, UserError
+from xspec.parallel.topology import launch
 
 if TYPE_CHECKING:
     from xspec.engine.engine import Generation
@@ -207,7 +208,7 @@ def main() -> None:
             configs = check_jobs(
                 _override_sets(args), full=not print_config, search=config_dirs_of(args)
             )
-            if not print_config:
+            if not print_config and launch().rank == 0:  # one exporter per launch
                 _start_exporter(configs[0])
         except UserError as e:
             sys.exit(_fail(e))

@@ -83,3 +83,24 @@ def test_cli_exits_2_for_ep_without_torchrun(tmp_path):
     r = run_cli("model=dsv4_tiny", "platform=cpu", "parallel.ep=2", cache=tmp_path / "c")
     assert r.returncode == 2, r.stderr
     assert "parallel.ep=2 needs 2+ processes" in r.stderr and "Traceback" not in r.stderr
+
+
+def test_a_checkpoint_missing_one_ranks_experts_fails_before_loading(monkeypatch, tmp_path):
+    """EP rank 1's experts (4..7) of layer 2 are gone: every rank's up-front check names
+    them (headers only), so no rank loads or computes anything."""
+    from xspec.models.deepseek_v4.tiny import tiny_dir
+    from xspec.models.loading import Checkpoint, write_checkpoint
+
+    ckpt = Checkpoint(tiny_dir())
+    kept = {
+        n: t
+        for n, t in ckpt.iter_tensors()
+        if not any(n.startswith(f"layers.2.ffn.experts.{e}.") for e in range(4, 8))
+    }
+    write_checkpoint(tmp_path / "ckpt", kept, ckpt.config)
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    problems = _problems(["spec=none", "parallel.ep=2", f"model.path={tmp_path / 'ckpt'}",
+                          "model.tokenizer=byte"])  # fmt: skip
+    text = "\n".join(problems)
+    assert all(f"'layers.2.ffn.experts.{e}.w1.weight'" in text for e in range(4, 8)), text
+    assert "experts.3." not in text

@@ -150,18 +150,9 @@ def _launch(tmp: Path, cache: Path, world: int = 2) -> list[tuple[subprocess.Pop
         args = [*BASE, "spec=mtp", "workload.max_new_tokens=2000", "parallel.ep=2",
                 f"parallel.timeout_s={TIMEOUT_S}", f"hydra.run.dir={tmp / 'run'}"]  # fmt: skip
         with open(log, "w") as f:
-            procs.append(
-                (
-                    subprocess.Popen(
-                        [sys.executable, "-m", "xspec", *args],
-                        env=env,
-                        cwd=tmp,
-                        stdout=f,
-                        stderr=subprocess.STDOUT,
-                    ),
-                    log,
-                )  # fmt: skip
-            )
+            cmd = [sys.executable, "-m", "xspec", *args]
+            proc = subprocess.Popen(cmd, env=env, cwd=tmp, stdout=f, stderr=subprocess.STDOUT)
+        procs.append((proc, log))
     return procs
 
 

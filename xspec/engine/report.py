@@ -96,11 +96,12 @@ def run_workload(
     texts, requests = work.texts, work.requests
     warmup(built, requests, w)
     runs = []
-    with progress_bar(built, requests, w.repeats, enabled=out.isatty()):
+    main = built.parallel.topology.is_main
+    with progress_bar(built, requests, w.repeats, enabled=out.isatty() and main):
         for _ in range(w.repeats):
             runs.append(built.engine.run(requests, w.concurrency))
             on_run(runs[-1])
-    if not built.parallel.topology.is_main:  # rank 0 reports every replica's requests
+    if not main:  # rank 0 reports every replica's requests
         return runs
     for gens in runs:
         for g in gens:
