@@ -167,3 +167,29 @@ def test_confidence_calibration_per_position() -> None:
     assert "confidence[2]" in m.report().format()
     assert "predicted_accepted_tokens_per_pos" in m.exposition()
     assert SpecDecodeMetrics().report().calibration == []
+
+
+def test_absorbed_replicas_equal_one_engine_over_all_rows() -> None:
+    """DP replicas' counters add up (rank 0 absorbs the others'): the report and the
+    Prometheus text equal one engine that saw every row, step by step."""
+    gen = torch.Generator().manual_seed(1)
+    whole, halves = SpecDecodeMetrics(), [SpecDecodeMetrics(), SpecDecodeMetrics()]
+    for step in range(12):
+        gamma = 1 + step % 3
+        drafted = torch.randint(0, gamma + 1, (6,), generator=gen)  # [B]
+        accepted = (torch.rand(6, generator=gen) * (drafted + 1)).long()  # [B] <= drafted
+        out = torch.full((6, gamma + 1), -1)
+        out[torch.arange(gamma + 1)[None, :] <= accepted[:, None]] = 3
+        conf = torch.rand(6, gamma, generator=gen)
+        whole.observe_step(out, drafted, conf)
+        for h, rows in zip(halves, (slice(0, 4), slice(4, 6))):  # replicas of 4 and 2 rows
+            h.observe_step(out[rows], drafted[rows], conf[rows])
+    halves[0].absorb(halves[1].totals())
+    merged, ref = halves[0].report(), whole.report()
+    assert merged.num_steps == 2 * ref.num_steps  # each replica counts its own steps
+    assert merged.calibration == pytest.approx(ref.calibration)
+    skip = ("num_steps", "calibration")
+    assert {k: v for k, v in vars(merged).items() if k not in skip} == {
+        k: v for k, v in vars(ref).items() if k not in skip
+    }
+    assert _scrape(halves[0]) == pytest.approx(_scrape(whole))
