@@ -150,21 +150,9 @@ class Engine:
         while waiting or running or lock is not None:
             admitted = self._admit(requests, waiting, concurrency - len(running), bool(running))
             if lock is not None:  # every rank: the same MoE forwards this iteration
-                plan = lock.sync(
-                    prefill_forwards=prefill_forwards(
-                        [len(requests[i].prompt_ids) for i in admitted], self.prefill_chunk
-                    ),
-                    draft_tokens=-1
-                    if admitted or not running
-                    else step_gamma(self.drafter, list(running.values())),
-                    busy=bool(admitted or running or waiting),
-                )
-                if plan.done:
+                if self._agree(lock, requests, admitted, running, bool(waiting)):
                     break
-                if not admitted:
-                    lock.idle_prefill()
-                if not admitted and not running:  # nothing of its own this iteration
-                    lock.idle_decode()
+                if not admitted and not running:  # it only served the others' MoE rows
                     continue
             t_step = time.perf_counter()
             if admitted:  # prefill the newcomers; the others wait one iteration
@@ -207,6 +195,33 @@ class Engine:
         for i, g in out.items():
             g.num_steps = steps[i]
         return [out[i] for i in range(len(requests))]
+
+    def _agree(
+        self,
+        lock: Lockstep,
+        requests: Sequence[Request],
+        admitted: list[int],
+        running: dict[int, RunningSeq],
+        waiting: bool,
+    ) -> bool:
+        """Agree this iteration's shape with the other ranks (True: no rank has work left)
+        and run the idle phases this rank has no work of its own for."""
+        plan = lock.sync(
+            prefill_forwards=prefill_forwards(
+                [len(requests[i].prompt_ids) for i in admitted], self.prefill_chunk
+            ),
+            draft_tokens=step_gamma(self.drafter, list(running.values()))
+            if running and not admitted
+            else -1,
+            busy=bool(admitted or running or waiting),
+        )
+        if plan.done:
+            return True
+        if not admitted:
+            lock.idle_prefill()
+            if not running:
+                lock.idle_decode()
+        return False
 
     def _admit(
         self, requests: Sequence[Request], waiting: deque[int], slots: int, busy: bool
