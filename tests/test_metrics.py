@@ -85,16 +85,20 @@ def test_baseline_only_has_no_drafts_and_no_nan() -> None:
     assert "mean tokens per step" in r.format()
 
 
+def _random_step(gen: torch.Generator, gamma: int, rows: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """A valid step: ``out [rows, gamma+1]`` (-1 padded) and ``drafted [rows]``."""
+    drafted = torch.randint(0, gamma + 1, (rows,), generator=gen)  # [B]
+    accepted = (torch.rand(rows, generator=gen) * (drafted + 1)).long()  # [B] <= drafted
+    out = torch.full((rows, gamma + 1), -1)
+    out[torch.arange(gamma + 1)[None, :] <= accepted[:, None]] = 3
+    return out, drafted
+
+
 def test_invariants_over_random_steps() -> None:
     gen = torch.Generator().manual_seed(0)
     m = SpecDecodeMetrics()
     for step in range(20):
-        gamma = 1 + step % 4
-        drafted = torch.randint(0, gamma + 1, (5,), generator=gen)  # [B]
-        accepted = (torch.rand(5, generator=gen) * (drafted + 1)).long()  # [B] <= drafted
-        out = torch.full((5, gamma + 1), -1)
-        out[torch.arange(gamma + 1)[None, :] <= accepted[:, None]] = 3
-        m.observe_step(out, drafted)
+        m.observe_step(*_random_step(gen, 1 + step % 4, 5))
     r = m.report()
     pos = r.accepted_per_position
     assert all(a >= b for a, b in itertools.pairwise(pos)), (
@@ -176,10 +180,7 @@ def test_absorbed_replicas_equal_one_engine_over_all_rows() -> None:
     whole, halves = SpecDecodeMetrics(), [SpecDecodeMetrics(), SpecDecodeMetrics()]
     for step in range(12):
         gamma = 1 + step % 3
-        drafted = torch.randint(0, gamma + 1, (6,), generator=gen)  # [B]
-        accepted = (torch.rand(6, generator=gen) * (drafted + 1)).long()  # [B] <= drafted
-        out = torch.full((6, gamma + 1), -1)
-        out[torch.arange(gamma + 1)[None, :] <= accepted[:, None]] = 3
+        out, drafted = _random_step(gen, gamma, 6)
         conf = torch.rand(6, gamma, generator=gen)
         whole.observe_step(out, drafted, conf)
         for h, rows in zip(halves, (slice(0, 4), slice(4, 6))):  # replicas of 4 and 2 rows
