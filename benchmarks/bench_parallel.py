@@ -12,6 +12,10 @@ process with one thread (``OMP_NUM_THREADS=1``: DP=2 uses two cores, DP=1 one):
 * ``DP=2 x EP=2``: the same with ``parallel.ep=2`` (each rank half the experts, MoE rows
   exchanged every layer, lockstep iterations).
 
+* ``2 x DP=1 apart``: two independent single processes at the same time, each with half
+  the requests and half the concurrency: what this machine's cores allow two replicas
+  without any xspec coordination (the ceiling for ``DP=2``),
+
 at the same total ``workload.concurrency`` (split over the replicas) on the synthetic
 workload; output throughput = generated tokens / wall time of the measured run
 (results.json ``output_tok_s``). It also prints each layout's routed-expert bytes per
@@ -36,9 +40,10 @@ LAYOUTS = {
     "DP=2": (2, ["parallel.dp=2"]),
     "DP=2 x EP=2": (2, ["parallel.dp=2", "parallel.ep=2"]),
 }
+APART = "2 x DP=1 apart"
 
 
-def run(nproc: int, args: list[str], out: Path) -> dict:
+def start(nproc: int, args: list[str], out: Path) -> tuple[subprocess.Popen, Path]:
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
     launcher = (
         [sys.executable]
@@ -47,10 +52,25 @@ def run(nproc: int, args: list[str], out: Path) -> dict:
               f"--nproc-per-node={nproc}"]
     )  # fmt: skip
     cmd = [*launcher, "-m", "xspec", *args, f"hydra.run.dir={out}"]
-    r = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=1800)
-    if r.returncode != 0:
-        sys.exit(f"failed: {' '.join(cmd)}\n{(r.stdout + r.stderr)[-3000:]}")
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    return proc, out
+
+
+def result(job: tuple[subprocess.Popen, Path]) -> dict:
+    proc, out = job
+    text = proc.communicate(timeout=1800)[0].decode(errors="replace")
+    if proc.returncode != 0:
+        sys.exit(f"failed: {' '.join(map(str, proc.args))}\n{text[-3000:]}")
     return json.loads((out / "results.json").read_text())
+
+
+def apart(args: list[str], requests: int, concurrency: int, tmp: Path) -> float:
+    """Two independent single processes at once, half the work each: summed tok/s."""
+    half = [f"workload.num_requests={requests // 2}", f"workload.concurrency={concurrency // 2}"]
+    jobs = [start(1, [*args, *half], tmp / f"apart{i}") for i in range(2)]
+    runs = [result(j) for j in jobs]
+    tokens = sum(r["repeats"][0]["output_tokens"] for r in runs)
+    return tokens / max(r["repeats"][0]["wall_s"] for r in runs)
 
 
 def main() -> None:
@@ -68,24 +88,26 @@ def main() -> None:
         f"workload.input_len={a.input_len}", f"workload.output_len={a.output_len}",
         "workload.print_outputs=false", "workload.warmup_requests=2",
     ]  # fmt: skip
-    tput: dict[str, list[float]] = {k: [] for k in LAYOUTS}
+    tput: dict[str, list[float]] = {k: [] for k in [*LAYOUTS, APART]}
     experts: dict[str, list[int]] = {}
     with tempfile.TemporaryDirectory() as tmp:
         for rep in range(a.reps):
             for name, (nproc, extra) in LAYOUTS.items():
-                res = run(nproc, [*common, *extra], Path(tmp) / f"{rep}-{nproc}-{len(extra)}")
+                out = Path(tmp) / f"{rep}-{nproc}-{len(extra)}"
+                res = result(start(nproc, [*common, *extra], out))
                 tput[name].append(res["output_tok_s"])
                 experts[name] = res["parallel"]["expert_bytes_per_rank"]
+            tput[APART].append(apart(common, a.requests, a.concurrency, Path(tmp) / str(rep)))
     base = statistics.median(tput["DP=1"])
     print(
         f"dsv4_tiny spec={a.spec} synthetic {a.requests} requests x {a.output_len} tokens, "
         f"concurrency {a.concurrency} (total), {a.reps} reps, 1 thread per process"
     )
-    print(f"{'layout':<14} {'tok/s':>8} {'vs DP=1':>8}  routed experts per rank (MiB)")
-    for name in LAYOUTS:
+    print(f"{'layout':<17} {'tok/s':>8} {'vs DP=1':>8}  routed experts per rank (MiB)")
+    for name in [*LAYOUTS, APART]:
         t = statistics.median(tput[name])
-        mib = ", ".join(f"{b / 2**20:.2f}" for b in experts[name])
-        print(f"{name:<14} {t:8.1f} {t / base:8.2f}x  {mib}")
+        mib = ", ".join(f"{b / 2**20:.2f}" for b in experts.get(name, []))
+        print(f"{name:<17} {t:8.1f} {t / base:8.2f}x  {mib or '(two processes, no xspec link)'}")
 
 
 if __name__ == "__main__":
