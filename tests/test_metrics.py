@@ -85,16 +85,20 @@ def test_baseline_only_has_no_drafts_and_no_nan() -> None:
     assert "mean tokens per step" in r.format()
 
 
+def _random_step(gen: torch.Generator, gamma: int, rows: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """A valid step: ``out [rows, gamma+1]`` (-1 padded) and ``drafted [rows]``."""
+    drafted = torch.randint(0, gamma + 1, (rows,), generator=gen)  # [B]
+    accepted = (torch.rand(rows, generator=gen) * (drafted + 1)).long()  # [B] <= drafted
+    out = torch.full((rows, gamma + 1), -1)
+    out[torch.arange(gamma + 1)[None, :] <= accepted[:, None]] = 3
+    return out, drafted
+
+
 def test_invariants_over_random_steps() -> None:
     gen = torch.Generator().manual_seed(0)
     m = SpecDecodeMetrics()
     for step in range(20):
-        gamma = 1 + step % 4
-        drafted = torch.randint(0, gamma + 1, (5,), generator=gen)  # [B]
-        accepted = (torch.rand(5, generator=gen) * (drafted + 1)).long()  # [B] <= drafted
-        out = torch.full((5, gamma + 1), -1)
-        out[torch.arange(gamma + 1)[None, :] <= accepted[:, None]] = 3
-        m.observe_step(out, drafted)
+        m.observe_step(*_random_step(gen, 1 + step % 4, 5))
     r = m.report()
     pos = r.accepted_per_position
     assert all(a >= b for a, b in itertools.pairwise(pos)), (
@@ -191,3 +195,26 @@ def test_target_rows_wasted_rows_and_predicted_acceptance() -> None:
     plain = SpecDecodeMetrics()
     plain.observe_step(torch.tensor([[1, 2, -1]]), torch.tensor([2]))
     assert plain.report().predicted_acceptance_rate is None
+
+
+def test_absorbed_replicas_equal_one_engine_over_all_rows() -> None:
+    """DP replicas' counters add up (rank 0 absorbs the others'): the report and the
+    Prometheus text equal one engine that saw every row, step by step."""
+    gen = torch.Generator().manual_seed(1)
+    whole, halves = SpecDecodeMetrics(), [SpecDecodeMetrics(), SpecDecodeMetrics()]
+    for step in range(12):
+        gamma = 1 + step % 3
+        out, drafted = _random_step(gen, gamma, 6)
+        conf = torch.rand(6, gamma, generator=gen)
+        whole.observe_step(out, drafted, conf)
+        for h, rows in zip(halves, (slice(0, 4), slice(4, 6))):  # replicas of 4 and 2 rows
+            h.observe_step(out[rows], drafted[rows], conf[rows])
+    halves[0].absorb(halves[1].totals())
+    merged, ref = halves[0].report(), whole.report()
+    assert merged.num_steps == 2 * ref.num_steps  # each replica counts its own steps
+    assert merged.calibration == pytest.approx(ref.calibration)
+    skip = ("num_steps", "calibration")
+    assert {k: v for k, v in vars(merged).items() if k not in skip} == {
+        k: v for k, v in vars(ref).items() if k not in skip
+    }
+    assert _scrape(halves[0]) == pytest.approx(_scrape(whole))

@@ -10,11 +10,16 @@ Each job writes ``results.json`` into its Hydra directory (``outputs/<date>/<tim
 a multirun ``multirun/<date>/<time>/<job_num>/``); the invocation ends with
 ``summary.{md,json,png}`` beside them (xspec/engine/results.py). ``metrics.port``
 serves Prometheus text for the whole invocation (xspec/engine/exporter.py).
+
+Under ``torchrun`` (docs/parallel.md) every rank runs this entry point; rank 0 alone
+prints the report and writes the files. A rank whose peer died or hangs exits with
+code 3 (:data:`~xspec.parallel.runtime.PEER_FAILURE_EXIT`) and a message naming it.
 """
 
 from __future__ import annotations
 
 import itertools
+import os
 import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -25,6 +30,7 @@ from omegaconf import DictConfig
 from xspec.compose import compose_run, typed
 from xspec.config import RunConfig, config_dir, register_configs, validate
 from xspec.errors import ConfigError, UserError
+from xspec.parallel.topology import launch
 
 if TYPE_CHECKING:
     from xspec.engine.engine import Generation
@@ -144,9 +150,11 @@ def run(cfg: RunConfig, choices: dict[str, str] | None = None, out_dir: Path | N
     from xspec.engine.results import RESULTS_FILE, job_results, write_json
 
     built = build(cfg)
-    print(plan_summary(built))
+    main = built.parallel.topology.is_main  # rank 0 reports; the other ranks only compute
+    if main:
+        print(plan_summary(built))
     model = (choices or {}).get("model", cfg.model.arch)
-    exporter = _EXPORTER[0] if _EXPORTER else None
+    exporter = _EXPORTER[0] if _EXPORTER and main else None
     if exporter is not None:
         exporter.follow(built.engine)
 
@@ -155,6 +163,8 @@ def run(cfg: RunConfig, choices: dict[str, str] | None = None, out_dir: Path | N
             exporter.observe(gens, model, cfg.spec.method)
 
     runs = run_workload(built, cfg.workload, cfg.sampling, model_option=model, on_run=on_run)
+    if not main:
+        return
     result = job_results(built, cfg.workload, runs, model)
     _RESULTS.append(result)
     if out_dir is not None:
@@ -167,6 +177,8 @@ def _hydra_entry(cfg: DictConfig) -> None:
     from hydra.core.hydra_config import HydraConfig
     from hydra.types import RunMode
 
+    from xspec.parallel.runtime import PEER_FAILURE_EXIT, PeerFailure
+
     hc = HydraConfig.get()
     if not _SUMMARY_DIR:
         multirun = hc.mode == RunMode.MULTIRUN
@@ -175,6 +187,10 @@ def _hydra_entry(cfg: DictConfig) -> None:
         run(typed(cfg), dict(hc.runtime.choices), Path(hc.runtime.output_dir))
     except UserError as e:
         sys.exit(_fail(e))
+    except PeerFailure as e:  # another rank died or hangs: leave now, never wait on it again
+        print(f"xspec: error: {e}", file=sys.stderr, flush=True)
+        sys.stdout.flush()
+        os._exit(PEER_FAILURE_EXIT)
 
 
 def main() -> None:
@@ -196,7 +212,7 @@ def main() -> None:
             configs = check_jobs(
                 _override_sets(args), full=not print_config, search=config_dirs_of(args)
             )
-            if not print_config:
+            if not print_config and launch().rank == 0:  # one exporter per launch
                 _start_exporter(configs[0])
         except UserError as e:
             sys.exit(_fail(e))
@@ -206,6 +222,10 @@ def main() -> None:
     finally:
         if _EXPORTER:
             _EXPORTER.pop().close()
+    if "torch.distributed" in sys.modules:  # a torchrun run joined a process group
+        from xspec.parallel.runtime import shutdown
+
+        shutdown()
     if _RESULTS:
         _summarize(_SUMMARY_DIR[0])
 

@@ -17,7 +17,7 @@ Optional hooks, found by attribute (plugins may provide them too):
 from __future__ import annotations
 
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -28,6 +28,11 @@ from xspec.engine.engine import Engine
 from xspec.engine.memory import MemoryPlan, plan_memory, resolve_budget, weight_bytes
 from xspec.errors import CheckpointError, ConfigError, UserError
 from xspec.models.base import CapturePoint, TargetModel
+from xspec.parallel.engine import ParallelEngine
+from xspec.parallel.expert import ExpertParallel, routed_expert_bytes
+from xspec.parallel.lockstep import Lockstep
+from xspec.parallel.runtime import SINGLE, Parallel, init_parallel
+from xspec.parallel.topology import launch
 from xspec.platforms import get_platform
 from xspec.platforms.base import Platform
 from xspec.registry import models, spec_methods
@@ -52,6 +57,8 @@ class Built:
     tokenizer: Tokenizer
     engine: Engine
     profile: Profile | None = None  # spec.adaptive: the step-cost profile it schedules with
+    parallel: Parallel = SINGLE
+    expert_bytes: list[int] | None = None  # routed-expert bytes held by each rank
 
 
 def effective_gamma(make_drafter: Any, spec_cfg: Any, model_cfg: Any) -> int:
@@ -92,6 +99,41 @@ def _checks(cfg: RunConfig) -> list[tuple[type[UserError], str]]:
         problems += [
             (ConfigError, p) for p in _adaptive_problems(cfg, make_drafter, platform, gamma)
         ]
+    if cfg.spec.adaptive.enabled and (cfg.parallel.dp > 1 or cfg.parallel.ep > 1):
+        problems.append(
+            (
+                ConfigError,
+                "spec.adaptive=true is not supported with parallel.dp/ep > 1 yet (the "
+                "step-cost profile and the ragged verify widths are per process); run it "
+                "without torchrun, or set spec.adaptive=false",
+            )
+        )
+    if cfg.parallel.ep > 1:
+        problems += [(ConfigError, p) for p in _expert_parallel_problems(cfg, make_drafter)]
+    return problems
+
+
+def _expert_parallel_problems(cfg: RunConfig, make_drafter: Any) -> list[str]:
+    """``parallel.ep > 1``: the target loader and the drafter must support it, and ``ep``
+    must divide the expert count (checked from config.json, before anything is loaded)."""
+    ep = cfg.parallel.ep
+    count = getattr(models.get(cfg.model.arch), "num_routed_experts", None)
+    problems = []
+    if count is None:
+        problems.append(
+            f"parallel.ep={ep}: model.arch={cfg.model.arch} has no expert-parallel loader "
+            "(supported: deepseek_v4); use parallel.ep=1 (parallel.dp still applies)"
+        )
+    elif (experts := count(cfg.model)) is not None and experts % ep:
+        problems.append(
+            f"parallel.ep={ep} does not divide the model's {experts} routed experts per layer "
+            f"(config.json n_routed_experts); use a divisor of {experts}"
+        )
+    if not hasattr(make_drafter, "propose_forwards"):
+        problems.append(
+            f"parallel.ep={ep}: spec={cfg.spec.method} does not support expert parallelism "
+            "(it does not declare its MoE forwards); use spec=none, mtp or dspark, or parallel.ep=1"
+        )
     return problems
 
 
@@ -126,13 +168,20 @@ def build(cfg: RunConfig) -> Built:
     if problem := _tokenizer_problem(cfg.model):  # before loading any weights
         raise CheckpointError(problem)
     platform = get_platform(cfg.platform)
+    parallel = init_parallel(cfg.parallel, platform)
+    if parallel.distributed:  # one device per process
+        index = platform.rank_device_index(launch().local_rank)
+        platform = get_platform(replace(cfg.platform, device_index=index))
     make_drafter: Any = spec_methods.get(cfg.spec.method)
     gamma = effective_gamma(make_drafter, cfg.spec, cfg.model)
 
     max_rollback = max(gamma, DEFAULT_MAX_ROLLBACK)
+    shard: dict[str, Any] = {}  # this rank's experts only (the drafters follow the target)
+    if parallel.topology.ep > 1:
+        shard["expert_parallel"] = ExpertParallel(parallel)
     with torch.no_grad():  # not a global switch: training code may share the process
         target: TargetModel = models.get(cfg.model.arch)(
-            cfg.model, device=platform.device(), max_rollback=max_rollback
+            cfg.model, device=platform.device(), max_rollback=max_rollback, **shard
         )
         drafter: Drafter = make_drafter(
             cfg.spec, target=target, model_cfg=cfg.model, platform=platform
@@ -152,17 +201,44 @@ def build(cfg: RunConfig) -> Built:
     )
     plan = _plan(cfg, platform, target, drafter)
     profile = _profile(cfg, platform, target, drafter, capture, plan)
-    engine = Engine(
+    kw: dict[str, Any] = dict(
+        stop_ids=stop_ids, synchronize=platform.synchronize, plan=plan, decode=tokenizer.decode
+    )
+    experts = routed_expert_bytes(target, drafter)
+    if not parallel.distributed:
+        schedule = AdaptiveVerify(profile.cost) if profile is not None else None
+        engine = Engine(target, drafter, capture, schedule=schedule, **kw)
+        return Built(
+            cfg,
+            platform,
+            target,
+            drafter,
+            capture,
+            tokenizer,
+            engine,
+            profile=profile,
+            expert_bytes=[experts],
+        )
+    engine = ParallelEngine(
         target,
         drafter,
         capture,
-        stop_ids=stop_ids,
-        synchronize=platform.synchronize,
-        plan=plan,
-        decode=tokenizer.decode,
-        schedule=AdaptiveVerify(profile.cost) if profile is not None else None,
+        parallel=parallel,
+        lockstep=Lockstep(parallel, target, drafter),  # type: ignore[arg-type]
+        **kw,
     )
-    return Built(cfg, platform, target, drafter, capture, tokenizer, engine, profile)
+    per_rank = [row[0] for row in parallel.all_gather_ints([experts])]
+    return Built(
+        cfg,
+        platform,
+        target,
+        drafter,
+        capture,
+        tokenizer,
+        engine,
+        parallel=parallel,
+        expert_bytes=per_rank,
+    )
 
 
 def _profile(
@@ -205,6 +281,13 @@ def plan_summary(built: Built) -> str:
     longest = max((len(built.tokenizer.encode(p)) for p in w.prompts), default=1)
     assert built.engine.plan is not None
     text = built.engine.plan.describe(longest, w.max_new_tokens, w.concurrency)
+    topo = built.parallel.topology
+    if topo.world > 1 and built.expert_bytes:
+        mib = [f"{b / 2**20:.1f}" for b in built.expert_bytes]
+        text += (
+            f"\nparallel: {topo.world} ranks, dp={topo.dp} ep={topo.ep}; routed experts per "
+            f"rank {', '.join(mib)} MiB (the plan above is rank 0's)"
+        )
     if built.profile is not None:
         from xspec.engine.step_cost import describe
 

@@ -156,6 +156,30 @@ class MetricsConfig:
     host: str = "127.0.0.1"  # loopback: reachable from this machine only
 
 
+class MoeExchange(str, enum.Enum):
+    """``parallel.moe_exchange``: how expert-parallel MoE layers move token rows."""
+
+    auto = "auto"  # all_to_all where the platform's backend has it, else all_gather
+    all_to_all = "all_to_all"  # rows go only to the rank owning their expert
+    all_gather = "all_gather"  # every rank gathers every rank's rows (exact, EP x traffic)
+
+
+@dataclass(kw_only=True)
+class ParallelConfig:
+    """``parallel``: data x expert parallelism under torchrun (docs/parallel.md).
+
+    Without torchrun (one process) both sizes must be 1. ``dp`` replicas split the
+    requests round-robin; ``ep`` ranks split every MoE layer's experts. Both divide the
+    world size; a replica spans ``world / dp`` ranks, an EP group ``ep`` consecutive ranks.
+    """
+
+    dp: int = 1  # data-parallel replicas (request streams)
+    ep: int = 1  # expert-parallel group size (ranks sharing one copy of the experts)
+    timeout_s: float = 300.0  # a collective waiting longer than this fails the run
+    backend: str = "auto"  # torch.distributed backend; auto = the platform's (gloo/nccl/hccl)
+    moe_exchange: MoeExchange = MoeExchange.auto
+
+
 @dataclass(kw_only=True)
 class RunConfig:
     model: ModelConfig = MISSING
@@ -165,6 +189,7 @@ class RunConfig:
     sampling: SamplingConfig = field(default_factory=SamplingConfig)
     metrics: MetricsConfig = field(default_factory=MetricsConfig)
     engine: EngineConfig = field(default_factory=EngineConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
 
 
 _GROUPS: dict[str, type] = {
@@ -175,6 +200,7 @@ _GROUPS: dict[str, type] = {
     "sampling": SamplingConfig,
     "metrics": MetricsConfig,
     "engine": EngineConfig,
+    "parallel": ParallelConfig,
 }
 
 
@@ -240,6 +266,37 @@ def to_typed(cfg: DictConfig) -> RunConfig:
     return typed
 
 
+def parallel_problems(p: ParallelConfig) -> list[str]:
+    """The ``parallel`` section against itself and the launch (torchrun's world size)."""
+    from xspec.parallel.topology import launch
+
+    problems = [
+        f"parallel.{key} must be >= 1 (got {value})"
+        for key, value in (("dp", p.dp), ("ep", p.ep))
+        if value < 1
+    ]
+    if p.timeout_s <= 0:
+        problems.append(f"parallel.timeout_s must be > 0 seconds (got {p.timeout_s})")
+    if not p.backend:
+        problems.append("parallel.backend must be auto or a torch.distributed backend name")
+    if problems:
+        return problems
+    world = launch().world
+    for key, value in (("dp", p.dp), ("ep", p.ep)):
+        if world == 1 and value > 1:
+            problems.append(
+                f"parallel.{key}={value} needs {value}+ processes, but this is a single "
+                f"process: launch with torchrun --nproc-per-node N -m xspec parallel.{key}={value} "
+                "(N a multiple of it)"
+            )
+        elif world % value:
+            problems.append(
+                f"parallel.{key}={value} does not divide the world size {world} (torchrun "
+                f"--nnodes x --nproc-per-node); use a divisor of {world}"
+            )
+    return problems
+
+
 def validate(cfg: RunConfig) -> None:
     """Every config-level problem at once (registry names, ranges)."""
     from xspec.registry import models, platforms, spec_methods
@@ -300,6 +357,7 @@ def validate(cfg: RunConfig) -> None:
         )
     if cfg.model.max_context is not None and cfg.model.max_context < 2:
         problems.append(f"model.max_context must be >= 2 (got {cfg.model.max_context})")
+    problems += parallel_problems(cfg.parallel)
     s = cfg.sampling
     from xspec.sampling import SamplingParams
 

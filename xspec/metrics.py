@@ -27,6 +27,7 @@ row-steps, never to drafts.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 import prometheus_client
 import torch
@@ -235,6 +236,47 @@ class SpecDecodeMetrics:
             entry[1] += float(predicted[rows, k].sum())
             entry[2] += int((accepted[rows] > k).sum())
             self._predicted_per_pos.labels(position=str(k)).inc(float(predicted[rows, k].sum()))
+
+    def totals(self) -> dict[str, Any]:
+        """Every count so far (plain values: picklable for another rank's :meth:`absorb`)."""
+        return {
+            "steps": self._steps,
+            "row_steps": self._row_steps,
+            "drafts": self._num_drafts,
+            "draft_tokens": self._num_draft_tokens,
+            "accepted": self._num_accepted,
+            "committed": self._num_committed,
+            "full": self._num_full,
+            "zero": self._num_zero,
+            "per_position": list(self._per_position),
+            "calibration": [list(c) for c in self._calib],
+        }
+
+    def absorb(self, t: dict[str, Any]) -> None:
+        """Add another engine's :meth:`totals` (a DP replica's): counts add, so every
+        derived rate is the one a single engine over all the requests would report."""
+        self._steps += t["steps"]
+        self._row_steps += t["row_steps"]
+        self._num_drafts += t["drafts"]
+        self._num_draft_tokens += t["draft_tokens"]
+        self._num_accepted += t["accepted"]
+        self._num_committed += t["committed"]
+        self._num_full += t["full"]
+        self._num_zero += t["zero"]
+        self._per_position += [0] * (len(t["per_position"]) - len(self._per_position))
+        for k, count in enumerate(t["per_position"]):
+            self._per_position[k] += count
+            self._per_pos.labels(position=str(k)).inc(count)
+        for k, (rows, predicted, realised) in enumerate(t["calibration"]):
+            if len(self._calib) <= k:
+                self._calib.append([0.0, 0.0, 0.0])
+            self._calib[k] = [a + b for a, b in zip(self._calib[k], (rows, predicted, realised))]
+            self._predicted_per_pos.labels(position=str(k)).inc(predicted)
+        self._drafts.inc(t["drafts"])
+        self._draft_tokens.inc(t["draft_tokens"])
+        self._accepted.inc(t["accepted"])
+        self._committed.inc(t["committed"])
+        self._tokens_per_step.set(_ratio(self._num_committed, self._row_steps))
 
     def report(self) -> AcceptanceReport:
         drafts = self._num_drafts

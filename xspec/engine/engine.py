@@ -8,6 +8,10 @@ case (:mod:`xspec.engine.memory`), each completion frees it, and waiting request
 admitted between two decode steps as others finish. It runs
 :func:`xspec.workers.step.prefill` / ``decode_step`` and ends a request at a stop id, at
 a stop string, or at ``max_new_tokens``, whichever comes first; nothing after it is kept.
+
+Under expert parallelism (``lockstep``) each iteration first agrees its shape with the
+other ranks and tops up with idle forwards; a rank without work keeps iterating until no
+rank has any (:mod:`xspec.parallel.lockstep`).
 """
 
 from __future__ import annotations
@@ -17,7 +21,7 @@ import time
 from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from xspec.engine.memory import MemoryPlan, ReservationPool, allocated_bytes, context_problem
 from xspec.errors import RequestError
@@ -25,7 +29,10 @@ from xspec.metrics import SpecDecodeMetrics
 from xspec.models.base import CapturePoint, TargetModel
 from xspec.sampling import SamplingParams, make_generator
 from xspec.workers.drafter import Drafter
-from xspec.workers.step import RunningSeq, decode_step, prefill
+from xspec.workers.step import RunningSeq, decode_step, prefill, prefill_forwards, step_gamma
+
+if TYPE_CHECKING:
+    from xspec.parallel.lockstep import Lockstep
 
 # tokens decoded beyond the longest stop string when checking for one (covers tokens that
 # decode to nothing and a tokenizer's special handling of the first token of a slice)
@@ -78,6 +85,7 @@ class Engine:
         measure_memory: bool = False,  # record the peak of allocated state bytes (tests)
         # spec.adaptive: drafts each request verifies, from the proposal's confidences
         schedule: Callable[[Any, list[int]], list[int]] | None = None,
+        lockstep: Lockstep | None = None,  # expert parallelism: iterations agreed across ranks
     ) -> None:
         self.schedule = schedule
         self.target, self.drafter, self.capture = target, drafter, capture
@@ -87,6 +95,7 @@ class Engine:
         self.plan = plan
         self.decode = decode
         self.measure_memory = measure_memory
+        self.lockstep = lockstep
         self.metrics = SpecDecodeMetrics()
         self.pool = self._new_pool()
         self.peak_allocated = 0  # bytes, with measure_memory: max over steps of the states' sum
@@ -140,12 +149,22 @@ class Engine:
             self.synchronize()
             return time.perf_counter() - t0
 
-        while waiting or running:
+        lock = self.lockstep
+        while waiting or running or lock is not None:
             admitted = self._admit(requests, waiting, concurrency - len(running), bool(running))
+            if lock is not None:  # every rank: the same MoE forwards this iteration
+                if self._agree(lock, requests, admitted, running, bool(waiting)):
+                    break
+                if not admitted and not running:  # it only served the others' MoE rows
+                    continue
             t_step = time.perf_counter()
             if admitted:  # prefill the newcomers; the others wait one iteration
                 seqs = [self._start(requests[i]) for i in admitted]
-                result = prefill(self.target, self.drafter, seqs, self.capture, self.prefill_chunk)
+                result = prefill(
+                    self.target, self.drafter, seqs, self.capture, self.prefill_chunk, lock
+                )
+                if lock is not None:
+                    lock.idle_decode()
                 now = elapsed()
                 for i, s in zip(admitted, seqs):
                     out[i] = Generation(requests[i].prompt_ids, [], now, now, 0)
@@ -159,7 +178,8 @@ class Engine:
                     [running[i] for i in stepped],
                     self.capture,
                     self.metrics,
-                    self.schedule,
+                    lockstep=lock,
+                    schedule=self.schedule,
                 )
                 now = elapsed()
                 for i in stepped:
@@ -179,6 +199,33 @@ class Engine:
         for i, g in out.items():
             g.num_steps = steps[i]
         return [out[i] for i in range(len(requests))]
+
+    def _agree(
+        self,
+        lock: Lockstep,
+        requests: Sequence[Request],
+        admitted: list[int],
+        running: dict[int, RunningSeq],
+        waiting: bool,
+    ) -> bool:
+        """Agree this iteration's shape with the other ranks (True: no rank has work left)
+        and run the idle phases this rank has no work of its own for."""
+        plan = lock.sync(
+            prefill_forwards=prefill_forwards(
+                [len(requests[i].prompt_ids) for i in admitted], self.prefill_chunk
+            ),
+            draft_tokens=step_gamma(self.drafter, list(running.values()))
+            if running and not admitted
+            else -1,
+            busy=bool(admitted or running or waiting),
+        )
+        if plan.done:
+            return True
+        if not admitted:
+            lock.idle_prefill()
+            if not running:
+                lock.idle_decode()
+        return False
 
     def _admit(
         self, requests: Sequence[Request], waiting: deque[int], slots: int, busy: bool

@@ -89,16 +89,20 @@ def run_workload(
     model_option: str | None = None,  # the model=<option> the user picked (e.g. dsv4_tiny)
     on_run: Callable[[list[Generation]], None] = lambda gens: None,  # each measured run
 ) -> list[list[Generation]]:
-    """Warm up, then run the workload ``w.repeats`` times; the generations of each run."""
+    """Warm up, then run the workload ``w.repeats`` times; the generations of each run.
+    Under torchrun only rank 0 prints (the other ranks return their own generations)."""
     params = SamplingParams(temperature=s.temperature, top_k=s.top_k, top_p=s.top_p, seed=s.seed)
     work = load_workload(w, built.tokenizer, built.target.vocab_size, params)
     texts, requests = work.texts, work.requests
     warmup(built, requests, w)
     runs = []
-    with progress_bar(built, requests, w.repeats, enabled=out.isatty()):
+    main = built.parallel.topology.is_main
+    with progress_bar(built, requests, w.repeats, enabled=out.isatty() and main):
         for _ in range(w.repeats):
             runs.append(built.engine.run(requests, w.concurrency))
             on_run(runs[-1])
+    if not main:  # rank 0 reports every replica's requests
+        return runs
     for gens in runs:
         for g in gens:
             g.text = (

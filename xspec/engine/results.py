@@ -125,6 +125,20 @@ def job_results(
         "half_range": half_ranges,  # (max - min) / 2 over the repeats
         "repeats": per_run,
         "requests": [_request(g, k) for k, gens in enumerate(runs) for g in gens],
+        "parallel": parallel_figures(built),
+    }
+
+
+def parallel_figures(built: Built) -> dict[str, Any]:
+    """The launch layout and the routed-expert bytes each rank holds (docs/parallel.md)."""
+    topo, p = built.parallel.topology, built.cfg.parallel
+    return {
+        "world": topo.world,
+        "dp": topo.dp,
+        "ep": topo.ep,
+        "moe_exchange": built.parallel.exchange if topo.ep > 1 else None,
+        "expert_bytes_per_rank": built.expert_bytes,
+        "timeout_s": p.timeout_s,
     }
 
 

@@ -111,6 +111,9 @@ class Capabilities:
     )
     max_speculative_tokens: int = 16
     distributed_backend: str = "gloo"
+    # The backend has all_to_all (expert-parallel MoE routes rows only to their expert's
+    # rank); without it EP MoE layers all-gather the rows (parallel.moe_exchange).
+    all_to_all: bool = True
 
 
 def native_sas_setting(cfg: PlatformSettings) -> str:
@@ -261,6 +264,11 @@ class Platform(abc.ABC):
         """torch.distributed backend for DP/EP collectives (gloo, nccl, hccl...)."""
         return self.capabilities.distributed_backend
 
+    def rank_device_index(self, local_rank: int) -> int:
+        """The device of torchrun's local rank ``local_rank`` (one device per process):
+        ``platform.device_index`` counts from the node's first process."""
+        return self.device_index + local_rank
+
     def manual_seed(self, seed: int) -> None:
         """Seed torch's global generators (CPU and every registered device backend)."""
         torch.manual_seed(seed)
@@ -297,6 +305,7 @@ _HOOKS = (
     "draft_attention_op",
     "validate",
     "distributed_backend",
+    "rank_device_index",
     "manual_seed",
 )
 

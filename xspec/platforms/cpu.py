@@ -28,6 +28,9 @@ class HostDevice:
         # CPU ops run synchronously; nothing is queued.
         return None
 
+    def rank_device_index(self, local_rank: int) -> int:
+        return 0  # every process of the node shares the one host device
+
     def _device_problems(self) -> list[str]:
         # torch has one "cpu" device (all cores); an index > 0 would select nothing different
         device_index = getattr(self, "device_index", 0)

@@ -33,6 +33,14 @@ class NoDrafter:
     def default_gamma(spec_cfg: Any, model_cfg: Any = None) -> int:
         return 0
 
+    # expert parallelism (xspec/parallel/lockstep.py): no draft model, no MoE forwards
+    observe_forwards = 0
+    moe_module = None
+
+    @staticmethod
+    def propose_forwards(num_tokens: int) -> int:
+        return 0
+
     def new_state(self, max_tokens: int | None = None) -> None:
         return None
 

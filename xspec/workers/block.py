@@ -166,6 +166,18 @@ class BlockDrafter:
         """Whether proposals carry confidences (the checkpoint has a confidence head)."""
         return self.model.confidence is not None
 
+    # expert parallelism (xspec/parallel/lockstep.py): observe only writes context K/V
+    # (no MoE); propose runs one block forward
+    observe_forwards = 0
+
+    @staticmethod
+    def propose_forwards(num_tokens: int) -> int:
+        return 1
+
+    @property
+    def moe_module(self) -> Any:
+        return self.model
+
     def new_state(self, max_tokens: int | None = None) -> Any:
         return self.model.new_cache(self.gamma, max_tokens)
 

@@ -25,6 +25,11 @@ Optional class-level hooks, read by :mod:`xspec.build` before anything is loaded
 ``default_gamma(spec_cfg, model_cfg) -> int`` (the gamma the drafter will use when
 ``spec.num_speculative_tokens`` is null), checked against the platform's limits.
 
+Expert parallelism (``parallel.ep > 1``) needs three more members, so that ranks without
+work run the same MoE forwards (:mod:`xspec.parallel.lockstep`): ``moe_module`` (the
+draft model, or None), ``observe_forwards`` (its forwards per ``observe``) and
+``propose_forwards(num_tokens)``; a drafter without them is refused under ``ep > 1``.
+
 Checkpoint layer ids in ``capture_layer_ids`` are raw: the platform maps them to capture
 points; drafters never add +1 themselves.
 """

@@ -96,7 +96,21 @@ class MtpDrafter:
             head=target.head,
             dtype=target.dtype,
             device=target.device,  # the platform's device, where the target was loaded
+            expert_parallel=target.expert_parallel,  # the target's EP share
         )
+
+    # -- expert parallelism: MoE forwards per call (xspec/parallel/lockstep.py) ----------
+
+    observe_forwards = 1  # observe runs the MTP block once
+
+    @staticmethod
+    def propose_forwards(num_tokens: int) -> int:
+        """MTP block forwards of ``propose(..., num_tokens)``: d_1 comes from observe."""
+        return num_tokens - 1
+
+    @property
+    def moe_module(self) -> MtpBlock:
+        return self.module
 
     # -- preflight (before any weights exist) ------------------------------------------
 

@@ -5,15 +5,21 @@ draft -> verify -> accept -> commit -> observe round for a batch of running sequ
 (each at its own position, each accepting its own number of drafts). Both return what
 they committed (:class:`StepResult`); the engine decides what to do with it.
 
+Under expert parallelism (``lockstep``, :mod:`xspec.parallel.lockstep`) every rank runs
+the same MoE forwards per iteration: ``prefill`` tops its chunks up to the iteration's
+count with idle forwards, and ``decode_step`` proposes the iteration's draft count (it
+still verifies only the drafts its own requests can use, so outputs do not change).
+
 Device discipline: drafts, verify rows and probabilities live on the target's device
 (``target.device``); each call copies one small result matrix to the host, once.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -22,6 +28,9 @@ from xspec.models.base import CapturePoint, DecodeState, ForwardBatch, ModelOutp
 from xspec.sampling import SamplingParams, logits_to_probs, nonfinite_rows, sample
 from xspec.workers.drafter import CommittedRows, Drafter, DraftRequest
 from xspec.workers.verify import rejection_sample
+
+if TYPE_CHECKING:
+    from xspec.parallel.lockstep import Lockstep
 
 
 @dataclass
@@ -83,6 +92,17 @@ def _rows(out: ModelOutput, start: int, stop: int) -> tuple[torch.Tensor, torch.
     return out.hidden[start:stop], aux
 
 
+def prefill_forwards(prompt_lens: list[int], chunk_tokens: int) -> int:
+    """Target forwards ``prefill`` runs for prompts of these lengths (0 for none)."""
+    return math.ceil(max(prompt_lens, default=0) / chunk_tokens)
+
+
+def step_gamma(drafter: Drafter, seqs: list[RunningSeq]) -> int:
+    """The block width of a decode step: ``gamma``, unless no sequence can commit that many
+    (n drafts commit at most n + 1 tokens)."""
+    return min(drafter.gamma, max(s.remaining - 1 for s in seqs))
+
+
 @torch.no_grad()
 def prefill(
     target: TargetModel,
@@ -90,6 +110,7 @@ def prefill(
     seqs: list[RunningSeq],
     capture: list[CapturePoint],
     chunk_tokens: int,
+    lockstep: Lockstep | None = None,
 ) -> StepResult:
     """Run the prompts (in chunks of at most ``chunk_tokens`` rows per sequence) and
     sample each sequence's first token; the drafter observes the whole prompt."""
@@ -116,6 +137,11 @@ def prefill(
                 aux[i].append(a)
             end += len(c)
             last_logits[i] = out.logits[end - 1]
+    if lockstep is not None:  # as many target forwards as the rank with the longest prompt
+        lockstep.idle_target(
+            lockstep.plan.prefill_forwards
+            - prefill_forwards([len(p) for p in prompts], chunk_tokens)
+        )
     # the first generated token comes from the last prompt row
     logits, bad = _mask_nonfinite(torch.stack(last_logits), [1] * len(seqs))  # [B, V], [B]
     probs = logits_to_probs(logits, [s.params for s in seqs])  # [B, V]
@@ -146,6 +172,7 @@ def decode_step(
     seqs: list[RunningSeq],
     capture: list[CapturePoint],
     metrics: SpecDecodeMetrics,
+    lockstep: Lockstep | None = None,
     schedule: Callable[[torch.Tensor, list[int]], list[int]] | None = None,
 ) -> StepResult:
     """One speculative step for every sequence in ``seqs`` (each with ``remaining >= 1``).
@@ -160,24 +187,30 @@ def decode_step(
     n0 = [s.target_state.num_tokens for s in seqs]  # the anchor's position, per sequence
     # Drafts per sequence: never more than its budget can commit (n drafts commit <= n+1).
     max_drafts = [s.remaining - 1 for s in seqs]
-    gamma = min(drafter.gamma, max(max_drafts))  # this step's block width
+    gamma = step_gamma(drafter, seqs)  # this step's block width
     n = [min(gamma, m) for m in max_drafts]  # [B] drafts verified per sequence
+    # drafts proposed: this step's, or the iteration's (>= gamma) under lockstep
+    proposed = gamma if lockstep is None else lockstep.plan.draft_tokens
 
     # 1. draft: gamma tokens after each anchor (q: the draft's full distributions, if sampled)
     anchors = torch.tensor([s.anchor for s in seqs], dtype=torch.long, device=device)  # [B]
     drafts = torch.empty(B, 0, dtype=torch.long, device=device)  # [B, gamma]
     draft_probs = None  # [B, gamma, V] or None (one-hot q)
-    if gamma > 0:
+    confidence = None  # [B, gamma] or None
+    if proposed > 0:
         requests = [
             DraftRequest(s.anchor, s.params, s.generator, max_drafts=m)
             for s, m in zip(seqs, max_drafts)
         ]
-        proposal = drafter.propose([s.draft_state for s in seqs], requests, gamma)
-        drafts, draft_probs = proposal.tokens, proposal.probs
+        proposal = drafter.propose([s.draft_state for s in seqs], requests, proposed)
+        if gamma > 0:  # the first gamma of what was proposed
+            drafts = proposal.tokens[:, :gamma]
+            draft_probs = None if proposal.probs is None else proposal.probs[:, :gamma]
+            confidence = None if proposal.confidence is None else proposal.confidence[:, :gamma]
         if schedule is not None:
-            if proposal.confidence is None:  # build() refuses this; a plugin drafter could
+            if confidence is None:  # build() refuses this; a plugin drafter could
                 raise RuntimeError("spec.adaptive: the drafter proposed without confidences")
-            n = schedule(proposal.confidence, n)  # [B] verified prefix per sequence
+            n = schedule(confidence, n)  # [B] verified prefix per sequence
             width = max(n)  # drafts beyond every sequence's prefix are never scored
             drafts = drafts[:, :width]
             draft_probs = draft_probs[:, :width] if draft_probs is not None else None
@@ -226,6 +259,5 @@ def decode_step(
 
     # 5. the drafter catches up on what was committed; 6. metrics from the output matrix
     drafter.observe([s.draft_state for s in seqs], rows)
-    confidence = proposal.confidence if gamma > 0 else None
     metrics.observe_step(output, torch.tensor(n, dtype=torch.long), confidence)
     return StepResult(new_tokens, num_drafts=n, num_accepted=[k - 1 for k in committed])

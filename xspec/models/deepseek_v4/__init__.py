@@ -74,7 +74,9 @@ def __getattr__(name: str) -> Any:  # lazy: keep `import xspec.models.deepseek_v
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
-def load_model(cfg: Any, *, device: torch.device, max_rollback: int) -> DeepseekV4Model:
+def load_model(
+    cfg: Any, *, device: torch.device, max_rollback: int, expert_parallel: Any = None
+) -> DeepseekV4Model:
     """Build the model described by the ``model`` config section and load its weights.
 
     ``cfg``: ``path`` (checkpoint dir; wins over ``preset``), ``preset`` (e.g. "tiny",
@@ -82,6 +84,8 @@ def load_model(cfg: Any, *, device: torch.device, max_rollback: int) -> Deepseek
     float16), ``max_context`` (None = the model's default). config.json and every tensor
     header are validated before anything is allocated; weights then stream in one tensor
     at a time. The returned model carries ``checkpoint_dir`` (drafters read it).
+    ``expert_parallel`` (an :class:`~xspec.parallel.expert.ExpertParallel`): load only
+    this rank's experts; the drafters then load theirs the same way.
     """
     import torch
 
@@ -94,6 +98,7 @@ def load_model(cfg: Any, *, device: torch.device, max_rollback: int) -> Deepseek
         device=device,
         max_rollback=max_rollback,
         max_context=cfg.max_context,
+        expert_parallel=expert_parallel,
     )
 
 
@@ -111,7 +116,22 @@ def preflight(cfg: Any) -> list[str]:
     return []
 
 
-load_model.preflight = preflight  # type: ignore[attr-defined]  # read by xspec.build.check
+def num_routed_experts(cfg: Any) -> int | None:
+    """The target's routed experts per MoE layer (config.json; None when unreadable:
+    ``preflight`` reports why). ``parallel.ep`` must divide it."""
+    from xspec.errors import UserError
+    from xspec.models.loading import Checkpoint
+
+    try:
+        value = Checkpoint(checkpoint_path(cfg)).config.get("n_routed_experts")
+    except UserError:
+        return None
+    return value if isinstance(value, int) else None
+
+
+# read by xspec.build.check
+load_model.preflight = preflight  # type: ignore[attr-defined]
+load_model.num_routed_experts = num_routed_experts  # type: ignore[attr-defined]
 
 
 def checkpoint_path(cfg: Any) -> Path:

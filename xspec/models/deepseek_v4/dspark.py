@@ -40,7 +40,7 @@ import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
@@ -53,10 +53,13 @@ from xspec.models.deepseek_v4.layout import BatchLayout
 from xspec.models.deepseek_v4.mhc import HyperHead, RMSNorm
 from xspec.models.deepseek_v4.model import Block, init_random
 from xspec.models.deepseek_v4.state import Ring, scatter_rows, stack_rings
-from xspec.models.deepseek_v4.weights import make_converter
+from xspec.models.deepseek_v4.weights import local_names, make_converter
 from xspec.models.draft_heads import ConfidenceHead, MarkovHead
 from xspec.models.loading import CONFIG_NAME, Checkpoint, load_params
 from xspec.platforms.base import DraftAttentionOp, SasIndicesRejected, SasMode
+
+if TYPE_CHECKING:
+    from xspec.parallel.expert import ExpertParallel
 
 log = logging.getLogger(__name__)
 
@@ -182,8 +185,17 @@ class DSparkStage(Block, HyperHead):
         own_head: bool,
         dtype: torch.dtype,
         device: torch.device | str,
+        expert_parallel: ExpertParallel | None = None,
     ) -> None:
-        super().__init__(args, args.num_hidden_layers + index, 0, False, dtype=dtype, device=device)
+        super().__init__(
+            args,
+            args.num_hidden_layers + index,
+            0,
+            False,
+            dtype=dtype,
+            device=device,
+            expert_parallel=expert_parallel,
+        )
         d, vocab, eps = args.hidden_size, args.vocab_size, args.rms_norm_eps
         kw: dict = dict(dtype=dtype, device=device)
         if index == 0:
@@ -242,6 +254,7 @@ class DSparkDraft(nn.Module):
         window: DraftWindow | None = None,
         dtype: torch.dtype = torch.float32,
         device: torch.device | str = "cpu",
+        expert_parallel: ExpertParallel | None = None,
     ) -> None:
         super().__init__()
         self.args = args
@@ -258,6 +271,7 @@ class DSparkDraft(nn.Module):
                 own_head=head is None,
                 dtype=dtype,
                 device=device,
+                expert_parallel=expert_parallel,
             )
             for i in range(num_stages)
         )
@@ -580,8 +594,10 @@ def load_dspark(
     window: DraftWindow | None,
     dtype: torch.dtype,
     device: torch.device | str,
+    expert_parallel: ExpertParallel | None = None,
 ) -> DSparkDraft:
-    """Allocate the stages of ``plan`` and stream their weights in."""
+    """Allocate the stages of ``plan`` and stream their weights in (with
+    ``expert_parallel``: only this rank's experts)."""
     draft = DSparkDraft(
         plan.args,
         num_stages=plan.num_stages,
@@ -593,9 +609,12 @@ def load_dspark(
         window=window,
         dtype=dtype,
         device=device,
+        expert_parallel=expert_parallel,
     )
     convert = make_converter(plan.ckpt, plan.dequant) if plan.dequant else None
-    load_params(draft, plan.ckpt, plan.names.get, convert=convert)
+    load_params(
+        draft, plan.ckpt, local_names(plan.names, expert_parallel, plan.args), convert=convert
+    )
     return draft.eval()
 
 
@@ -671,5 +690,6 @@ def load_block_draft(
         window=DraftWindow(platform),
         dtype=target.dtype,
         device=platform.device(),
+        expert_parallel=target.expert_parallel,  # the target's EP share
     )
     return LoadedDraft(draft, plan.block_size, plan.capture_layer_ids, plan.ckpt.path)

@@ -14,6 +14,7 @@ with a cache from ``block.new_cache(...)`` and a :class:`BlockContext`.
 from __future__ import annotations
 
 import math
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
@@ -25,6 +26,9 @@ from xspec.models.deepseek_v4.attention import Attention
 from xspec.models.deepseek_v4.mhc import HyperHead, RMSNorm, hc_post, hc_pre, new_hc_params
 from xspec.models.deepseek_v4.moe import MoE
 from xspec.models.deepseek_v4.state import BlockContext, DeepseekV4State, LayerCache, kv_bytes
+
+if TYPE_CHECKING:
+    from xspec.parallel.expert import ExpertParallel
 
 
 class Block(nn.Module):
@@ -42,6 +46,7 @@ class Block(nn.Module):
         hash_routed: bool,
         dtype: torch.dtype = torch.float32,
         device: torch.device | str = "cpu",
+        expert_parallel: ExpertParallel | None = None,
     ) -> None:
         super().__init__()
         self.args = args
@@ -56,7 +61,14 @@ class Block(nn.Module):
             args, head=False, device=device
         )
         self.attn = Attention(args, compress_ratio, dtype=dtype, device=device)
-        self.ffn = MoE(args, hash_routed, dtype=dtype, device=device)
+        self.ffn = MoE(
+            args,
+            hash_routed,
+            dtype=dtype,
+            device=device,
+            expert_parallel=expert_parallel,
+            tag=layer_id,
+        )
 
     def forward(self, x: torch.Tensor, ctx: BlockContext) -> torch.Tensor:
         """``x [T, hc, d]`` streams -> ``[T, hc, d]``; ``ctx.caches`` are this block's."""
@@ -86,6 +98,7 @@ class DeepseekV4Model(nn.Module, HyperHead):
         device: torch.device | str = "cpu",
         max_rollback: int = 8,
         max_context: int | None = None,
+        expert_parallel: ExpertParallel | None = None,
     ) -> None:
         super().__init__()
         problems = args.problems()
@@ -100,9 +113,19 @@ class DeepseekV4Model(nn.Module, HyperHead):
         self.max_context = max_context or args.max_position_embeddings
         self.max_rollback = max_rollback
         self.dtype = dtype
+        # this rank's share of the experts (None: all of them); the drafters share it
+        self.expert_parallel = expert_parallel
         self.embed = nn.Embedding(args.vocab_size, args.hidden_size, dtype=dtype, device=device)
         self.layers = nn.ModuleList(
-            Block(args, i, ratio, args.is_hash_layer(i), dtype=dtype, device=device)
+            Block(
+                args,
+                i,
+                ratio,
+                args.is_hash_layer(i),
+                dtype=dtype,
+                device=device,
+                expert_parallel=expert_parallel,
+            )
             for i, ratio in enumerate(args.target_compress_ratios)
         )
         self.norm = RMSNorm(args.hidden_size, args.rms_norm_eps, device=device)

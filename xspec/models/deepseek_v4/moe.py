@@ -7,17 +7,25 @@ the experts from ``tid2eid[token_id]``. Weights ``s[idx]``, renormalised when
 ``norm_topk_prob``, times ``routed_scaling_factor``. Expert: ``w2((silu(min(w1 x, L)) *
 clamp(w3 x, -L, L)) * weight)`` in fp32 (the routing weight is applied before ``w2``, as
 officially); the shared expert is the same module, added unweighted.
+
+Expert parallelism (``expert_parallel``, :mod:`xspec.parallel.expert`): the layer holds
+only its rank's experts (the others are empty placeholders, so ids stay global and the
+state_dict names only the local ones) and routes its assignments through the EP group;
+the per-row sum stays the single-process one.
 """
 
 from __future__ import annotations
 
-from typing import cast
+from typing import TYPE_CHECKING, cast
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from xspec.models.deepseek_v4.args import DeepseekV4Args
+
+if TYPE_CHECKING:
+    from xspec.parallel.expert import ExpertParallel
 
 
 class Expert(nn.Module):
@@ -96,9 +104,13 @@ class Gate(nn.Module):
         return weights * self.args.routed_scaling_factor, experts
 
 
+class RemoteExpert(nn.Module):
+    """Placeholder of an expert another EP rank holds (no tensors)."""
+
+
 class MoE(nn.Module):
     """Checkpoint tensors (``layers.{i}.ffn.``): ``gate.*``, ``experts.{e}.w{1,2,3}``,
-    ``shared_experts.w{1,2,3}``."""
+    ``shared_experts.w{1,2,3}``. ``tag``: the layer id, checked across EP ranks."""
 
     def __init__(
         self,
@@ -107,14 +119,24 @@ class MoE(nn.Module):
         *,
         dtype: torch.dtype,
         device: torch.device | str,
+        expert_parallel: ExpertParallel | None = None,
+        tag: int = 0,
     ) -> None:
         super().__init__()
         d, inter, limit = args.hidden_size, args.moe_intermediate_size, args.swiglu_limit
         self.limit = limit
+        self.tag = tag
+        self.dtype = dtype
+        self.expert_parallel = expert_parallel
         self.gate = Gate(args, hash_routed, device=device)
+        local = (
+            range(args.n_routed_experts)
+            if expert_parallel is None
+            else expert_parallel.local(args.n_routed_experts)
+        )
         self.experts = nn.ModuleList(
-            Expert(d, inter, limit, dtype=dtype, device=device)
-            for _ in range(args.n_routed_experts)
+            Expert(d, inter, limit, dtype=dtype, device=device) if e in local else RemoteExpert()
+            for e in range(args.n_routed_experts)
         )
         self.shared_experts = (
             Expert(d, inter * args.n_shared_experts, limit, dtype=dtype, device=device)
@@ -130,15 +152,28 @@ class MoE(nn.Module):
         # host sync (the group sizes) slices the groups, experts without rows are skipped
         flat = experts.flatten()  # [T*k]
         order = flat.argsort(stable=True)
-        sizes = torch.bincount(flat, minlength=len(self.experts)).tolist()
+        counts = torch.bincount(flat, minlength=len(self.experts))  # [E]
         rows = order // experts.shape[1]  # token row of each sorted assignment
-        if rows.numel():
-            ws = weights.flatten()[order].unsqueeze(1)  # [N, 1] routing weight
-            out = self._grouped(x.index_select(0, rows), ws, sizes)  # [N, d]
+        ws = weights.flatten()[order].unsqueeze(1)  # [N, 1] routing weight
+        if self.expert_parallel is not None:  # every EP rank enters, with or without rows
+            out = self.expert_parallel.run(
+                x.index_select(0, rows), ws, counts, self._grouped, self.tag
+            )  # [N, d]
+            y.index_add_(0, rows, out.float())  # per row: ascending expert order
+        elif rows.numel():
+            out = self._grouped(x.index_select(0, rows), ws, counts.tolist())  # [N, d]
             y.index_add_(0, rows, out.float())  # per row: ascending expert order
         if self.shared_experts is not None:
             y += self.shared_experts(x).float()
         return y.to(x.dtype)
+
+    def idle(self) -> None:
+        """This layer with no rows: an EP rank with nothing to compute still serves the
+        rows other ranks route to its experts (no-op without expert parallelism)."""
+        if self.expert_parallel is not None:
+            d, device = self.gate.weight.shape[1], self.gate.weight.device
+            empty = torch.empty(0, d, dtype=self.dtype, device=device)
+            self(empty, torch.empty(0, dtype=torch.long, device=empty.device))
 
     def _grouped(self, xs: torch.Tensor, ws: torch.Tensor, sizes: list[int]) -> torch.Tensor:
         """The routed experts on their groups: ``xs [N, d]`` rows sorted by expert,

@@ -43,6 +43,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
@@ -53,8 +54,11 @@ from xspec.models.deepseek_v4.draft_plan import crossover_problems, plan_tensors
 from xspec.models.deepseek_v4.mhc import HyperHead, RMSNorm
 from xspec.models.deepseek_v4.model import Block, init_random
 from xspec.models.deepseek_v4.state import BlockContext
-from xspec.models.deepseek_v4.weights import make_converter
+from xspec.models.deepseek_v4.weights import local_names, make_converter
 from xspec.models.loading import CONFIG_NAME, Checkpoint, load_params
+
+if TYPE_CHECKING:
+    from xspec.parallel.expert import ExpertParallel
 
 EXPORTED_MODEL_TYPE = "deepseek_v4_mtp"
 VOCAB_KEYS = ("embed.weight", "head.weight")
@@ -117,9 +121,12 @@ class MtpBlock(Block, HyperHead):
         rot: bool = False,
         dtype: torch.dtype = torch.float32,
         device: torch.device | str = "cpu",
+        expert_parallel: ExpertParallel | None = None,
     ) -> None:
         # the MTP layer is sliding-window only (ratio 0) with learned (not hash) routing
-        super().__init__(args, layer_id, 0, False, dtype=dtype, device=device)
+        super().__init__(
+            args, layer_id, 0, False, dtype=dtype, device=device, expert_parallel=expert_parallel
+        )
         d, vocab, eps = args.hidden_size, args.vocab_size, args.rms_norm_eps
         kw: dict = dict(bias=False, dtype=dtype, device=device)
         self.e_proj = nn.Linear(d, d, **kw)
@@ -294,10 +301,12 @@ def load_mtp(
     head: nn.Linear,
     dtype: torch.dtype,
     device: torch.device | str,
+    expert_parallel: ExpertParallel | None = None,
 ) -> MtpBlock:
     """Allocate the MTP block of ``plan`` and stream its weights in.
 
     ``embed`` / ``head``: the target's, used unless the checkpoint has dedicated ones.
+    ``expert_parallel``: only this rank's experts (the target's EP share).
     """
     keys = plan.keys
     module = MtpBlock(
@@ -308,9 +317,12 @@ def load_mtp(
         rot="rot.weight" in keys,
         dtype=dtype,
         device=device,
+        expert_parallel=expert_parallel,
     )
     convert = make_converter(plan.ckpt, plan.dequant) if plan.dequant else None
-    load_params(module, plan.ckpt, plan.names.get, convert=convert)
+    load_params(
+        module, plan.ckpt, local_names(plan.names, expert_parallel, plan.args), convert=convert
+    )
     return module.eval()
 
 

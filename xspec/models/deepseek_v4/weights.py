@@ -36,7 +36,7 @@ from __future__ import annotations
 
 import math
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -48,6 +48,7 @@ from xspec.models.loading import CONFIG_NAME, Checkpoint, load_params
 
 if TYPE_CHECKING:
     from xspec.models.deepseek_v4.model import DeepseekV4Model
+    from xspec.parallel.expert import ExpertParallel
 
 QUANT_DESCRIPTION = "quant_model_description.json"
 W8A8_TYPES = ("W8A8", "W8A8_DYNAMIC")
@@ -148,6 +149,26 @@ def _ffn(prefix: str, inter: int, d: int) -> dict[str, list[int]]:
         f"{prefix}.w2.weight": [d, inter],
         f"{prefix}.w3.weight": [inter, d],
     }
+
+
+def local_tensors(
+    names: Iterable[str], expert_parallel: ExpertParallel | None, args: DeepseekV4Args
+) -> set[str]:
+    """The names this rank loads: all, or all but other EP ranks' experts."""
+    if expert_parallel is None:
+        return set(names)
+    return {n for n in names if expert_parallel.holds(n, args.n_routed_experts)}
+
+
+def local_names(
+    names: dict[str, str], expert_parallel: ExpertParallel | None, args: DeepseekV4Args
+) -> Callable[[str], str | None]:
+    """A drafter's ``load_params`` rename (checkpoint name -> module key) that skips other
+    EP ranks' experts."""
+    if expert_parallel is None:
+        return names.get
+    kept = {n: k for n, k in names.items() if expert_parallel.holds(k, args.n_routed_experts)}
+    return kept.get
 
 
 def is_drafter_tensor(name: str) -> bool:
@@ -384,17 +405,24 @@ def load_checkpoint(
     device: torch.device | str,
     max_rollback: int = 8,
     max_context: int | None = None,
+    expert_parallel: ExpertParallel | None = None,
 ) -> DeepseekV4Model:
-    """Validate everything from headers, then allocate the model and stream the weights in."""
+    """Validate everything from headers, then allocate the model and stream the weights in.
+    With ``expert_parallel`` only this rank's experts are allocated and read."""
     from xspec.models.deepseek_v4.model import DeepseekV4Model
 
     ckpt = Checkpoint(path)
     args = DeepseekV4Args.from_config(ckpt.config, ckpt.path / CONFIG_NAME)
     dequant = check_checkpoint(ckpt, args)
     model = DeepseekV4Model(
-        args, dtype=dtype, device=device, max_rollback=max_rollback, max_context=max_context
+        args,
+        dtype=dtype,
+        device=device,
+        max_rollback=max_rollback,
+        max_context=max_context,
+        expert_parallel=expert_parallel,
     )
-    wanted = expected_tensors(args)
+    wanted = local_tensors(expected_tensors(args), expert_parallel, args)
     load_params(
         model, ckpt, lambda n: n if n in wanted else None, convert=make_converter(ckpt, dequant)
     )
