@@ -248,6 +248,7 @@ class SpecDecodeMetrics:
             "committed": self._num_committed,
             "full": self._num_full,
             "zero": self._num_zero,
+            "target_rows": self._num_target_rows,
             "per_position": list(self._per_position),
             "calibration": [list(c) for c in self._calib],
         }
@@ -263,6 +264,7 @@ class SpecDecodeMetrics:
         self._num_committed += t["committed"]
         self._num_full += t["full"]
         self._num_zero += t["zero"]
+        self._num_target_rows += t["target_rows"]
         self._per_position += [0] * (len(t["per_position"]) - len(self._per_position))
         for k, count in enumerate(t["per_position"]):
             self._per_position[k] += count
@@ -276,6 +278,8 @@ class SpecDecodeMetrics:
         self._draft_tokens.inc(t["draft_tokens"])
         self._accepted.inc(t["accepted"])
         self._committed.inc(t["committed"])
+        self._target_rows.inc(t["target_rows"])
+        self._wasted_rows.inc(t["draft_tokens"] - t["accepted"])
         self._tokens_per_step.set(_ratio(self._num_committed, self._row_steps))
 
     def report(self) -> AcceptanceReport:
