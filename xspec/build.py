@@ -205,29 +205,16 @@ def build(cfg: RunConfig) -> Built:
         stop_ids=stop_ids, synchronize=platform.synchronize, plan=plan, decode=tokenizer.decode
     )
     experts = routed_expert_bytes(target, drafter)
-    if not parallel.distributed:
+    if parallel.distributed:  # (spec.adaptive is refused there by _checks)
+        lockstep = Lockstep(parallel, target, drafter)  # type: ignore[arg-type]
+        engine: Engine = ParallelEngine(
+            target, drafter, capture, parallel=parallel, lockstep=lockstep, **kw
+        )
+        per_rank = [row[0] for row in parallel.all_gather_ints([experts])]
+    else:
         schedule = AdaptiveVerify(profile.cost) if profile is not None else None
         engine = Engine(target, drafter, capture, schedule=schedule, **kw)
-        return Built(
-            cfg,
-            platform,
-            target,
-            drafter,
-            capture,
-            tokenizer,
-            engine,
-            profile=profile,
-            expert_bytes=[experts],
-        )
-    engine = ParallelEngine(
-        target,
-        drafter,
-        capture,
-        parallel=parallel,
-        lockstep=Lockstep(parallel, target, drafter),  # type: ignore[arg-type]
-        **kw,
-    )
-    per_rank = [row[0] for row in parallel.all_gather_ints([experts])]
+        per_rank = [experts]
     return Built(
         cfg,
         platform,
@@ -236,6 +223,7 @@ def build(cfg: RunConfig) -> Built:
         capture,
         tokenizer,
         engine,
+        profile=profile,
         parallel=parallel,
         expert_bytes=per_rank,
     )
