@@ -133,7 +133,7 @@ BAD_INPUTS = [
     ("truncated shard", lambda llm, d: _llm(f"model.path={d['truncated']}", model="qwen3"), CheckpointError, "model-00001-of-00003.safetensors is truncated"),
     ("NaN weight", lambda llm, d: _llm(f"model.path={d['nan']}", model="qwen3"), CheckpointError, "'model.layers.1.mlp.up_proj.weight' in"),
     ("qwen3 as dsv4", lambda llm, d: _llm(f"model.path={d['ok']}", model="dsv4_flash"), CheckpointError, "this is a Qwen3 checkpoint"),
-    ("qwen3 as draft", lambda llm, d: xspec.LLM(model="dsv4_tiny", spec="mtp", platform="cpu", overrides={"spec.draft_path": str(d["ok"])}), ConfigError, "this is a Qwen3 checkpoint"),
+    ("qwen3 as draft", lambda llm, d: xspec.LLM(model="dsv4_tiny_random", spec="mtp", platform="cpu", overrides={"spec.draft_path": str(d["ok"])}), ConfigError, "this is a Qwen3 checkpoint"),
 ]  # fmt: skip
 
 

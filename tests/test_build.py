@@ -44,12 +44,12 @@ def no_weights(monkeypatch: pytest.MonkeyPatch) -> None:
 
 @pytest.mark.usefixtures("no_weights")
 def test_good_runs_have_no_problems() -> None:
-    for overrides in (["model=qwen3_tiny", "spec=none"], ["model=dsv4_tiny", "spec=mtp"]):
+    for overrides in (["model=qwen3_tiny", "spec=none"], ["model=dsv4_tiny_random", "spec=mtp"]):
         assert check(compose_run([*overrides, "platform=cpu"])) == [], overrides
 
 
 def test_effective_gamma_of_each_method() -> None:
-    cfg = compose_run(["model=dsv4_tiny", "spec=oracle", "spec.num_speculative_tokens=null"])
+    cfg = compose_run(["model=dsv4_tiny_random", "spec=oracle", "spec.num_speculative_tokens=null"])
     assert effective_gamma(OracleDrafter, cfg.spec, cfg.model) == 3
     assert effective_gamma(MtpDrafter, cfg.spec, cfg.model) == 1
     cfg.spec.num_speculative_tokens = 5
@@ -66,7 +66,7 @@ def test_platform_limit_checked_at_the_drafters_real_gamma(two_drafts: str) -> N
     problems = check(cfg)
     assert any("spec.num_speculative_tokens=3" in p and "limit of 2" in p for p in problems)
     cfg.spec.method = "mtp"  # MTP's default gamma 1 fits
-    cfg.model = compose_run(["model=dsv4_tiny"]).model
+    cfg.model = compose_run(["model=dsv4_tiny_random"]).model
     assert check(cfg) == []
 
 

@@ -63,7 +63,7 @@ QWEN3 = ["model=qwen3", "spec=none", "platform=cpu", "workload.max_new_tokens=2"
 @pytest.mark.parametrize(
     ("args", "needles"),
     [
-        (["model=nope"], ["model/nope", "qwen3_tiny", "dsv4_tiny"]),
+        (["model=nope"], ["model/nope", "qwen3_tiny", "dsv4_tiny_random"]),
         (["workload.max_new_tokens=many"], ["workload.max_new_tokens"]),
         (["+unknown.key=1"], ["unknown"]),
         (["model=dsv4_flash"], ["model.path"]),
@@ -87,7 +87,7 @@ QWEN3 = ["model=qwen3", "spec=none", "platform=cpu", "workload.max_new_tokens=2"
         ([*QWEN3, "model.path={truncated}"], ["model-00001-of-00003.safetensors is truncated"]),
         ([*QWEN3, "model.path={nan}"], ["model.layers.1.mlp.up_proj.weight", "NaN or Inf"]),
         ([*QWEN3[1:], "model=dsv4_flash", "model.path={ok}"], ["this is a Qwen3 checkpoint", "model=qwen3"]),
-        (["model=dsv4_tiny", "spec=mtp", "platform=cpu", "spec.draft_path={ok}"], ["this is a Qwen3 checkpoint"]),
+        (["model=dsv4_tiny_random", "spec=mtp", "platform=cpu", "spec.draft_path={ok}"], ["this is a Qwen3 checkpoint"]),
         ([*RUN, "CACHE={bad_cache}"], ["is truncated", "delete {bad_preset}"]),
         ([*RUN, "CACHE={a_file}"], ["XSPEC_CACHE_DIR to a writable directory"]),
     ],

@@ -47,6 +47,13 @@ def test_wheel_ships_the_same_configs(tmp_path: Path) -> None:
     yaml = {str(p.relative_to(ROOT)) for p in (ROOT / "conf").rglob("*.yaml")}
     assert {f"xspec/{n}" for n in yaml} <= names
     assert not [n for n in names if n.startswith("conf/")]  # not a top-level package
+    # the shipped trained checkpoints (model=dsv4_tiny) travel inside the package
+    assets = {
+        str(p.relative_to(ROOT)) for p in (ROOT / "xspec" / "assets").rglob("*") if p.is_file()
+    }
+    assert {"xspec/assets/dsv4_tiny/model.safetensors", "xspec/assets/dsv4_tiny/tokenizer.json",
+            "xspec/assets/dsv4_tiny_dspark/model.safetensors"} <= assets  # fmt: skip
+    assert assets <= names
 
 
 def test_user_config_dir_adds_options(tmp_path: Path, xspec_cache: Path) -> None:

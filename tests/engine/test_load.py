@@ -17,7 +17,7 @@ MAX_PROMPT, MAX_NEW = 12, 8
 
 
 def load(num_requests: int, concurrency: int, fits: int) -> None:
-    b = xspec.LLM(model="dsv4_tiny", spec="none", platform="cpu")._built
+    b = xspec.LLM(model="dsv4_tiny_random", spec="none", platform="cpu")._built
     rng = random.Random(0)
     prompts = [
         [rng.randrange(3, 500) for _ in range(rng.randrange(4, MAX_PROMPT + 1))] for _ in range(8)

@@ -75,20 +75,21 @@ def test_pool_reserves_and_releases() -> None:
 def test_dspark_reserves_only_window_rings_mtp_its_layer() -> None:
     """The DeepSeek-V4 DSpark draft keeps one [window, head_dim] ring per stage and
     nothing per token; MTP keeps its SWA ring (+ rollback rows); Qwen3 drafts grow."""
-    dspark = llm("dsv4_tiny", "dspark")._built
+    dspark = llm("dsv4_tiny_random", "dspark")._built
     args, stages = dspark.target.args, len(dspark.drafter.model.stages)
     es = dspark.target.dtype.itemsize
     assert dspark.drafter.kv_bytes() == KvBytes(stages * args.sliding_window * args.head_dim * es)
-    mtp = llm("dsv4_tiny", "mtp")._built
+    mtp = llm("dsv4_tiny_random", "mtp")._built
     assert mtp.drafter.kv_bytes().fixed >= args.sliding_window * args.head_dim * es
     assert mtp.engine.plan.target == mtp.target.kv_bytes()
     assert mtp.target.kv_bytes().per_token > 0  # C4 / C128 entries and indexer keys
     assert llm("qwen3_tiny", "dflash")._built.drafter.kv_bytes().per_token > 0
-    assert llm("dsv4_tiny", "none")._built.drafter.kv_bytes() == KvBytes()
+    assert llm("dsv4_tiny_random", "none")._built.drafter.kv_bytes() == KvBytes()
 
 
 @pytest.mark.parametrize(
-    ("model", "spec"), [("dsv4_tiny", "mtp"), ("dsv4_tiny", "dspark"), ("qwen3_tiny", "dflash")]
+    ("model", "spec"),
+    [("dsv4_tiny_random", "mtp"), ("dsv4_tiny_random", "dspark"), ("qwen3_tiny", "dflash")],
 )
 def test_planned_bytes_equal_allocated_at_full_length(model: str, spec: str) -> None:
     """Three sequences run to their full length: the tensors their target and draft
@@ -119,7 +120,7 @@ def budget_for(plan: MemoryPlan, seqs: float, prompt: int, new: int) -> MemoryPl
 def test_pool_admits_as_others_finish_and_frees_everything() -> None:
     """A budget for 2 sequences, 5 requests at concurrency 5: at most 2 run at once,
     each completion admits the next, all finish with the unconstrained output."""
-    b = llm("dsv4_tiny", "mtp")._built
+    b = llm("dsv4_tiny_random", "mtp")._built
     prompts = [list(range(5 + i, 20 + i)) for i in range(5)]
     want = [
         g.token_ids for g in b.engine.run([Request(p, 6, SamplingParams()) for p in prompts], 5)
@@ -138,7 +139,7 @@ def test_pool_admits_as_others_finish_and_frees_everything() -> None:
 def test_impossible_request_rejected_alone() -> None:
     """Beyond the model context, or beyond the memory plan: that request gets an error
     and no tokens; the others complete as if it had not been there."""
-    b = llm("dsv4_tiny", "mtp")._built
+    b = llm("dsv4_tiny_random", "mtp")._built
     good = [list(range(5, 20)), list(range(30, 41))]
     want = [g.token_ids for g in b.engine.run([Request(p, 6, SamplingParams()) for p in good], 2)]
     plan = budget_for(b.engine.plan, 1.5, 15, 6)

@@ -31,7 +31,7 @@ def test_topology_replicas_and_expert_groups():
 
 
 def _problems(overrides: list[str]) -> list[str]:
-    cfg = compose_run(["model=dsv4_tiny", "platform=cpu", *overrides])
+    cfg = compose_run(["model=dsv4_tiny_random", "platform=cpu", *overrides])
     return check(cfg)
 
 
@@ -80,7 +80,7 @@ def test_backend_comes_from_the_platform():
 
 
 def test_cli_exits_2_for_ep_without_torchrun(tmp_path):
-    r = run_cli("model=dsv4_tiny", "platform=cpu", "parallel.ep=2", cache=tmp_path / "c")
+    r = run_cli("model=dsv4_tiny_random", "platform=cpu", "parallel.ep=2", cache=tmp_path / "c")
     assert r.returncode == 2, r.stderr
     assert "parallel.ep=2 needs 2+ processes" in r.stderr and "Traceback" not in r.stderr
 

@@ -25,7 +25,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 BASE = [
-    "model=dsv4_tiny",
+    "model=dsv4_tiny_random",
     "platform=cpu",
     "workload.max_new_tokens=12",
     "workload.num_requests=4",

@@ -10,7 +10,7 @@ Every check is about the contract in ``xspec/platforms/base.py``: typed capture 
 that mean "output of layer L", frozen capabilities read once, validation that lists every
 problem by key, the SAS mode policy, the small device services, imports that do no
 device work, and a short generation on ``platform.device()`` (baseline, oracle and MTP
-drafters on dsv4_tiny) that fails on any host/device tensor mixing in the step. The class name does not start with ``Test``, so pytest collects it only
+drafters on dsv4_tiny_random) that fails on any host/device tensor mixing in the step. The class name does not start with ``Test``, so pytest collects it only
 through subclasses.
 """
 
@@ -94,8 +94,8 @@ GENERATION_TOKENS = 6
 
 @functools.cache
 def _tiny_dsv4(device: str) -> Any:
-    """dsv4_tiny loaded on ``device`` once per test session (read-only: states are per run)."""
-    cfg = ModelConfig(arch="deepseek_v4", preset="tiny")
+    """dsv4_tiny_random loaded on ``device`` once per test session (read-only: states are per run)."""
+    cfg = ModelConfig(arch="deepseek_v4", preset="tiny_random")
     return registry.models.get("deepseek_v4")(cfg, device=torch.device(device), max_rollback=8)
 
 
@@ -108,7 +108,7 @@ def generate_on(platform: Platform, method: str, gamma: int | None) -> list[list
     drafter = registry.spec_methods.get(method)(
         SpecConfig(method=method, num_speculative_tokens=gamma),
         target=target,
-        model_cfg=ModelConfig(arch="deepseek_v4", preset="tiny"),
+        model_cfg=ModelConfig(arch="deepseek_v4", preset="tiny_random"),
         platform=platform,
     )
     engine = Engine(target, drafter, [], stop_ids=frozenset(), synchronize=platform.synchronize)

@@ -72,7 +72,7 @@ def adaptive(model: str, **overrides: Any) -> xspec.LLM:
 
 @pytest.fixture(scope="module")
 def dsv4_baseline() -> list[list[int]]:
-    llm = xspec.LLM(model="dsv4_tiny", spec="none", platform="cpu")
+    llm = xspec.LLM(model="dsv4_tiny_random", spec="none", platform="cpu")
     return [g.token_ids for g in llm.generate(PROMPTS, NEW, ignore_eos=True)]
 
 
@@ -87,7 +87,7 @@ def dsv4_draft(tmp_path_factory: pytest.TempPathFactory, dsv4_baseline: list[lis
 
 
 def test_dsv4_greedy_equals_baseline(dsv4_baseline: list[list[int]], dsv4_draft: Path) -> None:
-    llm = adaptive("dsv4_tiny", **{"spec.draft_path": str(dsv4_draft)})
+    llm = adaptive("dsv4_tiny_random", **{"spec.draft_path": str(dsv4_draft)})
     assert llm._built.profile is not None  # built with a profile; the test swaps the cost
     record = Recording(STEEP)
     llm._built.engine.schedule = record
@@ -221,7 +221,7 @@ def test_sampled_outputs_follow_the_target_through_the_scheduler() -> None:
 
 def test_adaptive_without_a_confidence_head_is_a_config_error(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match=r"needs a drafter with a confidence head.*spec=mtp"):
-        xspec.LLM(model="dsv4_tiny", spec="mtp", platform="cpu", overrides={"spec.adaptive": True})
+        xspec.LLM(model="dsv4_tiny_random", spec="mtp", platform="cpu", overrides={"spec.adaptive": True})
     with pytest.raises(ConfigError, match=r"spec=dflash draft in .* has none"):
         xspec.LLM(
             model="qwen3_tiny", spec="dflash", platform="cpu", overrides={"spec.adaptive": True}
@@ -231,7 +231,7 @@ def test_adaptive_without_a_confidence_head_is_a_config_error(tmp_path: Path) ->
     del tensors["mtp.2.confidence_head.proj.weight"]
     write_checkpoint(tmp_path, tensors, config)
     with pytest.raises(ConfigError, match=r"spec=dspark draft in .* has none"):
-        adaptive("dsv4_tiny", **{"spec.draft_path": str(tmp_path)})
+        adaptive("dsv4_tiny_random", **{"spec.draft_path": str(tmp_path)})
 
 
 def test_profile_for_another_model_is_refused(tmp_path: Path) -> None:
@@ -284,7 +284,7 @@ def test_cli_shorthand_results_and_bad_input_exit_code(tmp_path: Path) -> None:
     assert res["adaptive"]["calibrated"] is False and res["mean_target_rows_per_step"] >= 1.0
     assert "num_wasted_target_rows" in res["spec_decode"]
     bad = subprocess.run(
-        [*common[:3], "model=dsv4_tiny", "spec=mtp", "spec.adaptive=true"],
+        [*common[:3], "model=dsv4_tiny_random", "spec=mtp", "spec.adaptive=true"],
         capture_output=True, text=True, env=env, timeout=300,
     )  # fmt: skip
     assert bad.returncode == 2 and "needs a drafter with a confidence head" in bad.stderr

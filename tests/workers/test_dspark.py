@@ -1,4 +1,4 @@
-"""``spec=dspark`` on DeepSeek-V4 (dsv4_tiny + its 0731-layout companion): exact greedy
+"""``spec=dspark`` on DeepSeek-V4 (dsv4_tiny_random + its 0731-layout companion): exact greedy
 equality with the baseline at every gamma and SAS mode, with drafts that really get
 accepted; the Markov loop's q; the distribution through the Markov loop; gamma defaults;
 the NPU runtime SAS fallback; CLI on the NPU policy."""
@@ -43,7 +43,7 @@ RANK = 128  # > distinct tokens of the baseline's output: one Markov direction e
 
 @pytest.fixture(scope="module")
 def baseline() -> list[list[int]]:
-    llm = xspec.LLM(model="dsv4_tiny", spec="none", platform="cpu")
+    llm = xspec.LLM(model="dsv4_tiny_random", spec="none", platform="cpu")
     return [g.token_ids for g in llm.generate(PROMPTS, NEW, ignore_eos=True)]
 
 
@@ -76,7 +76,7 @@ def test_greedy_equals_baseline(
     baseline: list[list[int]], forced_draft: Path, gamma: int, native_sas: str
 ) -> None:
     llm = xspec.LLM(
-        model="dsv4_tiny",
+        model="dsv4_tiny_random",
         spec="dspark",
         platform="cpu",
         overrides={
@@ -101,7 +101,7 @@ def test_greedy_equals_baseline(
 def test_continuous_batching_and_default_preset(baseline: list[list[int]]) -> None:
     """The preset companion (random stages, gamma = the trained 5), requests admitted as
     others finish."""
-    llm = xspec.LLM(model="dsv4_tiny", spec="dspark", platform="cpu")
+    llm = xspec.LLM(model="dsv4_tiny_random", spec="dspark", platform="cpu")
     assert llm._built.drafter.gamma == 5
     out = llm.generate(PROMPTS, NEW, ignore_eos=True, concurrency=2)
     assert [g.token_ids for g in out] == baseline
@@ -110,7 +110,7 @@ def test_continuous_batching_and_default_preset(baseline: list[list[int]]) -> No
 def test_gamma_override_warns(caplog: pytest.LogCaptureFixture) -> None:
     with caplog.at_level(logging.WARNING):
         llm = xspec.LLM(
-            model="dsv4_tiny",
+            model="dsv4_tiny_random",
             spec="dspark",
             platform="cpu",
             overrides={"spec.num_speculative_tokens": 3},
@@ -122,8 +122,8 @@ def test_gamma_override_warns(caplog: pytest.LogCaptureFixture) -> None:
 def test_capture_points_follow_the_platform() -> None:
     """Raw ids [2, 3, 4] in config order: output of L on the CPU, input of L+1 on the NPU
     policy; both read the same hidden states, so the drafts agree."""
-    cpu = xspec.LLM(model="dsv4_tiny", spec="dspark", platform="cpu")
-    npu = xspec.LLM(model="dsv4_tiny", spec="dspark", platform="npu_emulated")
+    cpu = xspec.LLM(model="dsv4_tiny_random", spec="dspark", platform="cpu")
+    npu = xspec.LLM(model="dsv4_tiny_random", spec="dspark", platform="npu_emulated")
     assert cpu._built.drafter.capture_layer_ids == [2, 3, 4]
     assert [p.layer for p in npu._built.capture] == [3, 4, 5]
     prompts = PROMPTS[2:]
@@ -138,7 +138,7 @@ def test_npu_runtime_fallback_to_compatibility(
     """The probe says native, the operator rejects explicit indices when called: the draft
     falls back once, with a logged reason, and the output is unchanged."""
     llm = xspec.LLM(
-        model="dsv4_tiny",
+        model="dsv4_tiny_random",
         spec="dspark",
         platform="npu_emulated",
         overrides={"spec.draft_path": str(forced_draft)},
@@ -171,7 +171,7 @@ def test_cli_headline_on_the_npu_policy(tmp_path: Path) -> None:
             sys.executable,
             "-m",
             "xspec",
-            "model=dsv4_tiny",
+            "model=dsv4_tiny_random",
             "spec=dspark",
             "platform=npu_emulated",
             "workload.max_new_tokens=8",
@@ -278,7 +278,7 @@ def test_dspark_keys_do_not_change_the_target() -> None:
     attention is never armed on the target."""
     from xspec.models.deepseek_v4.tiny import tiny_dspark_dir
 
-    plain = xspec.LLM(model="dsv4_tiny", spec="none", platform="cpu")
+    plain = xspec.LLM(model="dsv4_tiny_random", spec="none", platform="cpu")
     flash = xspec.LLM(
         model="dsv4_flash",
         spec="none",
@@ -297,7 +297,7 @@ def test_dflash_on_deepseek_v4_is_a_config_error() -> None:
     from xspec.errors import ConfigError
 
     with pytest.raises(ConfigError, match=r"spec=dflash needs a target .*model.arch: qwen3"):
-        xspec.LLM(model="dsv4_tiny", spec="dflash", platform="cpu")
+        xspec.LLM(model="dsv4_tiny_random", spec="dflash", platform="cpu")
 
 
 def test_mtp_checkpoint_under_spec_dspark_says_which_method() -> None:
@@ -306,7 +306,7 @@ def test_mtp_checkpoint_under_spec_dspark_says_which_method() -> None:
 
     with pytest.raises(ConfigError, match="holds an MTP layer: use spec=mtp"):
         xspec.LLM(
-            model="dsv4_tiny",
+            model="dsv4_tiny_random",
             spec="dspark",
             platform="cpu",
             overrides={"spec.draft_path": str(tiny_dir())},
@@ -321,7 +321,7 @@ def test_capture_order_is_the_config_order(tmp_path: Path) -> None:
     config["dspark_target_layer_ids"] = [4, 1, 3]
     write_checkpoint(tmp_path, tensors, config)
     llm = xspec.LLM(
-        model="dsv4_tiny",
+        model="dsv4_tiny_random",
         spec="dspark",
         platform="npu_emulated",
         overrides={"spec.draft_path": str(tmp_path)},
@@ -370,7 +370,7 @@ def test_oracle_and_always_wrong_block_drafts(
     assert all(pairs[a] == b for a, b in itertools.pairwise(seq))  # a function of prev
     path = bigram_draft(tmp_path, {a: (b + offset) % 512 for a, b in pairs.items()})
     llm = xspec.LLM(
-        model="dsv4_tiny",
+        model="dsv4_tiny_random",
         spec="dspark",
         platform="cpu",
         overrides={"spec.draft_path": str(path), "spec.num_speculative_tokens": 4},
@@ -385,12 +385,12 @@ def test_oracle_and_always_wrong_block_drafts(
         assert rep.zero_accept_fraction == 1.0 and rep.mean_tokens_per_step == 1.0
 
 
-@pytest.mark.parametrize("preset", ["tiny_0731", "tiny_0731_quarot"])
+@pytest.mark.parametrize("preset", ["tiny_random_0731", "tiny_random_0731_quarot"])
 def test_0731_presets(baseline: list[list[int]], preset: str) -> None:
     """The 0731-layout presets carry their stages (the QuaRot-style one its own vocabulary)
     next to the tiny target: spec=dspark reads them from the target directory."""
     llm = xspec.LLM(
-        model="dsv4_tiny", spec="dspark", platform="cpu", overrides={"model.preset": preset}
+        model="dsv4_tiny_random", spec="dspark", platform="cpu", overrides={"model.preset": preset}
     )
     draft = llm._built.drafter.model  # type: ignore[attr-defined]
     own = preset.endswith("quarot")
@@ -409,7 +409,7 @@ def test_block_drafters_on_an_unsupported_target_family() -> None:
     plugin = ModelConfig(arch="toy_lm", path="/nowhere")
     [problem] = DSparkDrafter.preflight(SpecConfig(method="dspark"), plugin)
     assert "model.arch: deepseek_v4, qwen3" in problem and "not model.arch=toy_lm" in problem
-    dsv4 = ModelConfig(arch="deepseek_v4", preset="tiny")
+    dsv4 = ModelConfig(arch="deepseek_v4", preset="tiny_random")
     [problem] = DFlashDrafter.preflight(SpecConfig(method="dflash"), dsv4)
     assert "model.arch: qwen3" in problem
     assert DSparkDrafter.default_gamma(SpecConfig(method="dspark"), plugin) == 1

@@ -1,4 +1,4 @@
-"""``spec=mtp`` on the dsv4_tiny preset: exact greedy equality with the baseline, the
+"""``spec=mtp`` on the dsv4_tiny_random preset: exact greedy equality with the baseline, the
 drafter against a written-out reference, the exported layout, preflight errors, sampling."""
 
 from __future__ import annotations
@@ -37,7 +37,7 @@ NEW = 40
 
 
 def build(spec: str, **overrides: object) -> xspec.LLM:
-    return xspec.LLM(model="dsv4_tiny", spec=spec, platform="cpu", overrides=overrides)
+    return xspec.LLM(model="dsv4_tiny_random", spec=spec, platform="cpu", overrides=overrides)
 
 
 @pytest.fixture(scope="module")
@@ -104,7 +104,7 @@ def test_sampled_runs_are_reproducible() -> None:
 # -- the drafter against a written-out reference -------------------------------------------
 
 
-MODEL_CFG = ModelConfig(arch="deepseek_v4", preset="tiny")
+MODEL_CFG = ModelConfig(arch="deepseek_v4", preset="tiny_random")
 
 
 @pytest.fixture(scope="module")
@@ -294,7 +294,7 @@ def target_without_mtp(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.mark.usefixtures("no_target_loading")
 def test_preflight_errors(tmp_path: Path, target_without_mtp: Path) -> None:
-    def error(model: str = "dsv4_tiny", **overrides: object) -> str:
+    def error(model: str = "dsv4_tiny_random", **overrides: object) -> str:
         with pytest.raises(ConfigError) as e:
             xspec.LLM(model=model, spec="mtp", platform="cpu", overrides=overrides)
         return str(e.value)

@@ -159,8 +159,8 @@ def test_step_keeps_everything_on_the_target_device(
 
 
 def test_mtp_drafts_on_the_target_device(monkeypatch: pytest.MonkeyPatch) -> None:
-    """MTP on dsv4_tiny, greedy and sampled: drafts and their q stay on the device."""
-    cfg = ModelConfig(arch="deepseek_v4", preset="tiny")
+    """MTP on dsv4_tiny_random, greedy and sampled: drafts and their q stay on the device."""
+    cfg = ModelConfig(arch="deepseek_v4", preset="tiny_random")
     dsv4 = load_dsv4(cfg, device=torch.device("cpu"), max_rollback=8)
     spec = SpecConfig(method="mtp", num_speculative_tokens=2)
     platform = CpuPlatform(PlatformConfig(name="cpu"))

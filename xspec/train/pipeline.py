@@ -47,7 +47,7 @@ class Recipe:
     dspark_stages: int = 3
     dspark_block: int = 5
     markov_rank: int = 32
-    dspark: Schedule = field(default_factory=lambda: Schedule(steps=400, lr=2e-3, warmup=30))
+    dspark: Schedule = field(default_factory=lambda: Schedule(steps=2000, lr=2e-3, warmup=50))
     dspark_batch: int = 8
     dspark_anchors: int = 32
     mtp: Schedule = field(default_factory=lambda: Schedule(steps=300, lr=2e-3, warmup=30))

@@ -75,7 +75,7 @@ def _other_args() -> DeepseekV4Args:
 
 def test_tiny_preset_loads_exactly(tmp_path: Path, monkeypatch) -> None:
     monkeypatch.setenv("XSPEC_CACHE_DIR", str(tmp_path / "cache"))
-    model = load_model(_cfg(preset="tiny"), device=CPU, max_rollback=4)
+    model = load_model(_cfg(preset="tiny_random"), device=CPU, max_rollback=4)
     path = tmp_path / "cache" / "presets" / f"dsv4_tiny-{VERSION}"
     assert model.checkpoint_dir == path
     assert (
@@ -93,7 +93,7 @@ def test_tiny_preset_loads_exactly(tmp_path: Path, monkeypatch) -> None:
     _state_dicts_equal(model, ref.state_dict())
     assert model.max_rollback == 4 and not model.training
     assert (
-        load_model(_cfg(preset="tiny"), device=CPU, max_rollback=4).checkpoint_dir == path
+        load_model(_cfg(preset="tiny_random"), device=CPU, max_rollback=4).checkpoint_dir == path
     )  # reused
 
 

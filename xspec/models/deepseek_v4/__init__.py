@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from xspec.models.deepseek_v4.args import DeepseekV4Args
-from xspec.models.presets import checkpoint_dir, dtype_name
+from xspec.models.presets import checkpoint_dir, dtype_name, shipped_dir
 
 if TYPE_CHECKING:
     import torch
@@ -36,34 +36,48 @@ __all__ = [
 
 
 def _tiny() -> Path:
+    return shipped_dir("dsv4_tiny")
+
+
+def _tiny_dspark() -> Path:
+    return shipped_dir("dsv4_tiny_dspark")
+
+
+def _tiny_random() -> Path:
     from xspec.models.deepseek_v4.tiny import tiny_dir
 
     return tiny_dir()
 
 
-def _tiny_dspark() -> Path:
+def _tiny_random_dspark() -> Path:
     from xspec.models.deepseek_v4.tiny import tiny_dspark_dir
 
     return tiny_dspark_dir()
 
 
-def _tiny_dspark_quarot() -> Path:
+def _tiny_random_dspark_quarot() -> Path:
     from xspec.models.deepseek_v4.tiny import tiny_dspark_dir
 
     return tiny_dspark_dir(dedicated_vocab=True)
 
 
-# model.preset -> its directory: the tiny target with its MTP layer, and the same target in
-# the Flash-0731 layout (DSpark stages mtp.0..2; the QuaRot-style variant with dedicated
-# vocabulary tensors)
+# model.preset -> its directory. ``tiny``: the trained checkpoint shipped in the package
+# (target + its MTP layer, tokenizer.json; docs/training.md rebuilds it). ``tiny_random``:
+# a random one with every feature, generated on first use (tests), and the same random
+# target in the Flash-0731 layout (DSpark stages mtp.0..2; the QuaRot-style variant with
+# dedicated vocabulary tensors)
 PRESETS: dict[str, Callable[[], Path]] = {
     "tiny": _tiny,
-    "tiny_0731": _tiny_dspark,
-    "tiny_0731_quarot": _tiny_dspark_quarot,
+    "tiny_random": _tiny_random,
+    "tiny_random_0731": _tiny_random_dspark,
+    "tiny_random_0731_quarot": _tiny_random_dspark_quarot,
 }
 # (model.preset, spec method) -> a companion draft directory, when spec.draft_path is null:
-# the tiny 0731-layout checkpoint (the same target + DSpark stages mtp.0..2)
-PRESET_DRAFTS: dict[tuple[str, str], Callable[[], Path]] = {("tiny", "dspark"): _tiny_dspark}
+# the trained DSpark stages of ``tiny``; the random 0731-layout checkpoint of ``tiny_random``
+PRESET_DRAFTS: dict[tuple[str, str], Callable[[], Path]] = {
+    ("tiny", "dspark"): _tiny_dspark,
+    ("tiny_random", "dspark"): _tiny_random_dspark,
+}
 
 
 def __getattr__(name: str) -> Any:  # lazy: keep `import xspec.models.deepseek_v4` torch-free
