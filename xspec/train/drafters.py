@@ -6,7 +6,7 @@ of them with the frozen target (no grad) through the inference forward, capturin
 the drafter reads (the pre-``hc_head`` residual for MTP, the listed layers' outputs for
 DSpark), and trains the drafter through its own inference modules:
 
-* DSpark (DeepSeek's recipe, ``shared/reference/dspark_official.md`` section 6): random
+* DSpark (DeepSeek's published recipe: the DSpark paper, DeepSpec's trainer): random
   anchors per sequence; each block ``[x_p, noise x (W-1)]`` runs the stages with the
   native SAS index set (context ``[p - window, p)`` + the whole block), the context K/V
   computed from the target's captures of the same sequence; the Markov head is teacher
