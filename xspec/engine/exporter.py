@@ -53,7 +53,9 @@ class MetricsExporter:
         self.registry = CollectorRegistry()
         reg = self.registry
         self._engine: Engine | None = None
-        reg.register(_CurrentSpecMetrics(lambda: self._engine and self._engine.metrics))
+        reg.register(
+            _CurrentSpecMetrics(lambda: None if self._engine is None else self._engine.metrics)
+        )
 
         def hist(name: str, doc: str, buckets: Iterable[float]) -> Histogram:
             return Histogram(name, doc, _LABELS, buckets=tuple(buckets), registry=reg)

@@ -186,8 +186,12 @@ def summary_rows(jobs: list[dict[str, Any]]) -> list[dict[str, Any]]:
                 "half_range": j["half_range"],
                 "acceptance": acc["aggregate"] if acc is not None else None,
                 "mean_committed_per_step": j["mean_committed_per_step"],
-                "speedup_tpot": _ratio(base and base["tpot_ms_mean"], j["tpot_ms_mean"]),
-                "speedup_tok_s": _ratio(j["output_tok_s"], base and base["output_tok_s"]),
+                "speedup_tpot": _ratio(
+                    None if base is None else base["tpot_ms_mean"], j["tpot_ms_mean"]
+                ),
+                "speedup_tok_s": _ratio(
+                    j["output_tok_s"], None if base is None else base["output_tok_s"]
+                ),
             }
         )
     return rows

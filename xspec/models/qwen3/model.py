@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -301,6 +302,8 @@ class Qwen3Model(nn.Module):
     ``init_random_`` or ``xspec.models.loading.load_params`` (see ``load_model``).
     ``device="meta"`` builds a shape-only model (no memory).
     """
+
+    checkpoint_dir: Path | None = None  # set by load_model: tokenizer.json, drafters beside it
 
     def __init__(
         self,
