@@ -125,6 +125,10 @@ def test_calibrate_command_writes_a_table_the_run_reads(tmp_path: Path) -> None:
     )
     assert llm._built.drafter.calibration_file == out  # type: ignore[attr-defined]
     bad = subprocess.run(
-        [*cmd, "model=dsv4_tiny_random", "spec=mtp"], capture_output=True, text=True, env=env, timeout=300
+        [*cmd, "model=dsv4_tiny_random", "spec=mtp"],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=300,
     )
     assert bad.returncode == 2 and "needs a drafter with a confidence head" in bad.stderr

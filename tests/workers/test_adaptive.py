@@ -221,7 +221,9 @@ def test_sampled_outputs_follow_the_target_through_the_scheduler() -> None:
 
 def test_adaptive_without_a_confidence_head_is_a_config_error(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match=r"needs a drafter with a confidence head.*spec=mtp"):
-        xspec.LLM(model="dsv4_tiny_random", spec="mtp", platform="cpu", overrides={"spec.adaptive": True})
+        xspec.LLM(
+            model="dsv4_tiny_random", spec="mtp", platform="cpu", overrides={"spec.adaptive": True}
+        )
     with pytest.raises(ConfigError, match=r"spec=dflash draft in .* has none"):
         xspec.LLM(
             model="qwen3_tiny", spec="dflash", platform="cpu", overrides={"spec.adaptive": True}
