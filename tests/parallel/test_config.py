@@ -104,3 +104,12 @@ def test_a_checkpoint_missing_one_ranks_experts_fails_before_loading(monkeypatch
     text = "\n".join(problems)
     assert all(f"'layers.2.ffn.experts.{e}.w1.weight'" in text for e in range(4, 8)), text
     assert "experts.3." not in text
+
+
+def test_adaptive_verification_is_single_process_for_now(monkeypatch):
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    problems = _problems(["parallel.dp=2", "spec=dspark", "spec.adaptive=true"])
+    assert any(
+        "spec.adaptive=true is not supported with parallel.dp/ep > 1" in p for p in problems
+    ), problems
+    assert not any("spec.adaptive" in p for p in _problems(["parallel.dp=2", "spec=dspark"]))
