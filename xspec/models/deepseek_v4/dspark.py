@@ -53,9 +53,9 @@ from xspec.models.deepseek_v4.layout import BatchLayout
 from xspec.models.deepseek_v4.mhc import HyperHead, RMSNorm
 from xspec.models.deepseek_v4.model import Block, init_random
 from xspec.models.deepseek_v4.state import Ring, scatter_rows, stack_rings
-from xspec.models.deepseek_v4.weights import local_names, make_converter
+from xspec.models.deepseek_v4.weights import load_drafter
 from xspec.models.draft_heads import ConfidenceHead, MarkovHead
-from xspec.models.loading import CONFIG_NAME, Checkpoint, load_params
+from xspec.models.loading import CONFIG_NAME, Checkpoint
 from xspec.platforms.base import DraftAttentionOp, SasIndicesRejected, SasMode
 
 if TYPE_CHECKING:
@@ -611,11 +611,7 @@ def load_dspark(
         device=device,
         expert_parallel=expert_parallel,
     )
-    convert = make_converter(plan.ckpt, plan.dequant) if plan.dequant else None
-    load_params(
-        draft, plan.ckpt, local_names(plan.names, expert_parallel, plan.args), convert=convert
-    )
-    return draft.eval()
+    return load_drafter(draft, plan.ckpt, plan.names, plan.dequant, plan.args, expert_parallel)
 
 
 # -- the family hooks of xspec.workers.dspark ------------------------------------------------

@@ -54,8 +54,8 @@ from xspec.models.deepseek_v4.draft_plan import crossover_problems, plan_tensors
 from xspec.models.deepseek_v4.mhc import HyperHead, RMSNorm
 from xspec.models.deepseek_v4.model import Block, init_random
 from xspec.models.deepseek_v4.state import BlockContext
-from xspec.models.deepseek_v4.weights import local_names, make_converter
-from xspec.models.loading import CONFIG_NAME, Checkpoint, load_params
+from xspec.models.deepseek_v4.weights import load_drafter
+from xspec.models.loading import CONFIG_NAME, Checkpoint
 
 if TYPE_CHECKING:
     from xspec.parallel.expert import ExpertParallel
@@ -319,11 +319,7 @@ def load_mtp(
         device=device,
         expert_parallel=expert_parallel,
     )
-    convert = make_converter(plan.ckpt, plan.dequant) if plan.dequant else None
-    load_params(
-        module, plan.ckpt, local_names(plan.names, expert_parallel, plan.args), convert=convert
-    )
-    return module.eval()
+    return load_drafter(module, plan.ckpt, plan.names, plan.dequant, plan.args, expert_parallel)
 
 
 def mtp_tensors(module: MtpBlock, layout: MtpLayout = OFFICIAL) -> dict[str, torch.Tensor]:

@@ -38,9 +38,10 @@ import math
 import re
 from collections.abc import Callable, Iterable
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, TypeVar
 
 import torch
+from torch import nn
 
 from xspec.errors import CheckpointError
 from xspec.models.deepseek_v4.args import DeepseekV4Args
@@ -160,15 +161,25 @@ def local_tensors(
     return {n for n in names if expert_parallel.holds(n, args.n_routed_experts)}
 
 
-def local_names(
-    names: dict[str, str], expert_parallel: ExpertParallel | None, args: DeepseekV4Args
-) -> Callable[[str], str | None]:
-    """A drafter's ``load_params`` rename (checkpoint name -> module key) that skips other
-    EP ranks' experts."""
-    if expert_parallel is None:
-        return names.get
-    kept = {n: k for n, k in names.items() if expert_parallel.holds(k, args.n_routed_experts)}
-    return kept.get
+Drafter = TypeVar("Drafter", bound=nn.Module)
+
+
+def load_drafter(
+    module: Drafter,
+    ckpt: Checkpoint,
+    names: dict[str, str],
+    dequant: dict[str, str],
+    args: DeepseekV4Args,
+    expert_parallel: ExpertParallel | None,
+) -> Drafter:
+    """Stream a planned drafter's tensors (``names``: checkpoint name -> module key, from
+    :func:`~xspec.models.deepseek_v4.draft_plan.plan_tensors`) into ``module``,
+    dequantising as planned and skipping other EP ranks' experts -> ``module.eval()``."""
+    if expert_parallel is not None:
+        names = {n: k for n, k in names.items() if expert_parallel.holds(k, args.n_routed_experts)}
+    convert = make_converter(ckpt, dequant) if dequant else None
+    load_params(module, ckpt, names.get, convert=convert)
+    return module.eval()
 
 
 def is_drafter_tensor(name: str) -> bool:
