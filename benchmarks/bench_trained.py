@@ -23,7 +23,6 @@ import time
 import torch
 
 import xspec
-from xspec.metrics import SpecDecodeMetrics
 from xspec.train import corpus
 
 METHODS = ("none", "mtp", "dspark")
@@ -35,7 +34,7 @@ def heldout_prompts(tokenizer, count: int) -> list[list[int]]:
 
 
 def run_once(llm: xspec.LLM, prompts, a, temperature: float, concurrency: int):
-    llm._built.engine.metrics = SpecDecodeMetrics()
+    llm.reset_metrics()
     t = time.perf_counter()
     out = llm.generate(
         prompts,

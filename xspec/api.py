@@ -55,6 +55,13 @@ class LLM:
         """Spec-decode counters accumulated over every ``generate`` call."""
         return self._built.engine.metrics
 
+    def reset_metrics(self) -> SpecDecodeMetrics:
+        """Start the spec-decode counters afresh (e.g. between the settings a benchmark
+        compares); returns the ones accumulated so far."""
+        previous = self._built.engine.metrics
+        self._built.engine.metrics = SpecDecodeMetrics()
+        return previous
+
     def generate(
         self,
         prompts: Prompt | Sequence[Prompt],

@@ -22,7 +22,6 @@ Labels and anchors only cover the regenerated part (after the prompt).
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -31,11 +30,10 @@ import torch.nn.functional as F
 from xspec.models.base import CapturePoint, CaptureSite, ForwardBatch, ModelOutput
 from xspec.models.deepseek_v4.layout import BatchLayout
 from xspec.models.deepseek_v4.state import BlockContext
+from xspec.train.loop import LossFn
 
 CE_WEIGHT, TV_WEIGHT, CONF_WEIGHT = 0.1, 0.9, 1.0
 DECAY = 4.0  # position weights exp(-k / DECAY)
-
-LossFn = Callable[[torch.Generator], tuple[torch.Tensor, dict[str, float]]]
 
 
 @dataclass

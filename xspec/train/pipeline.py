@@ -403,7 +403,7 @@ def evaluate(
             overrides["spec.draft_path"] = str(dspark_dir)
         llm = xspec.LLM(model="dsv4_tiny", spec=method, platform="cpu", overrides=overrides)
         for temperature in (0.0, 0.8):
-            llm._built.engine.metrics = type(llm.metrics)()
+            llm.reset_metrics()
             llm.generate(
                 texts, max_new_tokens=new_tokens, temperature=temperature, ignore_eos=True, seed=0
             )

@@ -21,6 +21,7 @@ from xspec.models.deepseek_v4.args import DeepseekV4Args
 from xspec.models.deepseek_v4.model import DeepseekV4Model
 from xspec.models.deepseek_v4.moe import Gate
 from xspec.train.corpus import BOS, EOS, sample_windows
+from xspec.train.loop import LossFn
 
 
 def target_args(vocab_size: int, num_layers: int = 12) -> DeepseekV4Args:
@@ -63,9 +64,7 @@ def router_balancer(model: torch.nn.Module, rate: float) -> tuple[Callable[[], N
     return update, handles
 
 
-def lm_loss(
-    model: DeepseekV4Model, stream: torch.Tensor, batch: int, length: int
-) -> Callable[[torch.Generator], tuple[torch.Tensor, dict[str, float]]]:
+def lm_loss(model: DeepseekV4Model, stream: torch.Tensor, batch: int, length: int) -> LossFn:
     """Next-token cross-entropy on ``batch`` random windows of ``length`` tokens."""
 
     def loss_fn(gen: torch.Generator) -> tuple[torch.Tensor, dict[str, float]]:
