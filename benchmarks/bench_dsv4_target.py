@@ -1,11 +1,14 @@
 """DeepSeek-V4 target benchmarks on the dsv4_tiny preset (CPU; ratios measured side by side).
 
-    python benchmarks/bench_dsv4_target.py [--quick]
+    python benchmarks/bench_dsv4_target.py [--quick] [--models dsv4_tiny dsv4_tiny_random]
+                                           [--batches 1 8] [--compile]
 
 1. Decode step time at context 4096 vs 256 (compressed attention keeps it near flat;
    target ratio <= 1.5).
-2. Batched greedy decode throughput: xspec vs transformers' own ``generate`` on the same
-   checkpoint and prompts (target xspec >= 2x).
+2. Greedy decode throughput at each batch size: xspec vs transformers' own ``generate``
+   on the same checkpoint and prompts (target xspec >= 2x), xspec with its steps on the
+   reference torch ops, on the platform's fused kernels (the default), and with
+   ``--compile`` compiled (compile time is spent in the warm-up call, never timed).
 3. KV bytes per token and fixed bytes per sequence, read from the allocated tensors and
    compared with the analytic formula.
 
@@ -19,6 +22,7 @@ import argparse
 import statistics
 import time
 from collections.abc import Callable
+from typing import Any
 
 import torch
 
@@ -71,17 +75,46 @@ def decode_step_ratio(model, reps: int, contexts: tuple[int, int]) -> None:
 
 
 def throughput_vs_hf(
-    llm: xspec.LLM, batch: int, prompt_len: int, new_tokens: int, reps: int
+    model: str, batches: list[int], prompt_len: int, new_tokens: int, reps: int, compile_: bool
 ) -> None:
+    """Greedy decode throughput of ``model``: transformers' ``generate`` and xspec with its
+    steps on the reference torch ops, on the platform's fused kernels (the default) and,
+    with ``compile_``, compiled; every variant interleaved in the same repetitions."""
     from transformers import DeepseekV4ForCausalLM
 
-    path = llm._built.target.checkpoint_dir  # the same official-layout directory
+    variants = {"reference ops": {"platform.kernels": "reference"}, "fused kernels": {}}
+    if compile_:
+        variants["compiled"] = {"platform.compile": "on"}
+    llms = {
+        name: xspec.LLM(model=model, spec="none", platform="cpu", overrides=o)
+        for name, o in variants.items()
+    }
+    first = next(iter(llms.values()))
+    path = first._built.target.checkpoint_dir  # the same official-layout directory
     hf = DeepseekV4ForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-    gen = torch.Generator().manual_seed(1)
-    prompts = torch.randint(2, llm._built.target.vocab_size, (batch, prompt_len), generator=gen)
+    layers = first._built.target.num_layers
+    for batch in batches:
+        gen = torch.Generator().manual_seed(batch)
+        prompts = torch.randint(
+            4, first._built.target.vocab_size, (batch, prompt_len), generator=gen
+        )
+        med = interleaved(generators(hf, llms, prompts, new_tokens), reps)
+        tokens = batch * new_tokens
+        print(
+            f"[2] {model} ({layers} layers) greedy decode, batch {batch}, prompt {prompt_len}, "
+            f"{new_tokens} new tokens (tok/s; x transformers):"
+        )
+        for name, t in med.items():
+            print(f"    {name:<14} {tokens / t:8.1f}  {med['transformers'] / t:5.2f}x")
+        print("    target: xspec >= 2x transformers")
+    for name, llm in llms.items():
+        print(f"    steps of '{name}': {llm._built.platform.step_options().summary()}")
 
-    def run_xspec() -> None:
-        llm.generate(prompts.tolist(), max_new_tokens=new_tokens, ignore_eos=True)
+
+def generators(
+    hf: Any, llms: dict[str, xspec.LLM], prompts: torch.Tensor, new_tokens: int
+) -> dict[str, Callable[[], None]]:
+    """The compared calls: transformers' greedy ``generate`` and each xspec variant's."""
 
     def run_hf() -> None:
         with torch.no_grad():
@@ -93,15 +126,10 @@ def throughput_vs_hf(
                 do_sample=False,
             )
 
-    med = interleaved({"xspec": run_xspec, "transformers": run_hf}, reps)
-    tokens = batch * new_tokens
-    print(
-        f"[2] batched greedy decode, batch {batch}, prompt {prompt_len}, {new_tokens} new tokens: "
-        f"xspec {tokens / med['xspec']:.1f} tok/s, transformers {tokens / med['transformers']:.1f} tok/s"
-    )
-    print(
-        f"    ratio xspec/transformers = {med['transformers'] / med['xspec']:.2f}x  (target >= 2x)"
-    )
+    def run_xspec(llm: xspec.LLM) -> Callable[[], None]:
+        return lambda: llm.generate(prompts.tolist(), max_new_tokens=new_tokens, ignore_eos=True)
+
+    return {"transformers": run_hf} | {name: run_xspec(llm) for name, llm in llms.items()}
 
 
 def kv_accounting(model, context: int) -> None:
@@ -120,6 +148,14 @@ def main() -> None:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     ap.add_argument("--quick", action="store_true", help="fewer repetitions")
+    ap.add_argument(
+        "--models",
+        nargs="+",
+        default=["dsv4_tiny", "dsv4_tiny_random"],
+        help="presets for [2] (dsv4_tiny: 12 layers, trained; dsv4_tiny_random: 5 layers)",
+    )
+    ap.add_argument("--batches", type=int, nargs="+", default=[1, 8])
+    ap.add_argument("--compile", action="store_true", help="also xspec with platform.compile=on")
     a = ap.parse_args()
     torch.set_num_threads(1)
     llm = xspec.LLM(
@@ -129,9 +165,15 @@ def main() -> None:
     reps = 5 if a.quick else 15
     decode_step_ratio(model, reps * 2, (256, 4096))
     # a shared CPU is noisy: several interleaved repetitions, the median reported
-    throughput_vs_hf(
-        llm, batch=8, prompt_len=64, new_tokens=16 if a.quick else 32, reps=5 if a.quick else 9
-    )
+    for name in a.models:
+        throughput_vs_hf(
+            name,
+            a.batches,
+            prompt_len=64,
+            new_tokens=16 if a.quick else 32,
+            reps=5 if a.quick else 9,
+            compile_=a.compile,
+        )
     kv_accounting(model, 1024)
 
 

@@ -2,13 +2,15 @@
 
     python benchmarks/bench_verify_step.py [--contexts 128 1024 4000] [--rows 6] [--reps 30]
                                            [--batch 1] [--device cpu] [--threads N]
+                                           [--kernels auto|reference] [--compile auto|on|off]
 
 Speculative decoding pays off only if scoring ``gamma + 1`` rows costs about as much as
 scoring one: for each context length a state is prefilled once, then a verify forward of
 ``--rows`` rows (default 6 = gamma 5 + anchor) and a plain 1-row decode step are timed
 at the same position, truncating the state back after every call (exact rollback), with
 the two interleaved and the median reported. Target: ratio <= 1.3. Not a test: nothing
-is asserted.
+is asserted. ``--kernels`` / ``--compile`` are the ``platform.kernels`` /
+``platform.compile`` settings the steps run with (compilation happens in the warm-up).
 """
 
 from __future__ import annotations
@@ -20,11 +22,12 @@ from collections.abc import Callable
 
 import torch
 
-from xspec.config import DType, ModelConfig
-from xspec.models.base import ForwardBatch
+from xspec.config import DType, ModelConfig, PlatformConfig, StepCompile, StepKernels
+from xspec.models.base import ForwardBatch, configure_steps
 from xspec.models.deepseek_v4 import load_model
 from xspec.models.deepseek_v4.model import DeepseekV4Model
 from xspec.models.deepseek_v4.state import DeepseekV4State
+from xspec.platforms import get_platform
 
 
 def interleaved(
@@ -80,6 +83,8 @@ def main() -> None:
     ap.add_argument(
         "--threads", type=int, default=None, help="torch CPU threads (default: torch's)"
     )
+    ap.add_argument("--kernels", default="auto", choices=["auto", "reference"])
+    ap.add_argument("--compile", default="auto", choices=["auto", "on", "off"])
     a = ap.parse_args()
     if a.threads:
         torch.set_num_threads(a.threads)
@@ -88,10 +93,17 @@ def main() -> None:
     torch.set_grad_enabled(False)
     cfg = ModelConfig(arch="deepseek_v4", preset="tiny", dtype=DType(a.dtype))
     model = load_model(cfg, device=device, max_rollback=max(a.rows, 8))
+    platform = get_platform(
+        PlatformConfig(
+            name=a.device, kernels=StepKernels(a.kernels), compile=StepCompile(a.compile)
+        )
+    )
+    options = platform.step_options()
+    configure_steps([model], options)
     gen = torch.Generator().manual_seed(0)
     print(
         f"dsv4_tiny {a.dtype} on {device} ({torch.get_num_threads()} CPU threads), batch {a.batch}, "
-        f"median of {a.reps} interleaved reps"
+        f"median of {a.reps} interleaved reps; {options.describe}"
     )
     print(f"{'context':>8} {'1 row (ms)':>11} {f'{a.rows} rows (ms)':>12} {'ratio':>6}")
     for n in a.contexts:
@@ -102,6 +114,8 @@ def main() -> None:
         ratio = med["verify"] / med["one"]
         print(f"{n:>8} {med['one'] * 1e3:>11.2f} {med['verify'] * 1e3:>12.2f} {ratio:>6.2f}")
     print("target: ratio <= 1.3")
+    if options.compile is not None:
+        print(f"({options.compile.describe()}, all in the warm-up)")
 
 
 if __name__ == "__main__":

@@ -54,6 +54,8 @@ def test_wheel_ships_the_same_configs(tmp_path: Path) -> None:
     assert {"xspec/assets/dsv4_tiny/model.safetensors", "xspec/assets/dsv4_tiny/tokenizer.json",
             "xspec/assets/dsv4_tiny_dspark/model.safetensors"} <= assets  # fmt: skip
     assert assets <= names
+    # the CPU platform's native kernels are built from their C source on first use
+    assert "xspec/platforms/native/kernels.c" in names
 
 
 def test_user_config_dir_adds_options(tmp_path: Path, xspec_cache: Path) -> None:

@@ -39,6 +39,25 @@ class NativeSas(str, enum.Enum):
     off = "off"
 
 
+class StepCompile(str, enum.Enum):
+    """``platform.compile``: compile the models' stateless step functions (torch.compile
+    with the platform's backend). auto = the platform's default (on where it pays: CUDA;
+    off on the host CPU, where per-region overhead eats the gain, see docs/performance.md)."""
+
+    auto = "auto"
+    on = "on"
+    off = "off"
+
+
+class StepKernels(str, enum.Enum):
+    """``platform.kernels``: auto = the platform's fused kernels where they are available
+    (the CPU platform's native mHC kernel, built on first use); reference = the torch
+    reference ops everywhere (for comparison and debugging)."""
+
+    auto = "auto"
+    reference = "reference"
+
+
 class TokenizerKind(str, enum.Enum):
     """``model.tokenizer``: where text <-> ids comes from (see xspec/tokenizer.py)."""
 
@@ -99,6 +118,8 @@ class PlatformConfig:
     name: str = MISSING  # platforms registry key: auto | cpu | cuda | npu | <plugin>
     device_index: int = 0
     native_sas: NativeSas = NativeSas.auto
+    compile: StepCompile = StepCompile.auto
+    kernels: StepKernels = StepKernels.auto
 
 
 @dataclass(kw_only=True)

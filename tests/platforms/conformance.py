@@ -53,6 +53,8 @@ class PlatformCfg:
     name: str
     device_index: int = 0
     native_sas: NativeSas = NativeSas.auto
+    compile: str = "auto"
+    kernels: str = "auto"
 
 
 # Run in a fresh interpreter: import the given modules, report what got loaded.

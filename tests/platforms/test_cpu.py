@@ -13,8 +13,10 @@ from xspec.models.base import CapturePoint, CaptureSite
 from xspec.platforms import get_platform
 from xspec.platforms.auto import AutoPlatform
 from xspec.platforms.base import Capabilities, Platform
+from xspec.platforms.compile import StepCompiler
 from xspec.platforms.cpu import CpuPlatform, host_memory_available
 from xspec.platforms.cuda import CudaPlatform
+from xspec.platforms.npu.emulated import NpuPolicyCpuPlatform
 from xspec.platforms.npu.platform import NpuPlatform
 
 
@@ -28,10 +30,42 @@ def test_cpu_answers() -> None:
     assert isinstance(platform, CpuPlatform)
     assert platform.device() == torch.device("cpu")
     assert platform.capture_point(3) == CapturePoint(layer=3, site=CaptureSite.OUTPUT)
-    # the conservative defaults, except the draft window: the reference torch attention
-    # takes explicit (native) index sets
-    assert platform.capabilities == Capabilities(native_sparse_attention=True)
+    # the conservative defaults, except the draft window (the reference torch attention
+    # takes explicit, native, index sets) and the step functions: inductor compiles them
+    # (on request: auto stays eager on the host) and grouped GEMMs take fp32 and bf16
+    assert platform.capabilities == Capabilities(
+        native_sparse_attention=True,
+        compile_backend="inductor",
+        grouped_mm_dtypes=frozenset({"float32", "bfloat16"}),
+    )
     assert platform.distributed_backend() == "gloo"
+
+
+def test_step_options_follow_platform_compile_and_kernels() -> None:
+    default = CpuPlatform(PlatformCfg(name="cpu")).step_options()
+    assert default.compile is None  # auto: eager on the host
+    assert "mhc_pre" in default.kernels and "rope" in default.kernels  # (a C compiler here)
+    assert default.kernels["grouped_mm_eager"] is False
+    reference = CpuPlatform(PlatformCfg(name="cpu", kernels="reference")).step_options()
+    assert "mhc_pre" not in reference.kernels and "reference torch ops" in reference.describe
+    compiled = CpuPlatform(PlatformCfg(name="cpu", compile="on")).step_options()
+    assert isinstance(compiled.compile, StepCompiler) and compiled.compile.backend == "inductor"
+    assert "compiled (inductor)" in compiled.summary() and "0 graphs" in compiled.summary()
+    assert CpuPlatform(PlatformCfg(name="cpu", compile="off")).step_options().compile is None
+
+
+@pytest.mark.parametrize(("key", "value"), [("compile", "yes"), ("kernels", "native")])
+def test_bad_step_settings_are_config_errors(key: str, value: str) -> None:
+    with pytest.raises(ConfigError, match=f"platform.{key}={value!r} is not a valid choice"):
+        CpuPlatform(PlatformCfg(name="cpu", **{key: value}))
+
+
+def test_compile_on_where_the_platform_cannot_compile_is_refused() -> None:
+    platform = NpuPolicyCpuPlatform(PlatformCfg(name="npu_emulated", compile="on"))
+    problems = platform.validate(dtype="float32", num_speculative_tokens=3)
+    assert any("platform.compile=on" in p and "cannot compile" in p for p in problems), problems
+    auto = NpuPolicyCpuPlatform(PlatformCfg(name="npu_emulated")).step_options()
+    assert auto.compile is None
 
 
 def test_native_sas_on_rejected_on_cpu() -> None:

@@ -113,7 +113,8 @@ def run_workload(
     print(
         f"xspec: model={model_option or cfg.model.arch} ({cfg.model.arch}, {source}) "
         f"spec={cfg.spec.method} "
-        f"gamma={built.drafter.gamma} platform={built.platform.name} device={built.platform.device()}",
+        f"gamma={built.drafter.gamma} platform={built.platform.name} device={built.platform.device()}"
+        f" ({built.platform.step_options().summary()})",
         file=out,
     )
     if w.print_outputs:

@@ -133,3 +133,41 @@ class TargetModel(Protocol):
     def forward(self, batch: ForwardBatch) -> ModelOutput: ...
 
     def truncate(self, state: DecodeState, num_tokens: int) -> None: ...
+
+
+@dataclass(frozen=True, eq=False)
+class StepOptions:
+    """How models run their stateless step functions, decided by the platform at build
+    (``Platform.step_options``) and handed to every module by :func:`configure_steps`.
+
+    ``kernels``: what the platform's devices offer the step functions, by name: fused
+    kernels (``"mhc_pre"``, ``"rms_norm"``, ``"rope"``: see the CPU platform's
+    ``native``) and kernel facts (``"grouped_mm"``: the dtypes ``torch._grouped_mm``
+    serves; ``"grouped_mm_eager"``: prefer it in eager steps too). A model uses those it
+    knows and runs its reference torch ops for the rest. ``compile``: wraps a pure step function into
+    its compiled form (memoised per function, so every layer shares the graphs), or None
+    to run eagerly. ``describe``: one line for the run report.
+    """
+
+    kernels: dict[str, Any] = field(default_factory=dict)
+    compile: Any = None
+    describe: str = "eager, reference torch ops"
+
+    def summary(self) -> str:
+        """``describe``, plus what compiling has cost so far (graphs, seconds)."""
+        if self.compile is None:
+            return self.describe
+        return f"{self.describe}; {self.compile.describe()}"
+
+
+EAGER_STEPS = StepOptions()
+
+
+def configure_steps(modules: list[torch.nn.Module], options: StepOptions) -> None:
+    """Give ``options`` to every submodule of ``modules`` that runs step functions (a
+    ``configure_steps(options)`` method)."""
+    for module in modules:
+        for sub in module.modules():
+            configure = getattr(sub, "configure_steps", None)
+            if callable(configure):
+                configure(options)

@@ -27,9 +27,11 @@ from typing import Any, ClassVar, Protocol
 import torch
 
 from xspec.errors import ConfigError, PlatformError
-from xspec.models.base import CapturePoint, CaptureSite
+from xspec.models.base import CapturePoint, CaptureSite, StepOptions
 
 NATIVE_SAS_VALUES = ("auto", "on", "off")
+COMPILE_VALUES = ("auto", "on", "off")
+KERNELS_VALUES = ("auto", "reference")
 
 
 class PlatformSettings(Protocol):
@@ -46,6 +48,12 @@ class PlatformSettings(Protocol):
 
     @property
     def native_sas(self) -> Any: ...
+
+    @property
+    def compile(self) -> Any: ...
+
+    @property
+    def kernels(self) -> Any: ...
 
 
 class SasMode(str, enum.Enum):
@@ -114,15 +122,30 @@ class Capabilities:
     # The backend has all_to_all (expert-parallel MoE routes rows only to their expert's
     # rank); without it EP MoE layers all-gather the rows (parallel.moe_exchange).
     all_to_all: bool = True
+    # torch.compile backend the step functions compile with (platform.compile); None:
+    # this platform cannot compile them (platform.compile=on is refused).
+    compile_backend: str | None = None
+    # what platform.compile=auto means here
+    compile_by_default: bool = False
+    # dtypes torch._grouped_mm serves on this device (MoE routed experts as grouped GEMMs
+    # in compiled steps), and whether eager steps should use it too (no host sync; on the
+    # host CPU the per-expert loop is faster)
+    grouped_mm_dtypes: frozenset[str] = frozenset()
+    grouped_mm_eager: bool = False
 
 
 def native_sas_setting(cfg: PlatformSettings) -> str:
     """``cfg.native_sas`` as one of ``auto|on|off`` (accepts the Enum or its plain value)."""
-    raw = cfg.native_sas
+    return _choice(cfg, "native_sas", NATIVE_SAS_VALUES, "auto")
+
+
+def _choice(cfg: Any, key: str, values: tuple[str, ...], default: str) -> str:
+    """``cfg.<key>`` (an Enum or its plain value; absent = ``default``), one of ``values``."""
+    raw = getattr(cfg, key, default)
     value = getattr(raw, "value", raw)
-    if value not in NATIVE_SAS_VALUES:
+    if value not in values:
         raise ConfigError(
-            f"platform.native_sas={value!r} is not a valid choice; use one of {', '.join(NATIVE_SAS_VALUES)}"
+            f"platform.{key}={value!r} is not a valid choice; use one of {', '.join(values)}"
         )
     return str(value)
 
@@ -170,7 +193,10 @@ class Platform(abc.ABC):
             raise ConfigError(f"platform.device_index={cfg.device_index} must be >= 0")
         self.device_index = cfg.device_index
         self.native_sas = native_sas_setting(cfg)
+        self.compile = _choice(cfg, "compile", COMPILE_VALUES, "auto")
+        self.kernels = _choice(cfg, "kernels", KERNELS_VALUES, "auto")
         self._capabilities = self._build_capabilities()
+        self._step_options: StepOptions | None = None
 
     def _build_capabilities(self) -> Capabilities:
         """Called once from ``__init__``; the result is frozen for the platform's lifetime."""
@@ -237,10 +263,48 @@ class Platform(abc.ABC):
 
         return reference
 
+    def fused_kernels(self) -> tuple[dict[str, Any], str]:
+        """The fused kernels this platform gives the models (``StepOptions.kernels``) and
+        a line saying what they are; called once, at build, under ``platform.kernels=auto``.
+        Default: none beyond the capabilities' grouped GEMMs."""
+        return {}, "reference torch ops"
+
+    def step_options(self) -> StepOptions:
+        """How the models run their stateless steps on this platform (built once): the
+        fused kernels (``platform.kernels``) and the compiler (``platform.compile``)."""
+        if self._step_options is None:
+            caps = self.capabilities
+            kernels: dict[str, Any] = {}
+            kernels_line = "reference torch ops"
+            if self.kernels == "auto":
+                kernels, kernels_line = self.fused_kernels()
+                kernels = dict(kernels)
+            kernels["grouped_mm"] = caps.grouped_mm_dtypes
+            kernels["grouped_mm_eager"] = caps.grouped_mm_eager
+            compiling = caps.compile_backend is not None and (
+                self.compile == "on" or (self.compile == "auto" and caps.compile_by_default)
+            )
+            compiler = None
+            how = "eager"
+            if compiling:
+                from xspec.platforms.compile import StepCompiler
+
+                compiler = StepCompiler(str(caps.compile_backend))
+                how = f"compiled ({caps.compile_backend})"
+            self._step_options = StepOptions(
+                kernels=kernels, compile=compiler, describe=f"steps: {how}, {kernels_line}"
+            )
+        return self._step_options
+
     def validate(self, *, dtype: str, num_speculative_tokens: int) -> list[str]:
         """Every limit of this platform the run would exceed, as messages naming the key."""
         caps = self.capabilities
         problems: list[str] = []
+        if self.compile == "on" and caps.compile_backend is None:
+            problems.append(
+                f"platform.compile=on: platform={self.name} cannot compile step functions; "
+                "set platform.compile=auto or off"
+            )
         if dtype not in caps.dtypes:
             problems.append(
                 f"model.dtype={dtype!r} is not supported on platform={self.name}; "
@@ -307,6 +371,7 @@ _HOOKS = (
     "distributed_backend",
     "rank_device_index",
     "manual_seed",
+    "fused_kernels",
 )
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -43,13 +44,28 @@ class HostDevice:
 
 
 class CpuPlatform(HostDevice, Platform):
-    """Runs everything on the host CPU with the reference torch kernels."""
+    """Runs everything on the host CPU: torch ops, plus the native fused mHC kernel
+    (built on first use with the system C compiler; see ``platforms/native``)."""
 
     name = "cpu"
-    description = "host CPU, reference torch kernels, gloo collectives"
+    description = "host CPU, torch ops + native fused mHC kernel, gloo collectives"
 
     def _build_capabilities(self) -> Capabilities:
-        return self.reference_attention_capabilities()
+        # inductor compiles on the host, but per compiled region the guard and call
+        # overhead (~0.1 ms in a real step) eats what fusion saves at decode sizes, so
+        # platform.compile=auto stays eager here (measured: docs/performance.md)
+        return self.reference_attention_capabilities(
+            compile_backend="inductor",
+            compile_by_default=False,
+            grouped_mm_dtypes=frozenset({"float32", "bfloat16"}),
+            grouped_mm_eager=False,
+        )
+
+    def fused_kernels(self) -> tuple[dict[str, Any], str]:
+        from xspec.platforms import native
+
+        kernels, line = native.load()
+        return (kernels.by_name() if kernels is not None else {}), line
 
     def validate(self, *, dtype: str, num_speculative_tokens: int) -> list[str]:
         problems = super().validate(dtype=dtype, num_speculative_tokens=num_speculative_tokens)

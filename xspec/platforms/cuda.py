@@ -27,14 +27,22 @@ class CudaPlatform(Platform):
 
     def _build_capabilities(self) -> Capabilities:
         dtypes = {"float32", "float16"}
+        grouped: frozenset[str] = frozenset()
         # Pre-Ampere GPUs (compute capability < 8) have no native bfloat16 matmul. An
         # out-of-range device_index is reported by validate(), not raised here.
         if self.device_index < torch.cuda.device_count():
             major, _minor = torch.cuda.get_device_capability(self.device_index)
             if major >= 8:
                 dtypes.add("bfloat16")
+            if major >= 9:  # torch._grouped_mm's CUDA kernels: bf16 on sm90+
+                grouped = frozenset({"bfloat16"})
         return self.reference_attention_capabilities(
-            dtypes=frozenset(dtypes), distributed_backend="nccl"
+            dtypes=frozenset(dtypes),
+            distributed_backend="nccl",
+            compile_backend="inductor",
+            compile_by_default=True,
+            grouped_mm_dtypes=grouped,
+            grouped_mm_eager=True,  # no host sync per MoE layer
         )
 
     def device(self) -> torch.device:

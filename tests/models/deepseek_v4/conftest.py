@@ -13,10 +13,12 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from xspec.models.base import ForwardBatch, ModelOutput
+from xspec.models.base import EAGER_STEPS, ForwardBatch, ModelOutput, StepOptions, configure_steps
 from xspec.models.deepseek_v4.args import DeepseekV4Args
 from xspec.models.deepseek_v4.model import DeepseekV4Model
 from xspec.models.deepseek_v4.state import DeepseekV4State
+from xspec.platforms import native
+from xspec.platforms.compile import StepCompiler
 
 
 def variant_args() -> DeepseekV4Args:
@@ -108,3 +110,36 @@ def dsv4() -> SimpleNamespace:
         max_diff=max_diff,
         configs=CONFIGS,
     )
+
+
+STEP_MODES = ["reference", "native", pytest.param("compiled", marks=pytest.mark.slow)]
+
+
+def step_options(mode: str) -> StepOptions:
+    """How a test runs the models' stateless steps: the reference torch ops, the CPU
+    platform's native fused kernels, or compiled (inductor)."""
+    if mode == "reference":
+        return EAGER_STEPS
+    if mode == "native":
+        kernels, why = native.load()
+        if kernels is None:
+            pytest.skip(why)
+        return StepOptions(kernels=kernels.by_name())
+    return StepOptions(
+        kernels={"grouped_mm": frozenset({"float32"})}, compile=StepCompiler("inductor")
+    )
+
+
+@pytest.fixture(params=STEP_MODES)
+def steps(request):
+    """``configure(*modules)``: run those modules' steps in this test's mode (param
+    ``reference | native | compiled``); they are reset to the reference afterwards
+    (the seeded models are shared)."""
+    configured: list = []
+
+    def configure(*modules):
+        configured.extend(modules)
+        configure_steps(list(modules), step_options(request.param))
+
+    yield configure
+    configure_steps(configured, EAGER_STEPS)

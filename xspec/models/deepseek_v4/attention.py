@@ -24,6 +24,8 @@ dense matmuls over each sequence's contiguous window rows.
 
 from __future__ import annotations
 
+from typing import Any, NamedTuple
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -31,7 +33,7 @@ from torch import nn
 from xspec.models.deepseek_v4.args import DeepseekV4Args
 from xspec.models.deepseek_v4.compressor import Compressor, Indexer
 from xspec.models.deepseek_v4.layout import BatchLayout
-from xspec.models.deepseek_v4.mhc import RMSNorm, rms_normalize
+from xspec.models.deepseek_v4.mhc import RMSNorm, UsesKernels, rms_normalize
 from xspec.models.deepseek_v4.rope import Rope, rope_inv_freq, rotate
 from xspec.models.deepseek_v4.state import (
     BlockContext,
@@ -132,7 +134,7 @@ def _band_mask(
     return torch.where((lag < 0) | (lag >= window), float("-inf"), 0.0).unsqueeze(1)
 
 
-class Attention(nn.Module):
+class Attention(UsesKernels, nn.Module):
     """Checkpoint tensors (``layers.{i}.attn.``): ``wq_a, q_norm, wq_b, wkv, kv_norm,
     wo_a, wo_b, attn_sink``, plus ``compressor.*`` (ratio 4/128) and ``indexer.*`` (4)."""
 
@@ -171,15 +173,21 @@ class Attention(nn.Module):
             Indexer(args, self.rope, dtype=dtype, device=device) if compress_ratio == 4 else None
         )
 
-    def forward(self, x: torch.Tensor, ctx: BlockContext) -> torch.Tensor:
-        """``x [T, d]`` (normed block input) -> ``[T, d]``; appends every row to its cache."""
+    def forward(
+        self, x: torch.Tensor, ctx: BlockContext, steps: Any = None
+    ) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
+        """``x [T, d]`` (normed block input) -> the attention result ``[T, H, D]`` fp32
+        (before :meth:`output`) and the rows' rotation; appends every row to its cache.
+        ``steps``: where :meth:`project` runs (compiled or not; None = here)."""
         caches, layout = ctx.live_caches(), ctx.layout()
-        if not caches:  # no rows at all
-            return x.new_zeros(x.shape)
         rot = layout.rotation(self.rope)  # cos, sin [T, rd]
-        qr, q = self.query(x, rot)  # [T, q_lora], [T, H, D]
-        kv = self.key_value(x, rot)  # [T, D]
-        extra = self._compressed(x, qr, caches, layout) if self.compressor is not None else None
+        if not caches:  # no rows at all
+            return x.new_zeros(x.shape[0], self.n_heads, self.head_dim, dtype=torch.float32), rot
+        phase = layout.phase(self.compress_ratio) if self.compressor is not None else None
+        project = steps.project if steps is not None else Attention.project
+        proj = project(self, x, rot[0], rot[1], phase)
+        extra = self._compressed(proj, caches, layout) if self.compressor is not None else None
+        q, kv = proj.q, proj.kv
         swa = stack_rings([c.swa_ring for c in caches])  # [B, R, D], row b = caches[b]
         ring, window = swa.shape[1], caches[0].window
         sink, scale = self.attn_sink, self.head_dim**-0.5
@@ -200,7 +208,25 @@ class Attention(nn.Module):
             out = banded_attention(q, local, layout, window, extra, sink, scale)
         for cache, n in zip(caches, layout.lens):
             cache.advance(n)
-        return self.output(out, rot, x.dtype)
+        return out, rot
+
+    def project(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, phase: torch.Tensor | None
+    ) -> Projected:
+        """Every per-row projection of the normed input ``x [T, d]`` (stateless; rows at
+        rotation ``cos, sin`` and compressor ``phase = position % ratio``)."""
+        rot = (cos, sin)
+        qr, q = self.query(x, rot)
+        kv = self.key_value(x, rot)
+        comp = index_rows = index_q = index_w = None
+        if self.compressor is not None:
+            assert phase is not None
+            comp = self.compressor.rows(x, phase)
+        if self.indexer is not None:
+            assert phase is not None
+            index_rows = self.indexer.compressor.rows(x, phase)
+            index_q, index_w = self.indexer.queries(qr, x, rot)
+        return Projected(q, kv, comp, index_rows, index_q, index_w)
 
     def query(
         self, x: torch.Tensor, rot: tuple[torch.Tensor, torch.Tensor]
@@ -208,26 +234,23 @@ class Attention(nn.Module):
         """``x [T, d]`` -> (``qr [T, q_lora]``, the indexer's input; roped ``q [T, H, D]``)."""
         qr = self.q_norm(F.linear(x, self.wq_a.weight))
         q = F.linear(qr, self.wq_b.weight).view(x.shape[0], self.n_heads, self.head_dim)
-        return qr, rotate(rms_normalize(q, self.args.rms_norm_eps), *rot)
+        q = rms_normalize(q, self.args.rms_norm_eps, self.kernels)
+        return qr, rotate(q, *rot, kernel=self.kernel("rope"))
 
     def key_value(self, x: torch.Tensor, rot: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
         """``x [T, d]`` -> the shared, roped K=V row of each input ``[T, D]``."""
-        return rotate(self.kv_norm(F.linear(x, self.wkv.weight)), *rot)
+        return rotate(self.kv_norm(F.linear(x, self.wkv.weight)), *rot, kernel=self.kernel("rope"))
 
     def output(
         self, out: torch.Tensor, rot: tuple[torch.Tensor, torch.Tensor], dtype: torch.dtype
     ) -> torch.Tensor:
         """Attention result ``out [T, H, D]`` -> ``[T, d]``: inverse RoPE at the query
         positions (V carries rotated dims), then the grouped low-rank output."""
-        out = rotate(out.to(dtype), *rot, inverse=True)
+        out = rotate(out.to(dtype), *rot, inverse=True, kernel=self.kernel("rope"))
         return F.linear(self.grouped_out(out), self.wo_b.weight)
 
     def _compressed(
-        self,
-        x: torch.Tensor,
-        qr: torch.Tensor,
-        caches: list[LayerCache],
-        layout: BatchLayout,
+        self, proj: Projected, caches: list[LayerCache], layout: BatchLayout
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Emit the batch's new entries, then pick the ones each query attends.
 
@@ -235,17 +258,19 @@ class Attention(nn.Module):
         ``[T, K]`` rows of it per query (-1 = none): every causal entry on HCA layers,
         the indexer's top-k on CSA layers.
         """
-        assert self.compressor is not None
+        assert self.compressor is not None and proj.comp_rows is not None
         comps = _present([c.compressor for c in caches])
-        self.compressor.emit(comps, self.compressor.rows(x, layout), layout)
+        self.compressor.emit(comps, proj.comp_rows, layout)
         source = _concat([c.valid_entries() for c in comps])
         ratio = self.compress_ratio
         if self.indexer is None:
             return source, layout.causal_entries(ratio)
+        assert proj.index_rows is not None and proj.index_q is not None
+        assert proj.index_w is not None
         keys = _present([c.indexer for c in caches])
-        self.indexer.compressor.emit(keys, self.indexer.compressor.rows(x, layout), layout)
-        q, weights = self.indexer.queries(qr, x, layout)
-        picks = self.indexer.select(q, weights, _concat([c.valid_entries() for c in keys]), layout)
+        self.indexer.compressor.emit(keys, proj.index_rows, layout)
+        entries = _concat([c.valid_entries() for c in keys])
+        picks = self.indexer.select(proj.index_q, proj.index_w, entries, layout)
         return source, layout.picked_entries(ratio, picks)
 
     def grouped_out(self, out: torch.Tensor) -> torch.Tensor:
@@ -264,6 +289,19 @@ class Attention(nn.Module):
             max_rollback=max_rollback,
             max_context=max_context,
         )
+
+
+class Projected(NamedTuple):
+    """:meth:`Attention.project` of a batch's rows: roped queries ``q [T, H, D]`` and
+    K=V rows ``kv [T, D]``; on compressed layers the compressor's ring rows, and on CSA
+    layers the indexer compressor's rows, its roped queries and head weights."""
+
+    q: torch.Tensor
+    kv: torch.Tensor
+    comp_rows: torch.Tensor | None
+    index_rows: torch.Tensor | None
+    index_q: torch.Tensor | None
+    index_w: torch.Tensor | None
 
 
 def _concat(rows: list[torch.Tensor]) -> torch.Tensor:

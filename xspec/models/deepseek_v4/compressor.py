@@ -32,12 +32,12 @@ from torch import nn
 
 from xspec.models.deepseek_v4.args import DeepseekV4Args
 from xspec.models.deepseek_v4.layout import BatchLayout, Emission
-from xspec.models.deepseek_v4.mhc import RMSNorm
+from xspec.models.deepseek_v4.mhc import RMSNorm, UsesKernels
 from xspec.models.deepseek_v4.rope import Rope, rotate
 from xspec.models.deepseek_v4.state import CompressorCache, scatter_rows, stack_rings
 
 
-class Compressor(nn.Module):
+class Compressor(UsesKernels, nn.Module):
     """Checkpoint tensors: ``wkv.weight``, ``wgate.weight`` ``[coff*width, d]``,
     ``ape [m, coff*width]`` (fp32), ``norm.weight [width]``."""
 
@@ -74,9 +74,10 @@ class Compressor(nn.Module):
         score = F.linear(xf, self.wgate.weight.float()) + self.ape[phase]
         return kv, score
 
-    def rows(self, x: torch.Tensor, layout: BatchLayout) -> torch.Tensor:
-        """``x [T, d]`` -> ring rows ``[kv | score]`` ``[T, 2*coff*width]`` fp32."""
-        return torch.cat(self._project(x, layout.phase(self.ratio)), dim=-1)
+    def rows(self, x: torch.Tensor, phase: torch.Tensor) -> torch.Tensor:
+        """``x [T, d]`` at ``phase [T]`` (position % ratio) -> ring rows ``[kv | score]``
+        ``[T, 2*coff*width]`` fp32."""
+        return torch.cat(self._project(x, phase), dim=-1)
 
     def update(
         self, cache: CompressorCache, kv: torch.Tensor, score: torch.Tensor, start: int
@@ -119,10 +120,10 @@ class Compressor(nn.Module):
         key = self.rope.key
         if key not in plan.memo:  # the indexer's compressor and other layers reuse it
             plan.memo[key] = self.rope.rotation(plan.window_starts, plan.limit)
-        return rotate(self.norm(pooled), *plan.memo[key])
+        return rotate(self.norm(pooled), *plan.memo[key], kernel=self.kernel("rope"))
 
 
-class Indexer(nn.Module):
+class Indexer(UsesKernels, nn.Module):
     """Lightning indexer of a CSA layer. Checkpoint tensors: ``wq_b.weight
     [index_n_heads*index_head_dim, q_lora_rank]``, ``weights_proj.weight
     [index_n_heads, d]``, ``compressor.*`` (a ratio-4 :class:`Compressor` at index_head_dim)."""
@@ -144,12 +145,12 @@ class Indexer(nn.Module):
         self.rope = rope
 
     def queries(
-        self, qr: torch.Tensor, x: torch.Tensor, layout: BatchLayout
+        self, qr: torch.Tensor, x: torch.Tensor, rot: tuple[torch.Tensor, torch.Tensor]
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """``qr [T, q_lora]``, ``x [T, d]`` -> ``q [T, n_heads, head_dim]`` fp32 (roped),
-        head weights ``[T, n_heads]`` fp32."""
+        """``qr [T, q_lora]``, ``x [T, d]`` at rotation ``rot`` (``cos, sin``) -> ``q [T,
+        n_heads, head_dim]`` fp32 (roped), head weights ``[T, n_heads]`` fp32."""
         q = F.linear(qr, self.wq_b.weight).view(qr.shape[0], self.n_heads, self.head_dim)
-        q = rotate(q, *layout.rotation(self.rope)).float()
+        q = rotate(q, *rot, kernel=self.kernel("rope")).float()
         weights = F.linear(x, self.weights_proj.weight).float() * self.n_heads**-0.5
         return q, weights
 

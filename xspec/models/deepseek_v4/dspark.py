@@ -213,14 +213,16 @@ class DSparkStage(Block, HyperHead):
                 self.confidence_head = ConfidenceHead(d, markov_rank, bias=False, **kw)
         self.window: DraftWindow | None = None  # set by DSparkDraft
 
-    def attend(self, x: torch.Tensor, ctx: Any) -> torch.Tensor:
-        """Block attention: ``x [B*W, d]`` -> ``[B*W, d]``; writes no cache."""
+    def attend(
+        self, x: torch.Tensor, ctx: Any
+    ) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
+        """Block attention: ``x [B*W, d]`` -> its result ``[B*W, H, D]`` fp32 and the
+        rows' rotation; writes no cache."""
         assert self.window is not None
         attn = self.attn
-        _, q = attn.query(x, ctx.rot)  # [B*W, H, D]
-        kv = attn.key_value(x, ctx.rot)  # [B*W, D]
-        out = self.window.attend(q, kv, ctx, attn.attn_sink, attn.head_dim**-0.5)
-        return attn.output(out, ctx.rot, x.dtype)
+        proj = self.steps.project(attn, x, ctx.rot[0], ctx.rot[1], None)
+        out = self.window.attend(proj.q, proj.kv, ctx, attn.attn_sink, attn.head_dim**-0.5)
+        return out, ctx.rot
 
 
 class DSparkCache:

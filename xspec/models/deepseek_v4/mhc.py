@@ -17,6 +17,7 @@ The checkpoint stores them as plain tensors on the owning module (``layers.{i}.h
 from __future__ import annotations
 
 import functools
+from typing import TYPE_CHECKING, Any, ClassVar, Protocol
 
 import torch
 import torch.nn.functional as F
@@ -24,8 +25,39 @@ from torch import nn
 
 from xspec.models.deepseek_v4.args import DeepseekV4Args
 
+if TYPE_CHECKING:
+    from xspec.models.base import StepOptions
 
-class RMSNorm(nn.Module):
+
+def fused(kernels: dict[str, Any], name: str) -> Any:
+    """The platform's fused kernel ``name`` (``StepOptions.kernels``) where it may run:
+    not under autograd (the kernels have no backward) and not while a compiler traces
+    (it fuses the reference ops itself). None: run the reference ops."""
+    kernel = kernels.get(name)
+    if kernel is None or torch.is_grad_enabled() or torch.compiler.is_compiling():
+        return None
+    return kernel
+
+
+class UsesKernels:
+    """Mixin of modules that call the platform's fused kernels: ``configure_steps``
+    (see ``models.base.configure_steps``) hands them over, :meth:`kernel` picks one."""
+
+    _NONE: ClassVar[dict[str, Any]] = {}
+
+    @property
+    def kernels(self) -> dict[str, Any]:
+        """The configured kernels by name (none until :meth:`configure_steps`)."""
+        return self.__dict__.get("_kernels", self._NONE)
+
+    def configure_steps(self, options: StepOptions) -> None:
+        self.__dict__["_kernels"] = options.kernels
+
+    def kernel(self, name: str) -> Any:
+        return fused(self.kernels, name)
+
+
+class RMSNorm(UsesKernels, nn.Module):
     """Weighted RMSNorm; weight fp32, math in fp32, output cast back to the input dtype."""
 
     def __init__(self, dim: int, eps: float, device: torch.device | str = "cpu") -> None:
@@ -34,12 +66,20 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim, dtype=torch.float32, device=device))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        kernel = self.kernel("rms_norm")
+        if kernel is not None and (y := kernel(x, self.weight, self.eps)) is not None:
+            return y
         # F.rms_norm is the same x * rsqrt(mean(x^2) + eps) * weight, as one op
         return F.rms_norm(x.float(), self.weight.shape, self.weight, self.eps).to(x.dtype)
 
 
-def rms_normalize(x: torch.Tensor, eps: float) -> torch.Tensor:
+def rms_normalize(
+    x: torch.Tensor, eps: float, kernels: dict[str, Any] | None = None
+) -> torch.Tensor:
     """Unweighted RMS normalisation over the last dim (same dtype as ``x``)."""
+    kernel = fused(kernels, "rms_norm") if kernels else None
+    if kernel is not None and (y := kernel(x, None, eps)) is not None:
+        return y
     if x.dtype == torch.float32:
         return F.rms_norm(x, x.shape[-1:], eps=eps)
     # lower precision: the rsqrt is rounded to x.dtype before the product (as before)
@@ -69,7 +109,7 @@ def sinkhorn(comb: torch.Tensor, iters: int, eps: float) -> torch.Tensor:
     One column normalisation, then ``iters - 1`` (row, column) rounds, each with ``+eps``
     in the denominator: the loop ends on a column normalisation, as officially.
     """
-    if comb.requires_grad and torch.is_grad_enabled():  # training: out of place
+    if _functional(comb):  # training or compiling: out of place
         comb = comb / (comb.sum(dim=-2, keepdim=True) + eps)
         for _ in range(iters - 1):
             comb = comb / (comb.sum(dim=-1, keepdim=True) + eps)
@@ -110,27 +150,57 @@ def _sinkhorn_bordered(buf: torch.Tensor, iters: int) -> torch.Tensor:
     return comb.permute(2, 0, 1).contiguous()
 
 
+class MhcKernel(Protocol):
+    """A fused kernel of the mixes of one site (a platform's, e.g. the CPU platform's
+    ``native`` C kernel): ``mix [T, (2+hc)*hc]``, ``scale [3]``, ``base`` fp32 -> ``u
+    [T, d]`` fp32 (None when it does not take ``x``), ``pre, post [T, hc]``, ``comb [T,
+    hc, hc]``, as :func:`hc_pre` computes them."""
+
+    def __call__(
+        self,
+        mix: torch.Tensor,
+        scale: torch.Tensor,
+        base: torch.Tensor,
+        hc: int,
+        iters: int,
+        eps: float,
+        x: torch.Tensor | None,
+    ) -> tuple[torch.Tensor | None, torch.Tensor, torch.Tensor, torch.Tensor]: ...
+
+
 def hc_pre(
     x: torch.Tensor,
     fn: torch.Tensor,
     base: torch.Tensor,
     scale: torch.Tensor,
     args: DeepseekV4Args,
+    kernels: dict[str, Any] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Collapse the streams for one sub-block.
 
     ``x [T, hc, d]`` -> ``u [T, d]`` (x.dtype), ``post [T, hc]`` fp32, ``comb [T, hc, hc]`` fp32.
+    ``kernels``: the platform's fused kernels (``mhc_pre``: everything after the ``fn``
+    projection, as :class:`MhcKernel`; ``rms_norm``).
     """
     hc, t = args.hc_mult, x.shape[0]
-    flat = rms_normalize(x.flatten(1).float(), args.rms_norm_eps)  # [T, hc*d]
+    flat = rms_normalize(x.flatten(1).float(), args.rms_norm_eps, kernels)  # [T, hc*d]
     mix = F.linear(flat, fn.float())  # [T, (2+hc)*hc] = [pre | post | comb]
+    kernel = fused(kernels, "mhc_pre") if kernels else None
+    if kernel is not None:
+        streams = x if x.dtype == torch.float32 and x.is_contiguous() else None
+        u, pre, post, comb = kernel(
+            mix, scale.float(), base.float(), hc, args.hc_sinkhorn_iters, args.hc_eps, streams
+        )
+        if u is None:
+            u = (pre.unsqueeze(-1) * x).sum(dim=1)
+        return u.to(x.dtype), post, comb
     # scale[0] scales the pre columns, scale[1] post, scale[2] comb: one multiply-add
     z = mix * _site_scale(scale.float(), hc) + base.float()
     gates = torch.sigmoid(z[:, : 2 * hc])
     pre = gates[:, :hc] + args.hc_eps
     post = 2 * gates[:, hc:]
     logits = z[:, 2 * hc :].view(t, hc, hc)
-    if logits.requires_grad and torch.is_grad_enabled():
+    if _functional(logits):
         comb = torch.softmax(logits, dim=-1) + args.hc_eps
         comb = sinkhorn(comb, args.hc_sinkhorn_iters, args.hc_eps)
     else:  # softmax and Sinkhorn with the rows along the last dim (vectorised at any T)
@@ -142,8 +212,17 @@ def hc_pre(
     return u, post, comb
 
 
+def _functional(t: torch.Tensor) -> bool:
+    """Out-of-place math for autograd, and for a compiler (which fuses it anyway); the
+    eager inference path instead minimises the number of ops, each a dispatch."""
+    return torch.compiler.is_compiling() or (t.requires_grad and torch.is_grad_enabled())
+
+
 def _site_scale(scale: torch.Tensor, hc: int) -> torch.Tensor:
     """``scale [3]`` -> ``[(2+hc)*hc]``, one factor per column of ``[pre | post | comb]``."""
+    if torch.compiler.is_compiling():
+        sizes = (hc, hc, hc * hc)
+        return torch.cat([scale[i : i + 1].expand(n) for i, n in enumerate(sizes)])
     return scale.index_select(0, _column_site(hc, scale.device))
 
 

@@ -20,12 +20,20 @@ import torch
 from torch import nn
 
 from xspec.errors import ConfigError, RequestError
-from xspec.models.base import CapturePoint, CaptureSite, ForwardBatch, KvBytes, ModelOutput
+from xspec.models.base import (
+    CapturePoint,
+    CaptureSite,
+    ForwardBatch,
+    KvBytes,
+    ModelOutput,
+    StepOptions,
+)
 from xspec.models.deepseek_v4.args import DeepseekV4Args
 from xspec.models.deepseek_v4.attention import Attention
 from xspec.models.deepseek_v4.mhc import HyperHead, RMSNorm, hc_post, hc_pre, new_hc_params
 from xspec.models.deepseek_v4.moe import MoE
 from xspec.models.deepseek_v4.state import BlockContext, DeepseekV4State, LayerCache, kv_bytes
+from xspec.models.deepseek_v4.steps import EAGER, Steps, steps_for
 
 if TYPE_CHECKING:
     from xspec.parallel.expert import ExpertParallel
@@ -69,18 +77,55 @@ class Block(nn.Module):
             expert_parallel=expert_parallel,
             tag=layer_id,
         )
+        self.steps: Steps = EAGER
 
     def forward(self, x: torch.Tensor, ctx: BlockContext) -> torch.Tensor:
-        """``x [T, hc, d]`` streams -> ``[T, hc, d]``; ``ctx.caches`` are this block's."""
-        u, post, comb = hc_pre(x, self.hc_attn_fn, self.hc_attn_base, self.hc_attn_scale, self.args)
-        x = hc_post(self.attend(self.attn_norm(u), ctx), x, post, comb)
-        u, post, comb = hc_pre(x, self.hc_ffn_fn, self.hc_ffn_base, self.hc_ffn_scale, self.args)
-        return hc_post(self.ffn(self.ffn_norm(u), ctx.input_ids), x, post, comb)
+        """``x [T, hc, d]`` streams -> ``[T, hc, d]``; ``ctx.caches`` are this block's.
 
-    def attend(self, x: torch.Tensor, ctx: BlockContext) -> torch.Tensor:
-        """The attention sub-layer on the normed input ``x [T, d]`` -> ``[T, d]`` (the
+        The stateless parts run through ``self.steps`` (compiled where the platform
+        compiles steps, see :func:`xspec.models.compiled.compile_steps`); the attention
+        between them reads and writes the caches eagerly.
+        """
+        h, post, comb = self.steps.mix_in(self, x)
+        out, rot = self.attend(h, ctx)
+        return self.steps.mix_out(self, out, rot[0], rot[1], x, post, comb, ctx.input_ids)
+
+    def mix_in(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Streams ``x [T, hc, d]`` -> the normed attention input ``[T, d]`` and the
+        ``post, comb`` mixes of the attention site."""
+        site = (self.hc_attn_fn, self.hc_attn_base, self.hc_attn_scale)
+        u, post, comb = hc_pre(x, *site, self.args, self.steps.kernels)
+        return self.attn_norm(u), post, comb
+
+    def mix_out(
+        self,
+        out: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        x: torch.Tensor,
+        post: torch.Tensor,
+        comb: torch.Tensor,
+        input_ids: torch.Tensor,
+    ) -> torch.Tensor:
+        """The rest of the block after the attention core: ``out [T, H, D]`` fp32 (its
+        result), ``cos, sin`` its rows' rotation, the streams ``x`` it read with their
+        ``post, comb`` -> the block output ``[T, hc, d]``."""
+        x = hc_post(self.attn.output(out, (cos, sin), x.dtype), x, post, comb)
+        site = (self.hc_ffn_fn, self.hc_ffn_base, self.hc_ffn_scale)
+        u, post, comb = hc_pre(x, *site, self.args, self.steps.kernels)
+        return hc_post(self.ffn(self.ffn_norm(u), input_ids), x, post, comb)
+
+    def configure_steps(self, options: StepOptions) -> None:
+        """Run the stateless steps as the platform says (see ``models.base.StepOptions``)."""
+        self.steps = steps_for(options, moe=self.ffn.expert_parallel is None)
+
+    def attend(
+        self, x: torch.Tensor, ctx: BlockContext
+    ) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
+        """The attention core on the normed input ``x [T, d]`` -> its result ``[T, H, D]``
+        fp32 (before the output projection) and the rows' rotation ``cos, sin`` (the
         DSpark stages replace it with block attention over their context windows)."""
-        return self.attn(x, ctx)
+        return self.attn(x, ctx, self.steps)
 
     def new_cache(self, *, max_rollback: int, max_context: int) -> LayerCache:
         """Empty per-sequence cache of this block (truncate it with ``cache.truncate(n)``)."""

@@ -12,16 +12,29 @@ Expert parallelism (``expert_parallel``, :mod:`xspec.parallel.expert`): the laye
 only its rank's experts (the others are empty placeholders, so ids stay global and the
 state_dict names only the local ones) and routes its assignments through the EP group;
 the per-row sum stays the single-process one.
+
+The local experts' weights are stacked ``[E, out, in]`` (each expert's ``w1/w2/w3``
+parameter is a view of its row of the stack, so the checkpoint names and in-place
+loading are unchanged and nothing is stored twice). Two ways to run the routed experts:
+
+* grouped GEMMs (``torch._grouped_mm``: one op per projection for all experts, group
+  offsets computed on the device, so no host sync): where the platform has the kernel
+  (``StepOptions.kernels["grouped_mm"]``) and in compiled steps, which cannot sync;
+* the reference: the experts with rows one after another (one host sync reads the group
+  sizes). On the host this is the faster one: a sync is free there, and the CPU
+  ``_grouped_mm`` loops over every expert, empty or not.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import TYPE_CHECKING, cast
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from xspec.models.base import StepOptions
 from xspec.models.deepseek_v4.args import DeepseekV4Args
 
 if TYPE_CHECKING:
@@ -108,9 +121,22 @@ class RemoteExpert(nn.Module):
     """Placeholder of an expert another EP rank holds (no tensors)."""
 
 
+def grouped_mm_serves(dtype: torch.dtype, *widths: int) -> bool:
+    """Whether ``torch._grouped_mm`` takes operands of ``dtype`` whose rows are ``widths``
+    elements long (its kernels need 16-byte aligned strides)."""
+    size = torch.empty(0, dtype=dtype).element_size()
+    return hasattr(torch, "_grouped_mm") and all(w * size % 16 == 0 for w in widths)
+
+
 class MoE(nn.Module):
     """Checkpoint tensors (``layers.{i}.ffn.``): ``gate.*``, ``experts.{e}.w{1,2,3}``,
-    ``shared_experts.w{1,2,3}``. ``tag``: the layer id, checked across EP ranks."""
+    ``shared_experts.w{1,2,3}``. ``tag``: the layer id, checked across EP ranks.
+    ``grouped`` (set by :meth:`configure_steps`): run the routed experts as grouped GEMMs.
+    """
+
+    w1: torch.Tensor | None  # the expert stacks (non-persistent buffers), see _stack_experts
+    w2: torch.Tensor | None
+    w3: torch.Tensor | None
 
     def __init__(
         self,
@@ -138,16 +164,79 @@ class MoE(nn.Module):
             Expert(d, inter, limit, dtype=dtype, device=device) if e in local else RemoteExpert()
             for e in range(args.n_routed_experts)
         )
+        self.first_local = local.start if isinstance(local, range) else 0
+        self.stacked = False
+        self._stack_experts()
+        self.grouped = False
         self.shared_experts = (
             Expert(d, inter * args.n_shared_experts, limit, dtype=dtype, device=device)
             if args.n_shared_experts
             else None
         )
 
+    def _local(self) -> list[Expert]:
+        return [e for e in self.experts if isinstance(e, Expert)]
+
+    def _stack_experts(self) -> None:
+        """Make the local experts' weights views of ``[E_local, out, in]`` stacks, the
+        non-persistent buffers ``w1, w2, w3`` (one copy now; afterwards loading writes
+        through the views). Buffers, so a compiler treats them like parameters."""
+        local = self._local()
+        self.stacked = bool(local)
+        for name in ("w1", "w2", "w3"):
+            stack = None
+            if self.stacked:
+                linears = [getattr(ex, name) for ex in local]
+                stack = torch.stack([lin.weight.detach() for lin in linears])
+                for lin, row in zip(linears, stack.unbind(0)):
+                    lin.weight = nn.Parameter(row, requires_grad=lin.weight.requires_grad)
+            self.register_buffer(name, stack, persistent=False)
+
+    def _apply(self, fn: Callable[[torch.Tensor], torch.Tensor], recurse: bool = True) -> MoE:
+        # .to() / .cuda() / to_empty() give every parameter new storage: restack
+        out = super()._apply(fn, recurse)
+        self._stack_experts()
+        return out
+
+    def configure_steps(self, options: StepOptions) -> None:
+        """Grouped GEMMs where the platform has them or the steps are compiled, and the
+        kernel takes these shapes; otherwise the per-expert reference."""
+        w1, kernels = self.w1, options.kernels
+        wanted = options.compile is not None or bool(kernels.get("grouped_mm_eager"))
+        self.grouped = (
+            wanted
+            and w1 is not None
+            and str(w1.dtype).removeprefix("torch.") in kernels.get("grouped_mm", ())
+            and grouped_mm_serves(w1.dtype, w1.shape[1], w1.shape[2])
+        )
+
+    def _stacked(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+        """The weight stacks, if the experts' parameters still view them (a parameter
+        replaced from outside, e.g. ``load_state_dict(assign=True)``, makes it restack;
+        a compiled step trusts them)."""
+        if not self.stacked or torch.is_grad_enabled():
+            return None
+        if not torch.compiler.is_compiling():
+            first = self._local()[0]
+            if any(
+                getattr(first, n).weight.data_ptr() != getattr(self, n).data_ptr()
+                for n in ("w1", "w2", "w3")
+            ):
+                self._stack_experts()
+        assert self.w1 is not None and self.w2 is not None and self.w3 is not None
+        return self.w1, self.w2, self.w3
+
     def forward(self, x: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
         """``x [T, d]`` (the ``ffn_norm`` output), ``input_ids [T]`` -> ``[T, d]``."""
         weights, experts = self.gate(x, input_ids)  # [T, k] each
         y = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
+        stacks = self._stacked() if self.grouped else None
+        if self.expert_parallel is None and stacks is not None:
+            if x.shape[0]:
+                y.index_add_(0, *self._routed(x, weights, experts, stacks))
+            if self.shared_experts is not None:
+                y += self.shared_experts(x).float()
+            return y.to(x.dtype)
         # group the T*k (row, expert) assignments by expert with one stable sort; the one
         # host sync (the group sizes) slices the groups, experts without rows are skipped
         flat = experts.flatten()  # [T*k]
@@ -175,12 +264,41 @@ class MoE(nn.Module):
             empty = torch.empty(0, d, dtype=self.dtype, device=device)
             self(empty, torch.empty(0, dtype=torch.long, device=empty.device))
 
+    def _routed(
+        self,
+        x: torch.Tensor,
+        weights: torch.Tensor,
+        experts: torch.Tensor,
+        stacks: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """All routed assignments as grouped GEMMs, without a host sync: ``x [T, d]``,
+        ``weights, experts [T, k]`` -> (token row of each assignment ``[T*k]``, its
+        weighted expert output ``[T*k, d]`` fp32), for ``index_add_``."""
+        flat = experts.flatten()  # [T*k]
+        order = flat.argsort(stable=True)  # assignments grouped by expert, rows ascending
+        ones = torch.ones_like(flat, dtype=torch.int32)
+        counts = torch.zeros(len(self.experts), dtype=torch.int32, device=x.device)
+        offs = counts.scatter_add_(0, flat, ones).cumsum(0, dtype=torch.int32)
+        rows = order // experts.shape[1]
+        ws = weights.flatten()[order].unsqueeze(1)  # [N, 1]
+        out = _grouped_swiglu(x.index_select(0, rows), ws, offs, stacks, self.limit)
+        return rows, out.float()
+
     def _grouped(self, xs: torch.Tensor, ws: torch.Tensor, sizes: list[int]) -> torch.Tensor:
         """The routed experts on their groups: ``xs [N, d]`` rows sorted by expert,
         ``ws [N, 1]`` fp32 weights, ``sizes [E]`` group sizes -> ``[N, d]`` (x.dtype).
 
         Only the matmuls run per expert; the activation runs once on all rows.
         """
+        stacks = self._stacked()
+        if stacks is not None and xs.shape[0]:  # this rank's experts: a contiguous range
+            local = sizes[self.first_local :][: stacks[0].shape[0]]
+            if self.grouped:
+                offs = torch.tensor(local).cumsum(0, dtype=torch.int32).to(xs.device)
+                return _grouped_swiglu(xs, ws, offs, stacks, self.limit)
+            width = max(local)
+            if width * len(local) <= 2 * xs.shape[0]:  # padding at most doubles the rows
+                return _padded_swiglu(xs, ws, local, width, stacks, self.limit)
         groups: list[tuple[Expert, slice]] = []
         lo = 0
         for e, n in enumerate(sizes):
@@ -191,3 +309,62 @@ class MoE(nn.Module):
         up = torch.cat([F.linear(xs[g], ex.w3.weight) for ex, g in groups]).float()
         h = swiglu(gate, up, self.limit, ws).to(xs.dtype)  # [N, inter]
         return torch.cat([F.linear(h[g], ex.w2.weight) for ex, g in groups])
+
+
+def _grouped_swiglu(
+    xs: torch.Tensor,
+    ws: torch.Tensor,
+    offs: torch.Tensor,
+    stacks: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
+    limit: float,
+) -> torch.Tensor:
+    """Expert ``g`` on rows ``offs[g-1]:offs[g]`` of ``xs [N, d]`` (sorted by expert),
+    three grouped GEMMs over the stacks ``w1, w2, w3 [E, out, in]`` -> ``[N, d]``."""
+    w1, w2, w3 = stacks
+    mm = grouped_mm if torch.compiler.is_compiling() else _grouped_mm
+    gate = mm(xs, w1.transpose(1, 2), offs).float()
+    up = mm(xs, w3.transpose(1, 2), offs).float()
+    h = swiglu(gate, up, limit, ws).to(xs.dtype)
+    return mm(h, w2.transpose(1, 2), offs)
+
+
+def _padded_swiglu(
+    xs: torch.Tensor,
+    ws: torch.Tensor,
+    sizes: list[int],
+    width: int,
+    stacks: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
+    limit: float,
+) -> torch.Tensor:
+    """:func:`_grouped_swiglu` as three batched GEMMs over every expert, each expert's
+    rows padded to ``width`` (zero rows, weight 0): a handful of ops whatever the number
+    of experts, for when the groups are even enough that padding costs less than one
+    GEMM per expert (decode and verify batches). ``sizes``: rows per expert (host)."""
+    w1, w2, w3 = stacks
+    experts, d, inter = len(sizes), xs.shape[1], w1.shape[1]
+    slots = [e * width + j for e, n in enumerate(sizes) for j in range(n)]
+    slot = torch.tensor(slots, device=xs.device)
+    padded = xs.new_zeros(experts * width, d).index_copy_(0, slot, xs).view(experts, width, d)
+    gate = torch.bmm(padded, w1.transpose(1, 2)).view(-1, inter).float()
+    up = torch.bmm(padded, w3.transpose(1, 2)).view(-1, inter).float()
+    weights = ws.new_zeros(experts * width, 1).index_copy_(0, slot, ws)
+    h = swiglu(gate, up, limit, weights).to(xs.dtype).view(experts, width, inter)
+    return torch.bmm(h, w2.transpose(1, 2)).view(-1, d).index_select(0, slot)
+
+
+def _grouped_mm(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+    return torch._grouped_mm(a, b, offs=offs)
+
+
+@torch.library.custom_op("xspec::grouped_mm", mutates_args=())
+def grouped_mm(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+    """``torch._grouped_mm`` as an opaque op for compiled steps: ``a [N, k]`` rows
+    sorted by group, ``b [G, k, n]``, ``offs [G]`` int32 group ends -> ``[N, n]``. (The
+    compiler's shape function of ``_grouped_mm`` accepts only bf16; the kernels take
+    fp32 too.)"""
+    return torch._grouped_mm(a, b, offs=offs)
+
+
+@grouped_mm.register_fake
+def _(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+    return a.new_empty(a.shape[0], b.shape[-1])

@@ -15,6 +15,7 @@ checkpoint whose ``max_position_embeddings`` exceeds the original length (Flash:
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import torch
 from torch import nn
@@ -104,14 +105,22 @@ class Rope(nn.Module):
 
 
 def rotate(
-    x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, *, inverse: bool = False
+    x: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    *,
+    inverse: bool = False,
+    kernel: Any = None,
 ) -> torch.Tensor:
     """RoPE with :meth:`Rope.rotation` factors: ``x [N, ..., D]``, ``cos/sin [N, rd]``.
 
     ``rope * cos + swap(rope) * sin`` on the last ``rd`` dims, ``swap`` exchanging each
     pair: the same products and sums as :func:`apply_rope`, in fewer whole-tensor ops.
-    fp32 math, cast back to ``x.dtype``.
+    fp32 math, cast back to ``x.dtype``. ``kernel``: a platform's fused ``rope`` (see
+    ``mhc.fused``), used where it takes the inputs.
     """
+    if kernel is not None and (y := kernel(x, cos, sin, inverse)) is not None:
+        return y
     rd = cos.shape[-1]
     shape = (x.shape[0],) + (1,) * (x.dim() - 2) + (rd,)
     cos, sin = cos.view(shape), sin.view(shape)

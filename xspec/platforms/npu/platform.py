@@ -93,6 +93,10 @@ class NpuPlatform(Platform):
             native_sparse_attention=native,
             int8_matmul=True,
             distributed_backend="hccl",
+            # Step compilation on Ascend goes through torchair (a graph mode xspec does
+            # not wire yet): compile_backend stays None, so platform.compile=on is
+            # refused and auto runs eager. torch_npu's npu_grouped_matmul and a fused
+            # mHC operator would plug in through fused_kernels(); not wired either.
         )
 
     def capture_point(self, checkpoint_layer_id: int) -> CapturePoint:

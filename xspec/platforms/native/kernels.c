@@ -1,0 +1,113 @@
+/* Fused host kernels of xspec's CPU platform (see native/__init__.py).
+ *
+ * Plain C over contiguous float32 buffers: no Python or torch headers, so it builds in
+ * well under a second with any C compiler. Built with -ffp-contract=off so every
+ * product and sum rounds as the reference torch ops do (no fused multiply-add).
+ */
+#include <math.h>
+#include <stdint.h>
+
+#define MAX_HC 16
+
+/* mHC mixes of one site, T rows at once:
+ *   z    = mix * scale[site of column] + base     (mix [T, (2+hc)*hc])
+ *   pre  = sigmoid(z[:hc]) + eps                   [T, hc]
+ *   post = 2 * sigmoid(z[hc:2hc])                  [T, hc]
+ *   comb = Sinkhorn(softmax_rows(z[2hc:]) + eps)   [T, hc, hc]: one column
+ *          normalisation, then iters-1 (row, column) rounds, each sum + eps.
+ * With x != NULL ([T, hc, d]) also u[t] = sum_i pre[t, i] * x[t, i] ([T, d]). */
+void xspec_mhc_pre(const float *mix, const float *scale, const float *base, int64_t rows,
+                   int64_t hc, int64_t iters, float eps, const float *x, int64_t d,
+                   float *pre, float *post, float *comb, float *u) {
+    const int64_t n = (2 + hc) * hc;
+    for (int64_t t = 0; t < rows; ++t) {
+        const float *m = mix + t * n;
+        float *pr = pre + t * hc, *po = post + t * hc, *c = comb + t * hc * hc;
+        for (int64_t i = 0; i < hc; ++i) {
+            float z = m[i] * scale[0] + base[i];
+            pr[i] = 1.0f / (1.0f + expf(-z)) + eps;
+            z = m[hc + i] * scale[1] + base[hc + i];
+            po[i] = 2.0f * (1.0f / (1.0f + expf(-z)));
+        }
+        for (int64_t r = 0; r < hc; ++r) {
+            float *cr = c + r * hc;
+            float mx = -INFINITY;
+            for (int64_t j = 0; j < hc; ++j) {
+                int64_t k = 2 * hc + r * hc + j;
+                cr[j] = m[k] * scale[2] + base[k];
+                if (cr[j] > mx) mx = cr[j];
+            }
+            float s = 0.0f;
+            for (int64_t j = 0; j < hc; ++j) {
+                cr[j] = expf(cr[j] - mx);
+                s += cr[j];
+            }
+            for (int64_t j = 0; j < hc; ++j) cr[j] = cr[j] / s + eps;
+        }
+        for (int64_t it = 0; it < iters; ++it) {
+            if (it > 0) {
+                for (int64_t r = 0; r < hc; ++r) {
+                    float s = 0.0f;
+                    for (int64_t j = 0; j < hc; ++j) s += c[r * hc + j];
+                    s += eps;
+                    for (int64_t j = 0; j < hc; ++j) c[r * hc + j] /= s;
+                }
+            }
+            for (int64_t j = 0; j < hc; ++j) {
+                float s = 0.0f;
+                for (int64_t r = 0; r < hc; ++r) s += c[r * hc + j];
+                s += eps;
+                for (int64_t r = 0; r < hc; ++r) c[r * hc + j] /= s;
+            }
+        }
+        if (x != 0) {
+            const float *xt = x + t * hc * d;
+            float *ut = u + t * d;
+            for (int64_t k = 0; k < d; ++k) ut[k] = pr[0] * xt[k];
+            for (int64_t i = 1; i < hc; ++i)
+                for (int64_t k = 0; k < d; ++k) ut[k] += pr[i] * xt[i * d + k];
+        }
+    }
+}
+
+/* Weighted (w != NULL) or plain RMS normalisation of each row of x [rows, n]:
+ * y = x * (1 / sqrt(mean(x^2) + eps)) * w. */
+void xspec_rms_norm(const float *x, const float *w, int64_t rows, int64_t n, float eps,
+                    float *y) {
+    for (int64_t r = 0; r < rows; ++r) {
+        const float *xr = x + r * n;
+        float *yr = y + r * n;
+        double ss = 0.0;
+        for (int64_t k = 0; k < n; ++k) ss += (double)xr[k] * xr[k];
+        float inv = 1.0f / sqrtf((float)(ss / (double)n) + eps);
+        if (w != 0)
+            for (int64_t k = 0; k < n; ++k) yr[k] = (xr[k] * inv) * w[k];
+        else
+            for (int64_t k = 0; k < n; ++k) yr[k] = xr[k] * inv;
+    }
+}
+
+/* RoPE on the last rd dims of every head: x [rows, heads, d] -> y (same shape; the
+ * other dims copied). cos, sin [rows, rd] interleaved as xspec's Rope tables: pair
+ * (2i, 2i+1) has cos (c, c) and sin (-s, s). Forward: y = rope*cos + swap(rope)*sin;
+ * inverse: y = rope*cos - swap(rope)*sin (the same products and sums as rope.rotate). */
+void xspec_rope(const float *x, const float *cos, const float *sin, int64_t rows,
+                int64_t heads, int64_t d, int64_t rd, int64_t inverse, float *y) {
+    const int64_t keep = d - rd;
+    for (int64_t r = 0; r < rows; ++r) {
+        const float *c = cos + r * rd, *s = sin + r * rd;
+        for (int64_t h = 0; h < heads; ++h) {
+            const float *xh = x + (r * heads + h) * d;
+            float *yh = y + (r * heads + h) * d;
+            for (int64_t k = 0; k < keep; ++k) yh[k] = xh[k];
+            const float *a = xh + keep;
+            float *o = yh + keep;
+            for (int64_t k = 0; k < rd; k += 2) {
+                float p = a[k] * c[k], q = a[k + 1] * s[k];
+                float p1 = a[k + 1] * c[k + 1], q1 = a[k] * s[k + 1];
+                o[k] = inverse ? p - q : p + q;
+                o[k + 1] = inverse ? p1 - q1 : p1 + q1;
+            }
+        }
+    }
+}
