@@ -96,3 +96,34 @@ def test_a_failing_build_says_why(monkeypatch, tmp_path):
 def test_the_build_is_cached(kernels, monkeypatch):
     again, _ = native.load()
     assert again is not None and again.path == kernels.path
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_index_topk_is_the_reference_selection(kernels, seed):
+    """Ragged sequences (decode, verify and a prefill chunk), exact ties (repeated keys:
+    the lower index wins), a NaN key (never picked), fewer causal entries than k."""
+    from xspec.models.base import StepOptions
+    from xspec.models.deepseek_v4.compressor import Indexer
+    from xspec.models.deepseek_v4.layout import BatchLayout
+    from xspec.models.deepseek_v4.rope import Rope, rope_inv_freq
+
+    args = DeepseekV4Args.tiny()
+    indexer = Indexer(
+        args, Rope(rope_inv_freq(args, compressed=True)), dtype=torch.float32, device="cpu"
+    )
+    gen = torch.Generator().manual_seed(seed)
+    starts, lens = [40, 97, 3], [1, 6, 30]
+    positions = torch.cat([torch.arange(s, s + n) for s, n in zip(starts, lens)])
+    layout = BatchLayout(positions, lens, starts)
+    counts = layout.entry_counts(4)
+    keys = torch.randn(sum(counts), args.index_head_dim, generator=gen)
+    keys[5] = keys[2]  # exact ties within the first sequence
+    keys[counts[0] + 3] = float("nan")
+    q = torch.randn(positions.numel(), args.index_n_heads, args.index_head_dim, generator=gen)
+    w = torch.randn(positions.numel(), args.index_n_heads, generator=gen)
+    with torch.no_grad():
+        reference = indexer.select(q, w, keys, layout)
+        indexer.configure_steps(StepOptions(kernels=kernels.by_name()))
+        fused = indexer.select(q, w, keys, layout)
+    assert torch.equal(fused, reference)
+    assert (fused == -1).any()  # the 3-token sequence has no complete entry yet

@@ -168,6 +168,13 @@ class Indexer(UsesKernels, nn.Module):
         k = min(self.topk, n)
         if k == 0:
             return torch.empty(q.shape[0], 0, dtype=torch.long, device=q.device)
+        kernel = self.kernel("index_topk")
+        if kernel is not None:
+            scale = self.head_dim**-0.5
+            base, visible = layout.entry_base(4), layout.visible(4)
+            picks = kernel(q, weights, keys.float(), base, visible, n, k, scale)
+            if picks is not None:
+                return picks
         # one batched matmul over sequences: [B, S*H, c] x [B, c, n]
         kp = keys.float().index_select(0, index.flatten()).view(b, n, -1)
         qp = layout.padded(q)  # [B, S, H, c]

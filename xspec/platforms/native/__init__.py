@@ -8,7 +8,9 @@ the ones a DeepSeek-V4 step calls most:
   Sinkhorn rounds over a 4x4 matrix, about 90 tiny torch ops; DeepSeek's own inference
   fuses them too, ``hc_split_sinkhorn``) and the stream collapse;
 * ``rms_norm``: weighted or plain RMS normalisation (``F.rms_norm`` is six ops);
-* ``rope``: the rotation of the last ``rd`` dims of every head (ten ops in torch).
+* ``rope``: the rotation of the last ``rd`` dims of every head (ten ops in torch);
+* ``index_topk``: the CSA lightning indexer's scores and stable causal top-k (thirty
+  ops in torch, one host sync).
 
 Each returns None for inputs it does not take (not fp32, not contiguous), and the
 caller runs the reference torch ops instead. Rows are independent: a row's result
@@ -120,9 +122,43 @@ class NativeKernels:
         )
         return y
 
+    def index_topk(
+        self,
+        q: torch.Tensor,
+        weights: torch.Tensor,
+        keys: torch.Tensor,
+        key0: torch.Tensor,
+        visible: torch.Tensor,
+        n: int,
+        k: int,
+        scale: float,
+    ) -> torch.Tensor | None:
+        """The lightning indexer's causal top-``k`` (``compressor.Indexer.select``):
+        ``q [T, H, c]``, ``weights [T, H]``, ``keys [*, c]`` fp32; ``key0, visible [T]``
+        int64 (the row's first key, its causal entry count); ``n`` entries per sequence
+        at most -> ``[T, k]`` int64, ascending, -1 = none."""
+        tensors = (q, weights, keys)
+        if not all(_takes(t) for t in tensors) or key0.dtype != torch.int64:
+            return None
+        key0, visible = key0.contiguous(), visible.contiguous()
+        out = torch.empty(q.shape[0], k, dtype=torch.int64)
+        score = torch.empty(max(n, 1))
+        heap = torch.empty(max(k, 1), dtype=torch.int64)
+        self.lib.xspec_index_topk(
+            q.data_ptr(), weights.data_ptr(), keys.data_ptr(), key0.data_ptr(),
+            visible.data_ptr(), q.shape[0], q.shape[1], q.shape[2], n, k, ctypes.c_float(scale),
+            score.data_ptr(), heap.data_ptr(), out.data_ptr(),
+        )  # fmt: skip
+        return out
+
     def by_name(self) -> dict[str, Any]:
         """``StepOptions.kernels`` entries."""
-        return {"mhc_pre": self.mhc_pre, "rms_norm": self.rms_norm, "rope": self.rope}
+        return {
+            "mhc_pre": self.mhc_pre,
+            "rms_norm": self.rms_norm,
+            "rope": self.rope,
+            "index_topk": self.index_topk,
+        }
 
 
 def _takes(t: torch.Tensor) -> bool:
@@ -168,6 +204,7 @@ def load() -> tuple[NativeKernels | None, str]:
         ("xspec_mhc_pre", [_P, _P, _P, _I, _I, _I, f, _P, _I, _P, _P, _P, _P]),
         ("xspec_rms_norm", [_P, _P, _I, _I, f, _P]),
         ("xspec_rope", [_P, _P, _P, _I, _I, _I, _I, _I, _P]),
+        ("xspec_index_topk", [_P, _P, _P, _P, _P, _I, _I, _I, _I, _I, f, _P, _P, _P]),
     ):
         fn = getattr(lib, name)
         fn.restype, fn.argtypes = None, argtypes

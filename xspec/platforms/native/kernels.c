@@ -7,8 +7,6 @@
 #include <math.h>
 #include <stdint.h>
 
-#define MAX_HC 16
-
 /* mHC mixes of one site, T rows at once:
  *   z    = mix * scale[site of column] + base     (mix [T, (2+hc)*hc])
  *   pre  = sigmoid(z[:hc]) + eps                   [T, hc]
@@ -109,5 +107,84 @@ void xspec_rope(const float *x, const float *cos, const float *sin, int64_t rows
                 o[k + 1] = inverse ? p1 - q1 : p1 + q1;
             }
         }
+    }
+}
+
+/* The lightning indexer's top-k for each query row t (see compressor.Indexer.select):
+ *   score[j] = sum_h w[t, h] * (relu(q[t, h] . keys[key0[t] + j]) * scale),  j < visible[t]
+ * (entries j >= visible[t] and NaN scores rank as -inf). The k entries of largest score
+ * among j < n, exact ties to the lower index, are written in ascending index order to
+ * out[t, :k], each -1 where its score is -inf. q [T, H, c], w [T, H], keys [*, c].
+ * scratch: n floats. */
+static int xspec_before(float sa, int64_t a, float sb, int64_t b) {
+    return sa > sb || (sa == sb && a < b); /* a ranks before b */
+}
+
+void xspec_index_topk(const float *q, const float *w, const float *keys, const int64_t *key0,
+                      const int64_t *visible, int64_t rows, int64_t heads, int64_t c,
+                      int64_t n, int64_t k, float scale, float *score, int64_t *heap,
+                      int64_t *out) {
+    for (int64_t t = 0; t < rows; ++t) {
+        const float *base = keys + key0[t] * c;
+        int64_t vis = visible[t] < n ? visible[t] : n;
+        for (int64_t j = 0; j < n; ++j) {
+            if (j >= vis) {
+                score[j] = -INFINITY;
+                continue;
+            }
+            const float *kj = base + j * c;
+            float s = 0.0f;
+            for (int64_t h = 0; h < heads; ++h) {
+                const float *qh = q + (t * heads + h) * c;
+                float dot = 0.0f;
+                for (int64_t e = 0; e < c; ++e) dot += qh[e] * kj[e];
+                float r = dot < 0.0f ? 0.0f : dot; /* relu, NaN stays NaN */
+                s += (r * scale) * w[t * heads + h];
+            }
+            score[j] = isnan(s) ? -INFINITY : s;
+        }
+        /* min-heap (by rank) of the best k seen: heap[0] ranks last among them */
+        int64_t size = 0;
+        for (int64_t j = 0; j < n; ++j) {
+            if (size < k) {
+                int64_t i = size++;
+                heap[i] = j;
+                while (i > 0) { /* sift up: a worse-ranked entry moves to the root */
+                    int64_t p = (i - 1) / 2;
+                    if (!xspec_before(score[heap[p]], heap[p], score[heap[i]], heap[i])) break;
+                    int64_t tmp = heap[p];
+                    heap[p] = heap[i];
+                    heap[i] = tmp;
+                    i = p;
+                }
+            } else if (xspec_before(score[j], j, score[heap[0]], heap[0])) {
+                heap[0] = j;
+                int64_t i = 0;
+                for (;;) { /* sift down */
+                    int64_t l = 2 * i + 1, r = l + 1, m = i;
+                    if (l < size && xspec_before(score[heap[m]], heap[m], score[heap[l]], heap[l]))
+                        m = l;
+                    if (r < size && xspec_before(score[heap[m]], heap[m], score[heap[r]], heap[r]))
+                        m = r;
+                    if (m == i) break;
+                    int64_t tmp = heap[m];
+                    heap[m] = heap[i];
+                    heap[i] = tmp;
+                    i = m;
+                }
+            }
+        }
+        /* the chosen entries in ascending index order (insertion sort: k is small) */
+        for (int64_t i = 1; i < size; ++i) {
+            int64_t v = heap[i], p = i - 1;
+            while (p >= 0 && heap[p] > v) {
+                heap[p + 1] = heap[p];
+                --p;
+            }
+            heap[p + 1] = v;
+        }
+        int64_t *o = out + t * k, m = 0;
+        for (int64_t i = 0; i < size; ++i) o[m++] = score[heap[i]] == -INFINITY ? -1 : heap[i];
+        for (; m < k; ++m) o[m] = -1;
     }
 }
