@@ -72,6 +72,24 @@ def scorer(
     return fn
 
 
+def decode_cycle(
+    model: DeepseekV4Model, states: list[DeepseekV4State], steps: int, gen: torch.Generator
+) -> Callable[[], None]:
+    """``steps`` one-row decode steps in a row (positions n .. n+steps-1), then rollback:
+    divided by ``steps``, the mean decode step over a compression cycle, which includes
+    the entry emissions a fixed position may miss (a ratio-4 layer emits every 4th)."""
+    ids = torch.randint(2, model.vocab_size, (steps, len(states)), generator=gen)
+    n0 = [s.num_tokens for s in states]
+
+    def fn() -> None:
+        for row in ids:
+            model.forward(ForwardBatch(row, [1] * len(states), states))
+        for s, n in zip(states, n0):
+            model.truncate(s, n)
+
+    return fn
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--contexts", type=int, nargs="+", default=[128, 1024, 4000])
@@ -105,15 +123,28 @@ def main() -> None:
         f"dsv4_tiny {a.dtype} on {device} ({torch.get_num_threads()} CPU threads), batch {a.batch}, "
         f"median of {a.reps} interleaved reps; {options.describe}"
     )
-    print(f"{'context':>8} {'1 row (ms)':>11} {f'{a.rows} rows (ms)':>12} {'ratio':>6}")
+    print(
+        f"{'context':>8} {'1 row (ms)':>11} {f'{a.rows} rows (ms)':>12} {'ratio':>6}"
+        f" {'mean of 4 decodes (ms)':>23} {'ratio':>6}"
+    )
     for n in a.contexts:
         states = prefilled(model, n, a.batch, gen)
-        fns = {"one": scorer(model, states, 1, gen), "verify": scorer(model, states, a.rows, gen)}
+        fns = {
+            "one": scorer(model, states, 1, gen),
+            "verify": scorer(model, states, a.rows, gen),
+            "cycle": decode_cycle(model, states, 4, gen),
+        }
         interleaved(fns, 3, sync)  # warm-up
         med = interleaved(fns, a.reps, sync)
-        ratio = med["verify"] / med["one"]
-        print(f"{n:>8} {med['one'] * 1e3:>11.2f} {med['verify'] * 1e3:>12.2f} {ratio:>6.2f}")
-    print("target: ratio <= 1.3")
+        one, verify, mean = med["one"], med["verify"], med["cycle"] / 4
+        print(
+            f"{n:>8} {one * 1e3:>11.2f} {verify * 1e3:>12.2f} {verify / one:>6.2f}"
+            f" {mean * 1e3:>23.2f} {verify / mean:>6.2f}"
+        )
+    print(
+        "target: ratio <= 1.3 (first ratio: the decode step at the verify's own position; "
+        "second: the mean decode step over positions n..n+3)"
+    )
     if options.compile is not None:
         print(f"({options.compile.describe()}, all in the warm-up)")
 

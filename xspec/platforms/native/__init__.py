@@ -40,7 +40,7 @@ from typing import Any
 import torch
 
 _SOURCE = Path(__file__).with_name("kernels.c")
-_FLAGS = ("-O2", "-shared", "-fPIC", "-ffp-contract=off", "-fno-fast-math")
+_FLAGS = ("-O3", "-shared", "-fPIC", "-ffp-contract=off", "-fno-fast-math")
 _P = ctypes.c_void_p
 _I = ctypes.c_int64
 

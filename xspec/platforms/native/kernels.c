@@ -116,6 +116,18 @@ void xspec_rope(const float *x, const float *cos, const float *sin, int64_t rows
  * among j < n, exact ties to the lower index, are written in ascending index order to
  * out[t, :k], each -1 where its score is -inf. q [T, H, c], w [T, H], keys [*, c].
  * scratch: n floats. */
+/* a . b in 8 independent partial sums (vectorisable; the order differs from a BLAS
+ * dot's anyway) */
+static float xspec_dot(const float *a, const float *b, int64_t n) {
+    float lane[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+    int64_t e = 0;
+    for (; e + 8 <= n; e += 8)
+        for (int l = 0; l < 8; ++l) lane[l] += a[e + l] * b[e + l];
+    float s = ((lane[0] + lane[1]) + (lane[2] + lane[3])) + ((lane[4] + lane[5]) + (lane[6] + lane[7]));
+    for (; e < n; ++e) s += a[e] * b[e];
+    return s;
+}
+
 static int xspec_before(float sa, int64_t a, float sb, int64_t b) {
     return sa > sb || (sa == sb && a < b); /* a ranks before b */
 }
@@ -136,8 +148,7 @@ void xspec_index_topk(const float *q, const float *w, const float *keys, const i
             float s = 0.0f;
             for (int64_t h = 0; h < heads; ++h) {
                 const float *qh = q + (t * heads + h) * c;
-                float dot = 0.0f;
-                for (int64_t e = 0; e < c; ++e) dot += qh[e] * kj[e];
+                float dot = xspec_dot(qh, kj, c);
                 float r = dot < 0.0f ? 0.0f : dot; /* relu, NaN stays NaN */
                 s += (r * scale) * w[t * heads + h];
             }
