@@ -1,6 +1,7 @@
 """Draft cost on dsv4_tiny: a DSpark block draft and an MTP draft vs one target decode step.
 
     python benchmarks/bench_draft_step.py [--context 512] [--batch 1 8] [--gamma 5] [--reps 30]
+                                          [--kernels auto|reference]
 
 For each batch size the sequences are prefilled to ``--context`` tokens through the real
 speculative step (so every cache is in its decode-time state), then these are timed
@@ -33,8 +34,12 @@ from xspec.workers.step import RunningSeq as Running
 from xspec.workers.step import prefill
 
 
-def setup(spec: str, gamma: int | None, context: int, batch: int) -> tuple[xspec.LLM, list]:
-    overrides = {"spec.num_speculative_tokens": gamma} if gamma else {}
+def setup(
+    spec: str, gamma: int | None, context: int, batch: int, kernels: str = "auto"
+) -> tuple[xspec.LLM, list]:
+    overrides: dict = {"platform.kernels": kernels}
+    if gamma:
+        overrides["spec.num_speculative_tokens"] = gamma
     llm = xspec.LLM(model="dsv4_tiny", spec=spec, platform="cpu", overrides=overrides)
     b = llm._built
     gen = torch.Generator().manual_seed(0)
@@ -97,6 +102,7 @@ def main() -> None:
     ap.add_argument("--gamma", type=int, default=5)
     ap.add_argument("--reps", type=int, default=30)
     ap.add_argument("--threads", type=int, default=None)
+    ap.add_argument("--kernels", default="auto", choices=["auto", "reference"])
     a = ap.parse_args()
     if a.threads:
         torch.set_num_threads(a.threads)
@@ -109,7 +115,7 @@ def main() -> None:
     for batch in a.batch:
         fns: dict[str, Callable[[], None]] = {}
         for spec, gamma in (("dspark", a.gamma), ("mtp", None)):
-            llm, seqs = setup(spec, gamma, a.context, batch)
+            llm, seqs = setup(spec, gamma, a.context, batch, a.kernels)
             fns |= timers(llm, seqs, spec if spec == "mtp" else f"dspark g={a.gamma}")
         interleaved(fns, 3, lambda: None)  # warm-up
         med = interleaved(fns, a.reps, lambda: None)

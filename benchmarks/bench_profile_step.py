@@ -1,7 +1,7 @@
 """Where a step spends its time on dsv4_tiny: torch.profiler tables per step kind.
 
     python benchmarks/bench_profile_step.py [--context 512] [--batch 1 8] [--gamma 5]
-                                            [--steps 10] [--top 12]
+                                            [--steps 10] [--top 12] [--kernels auto|reference]
 
 For each batch size, the sequences are prefilled to ``--context`` tokens through the real
 speculative step (``bench_draft_step.setup``), then each of these is profiled over
@@ -99,6 +99,7 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--top", type=int, default=12)
     ap.add_argument("--threads", type=int, default=None)
+    ap.add_argument("--kernels", default="auto", choices=["auto", "reference"])
     a = ap.parse_args()
     if a.threads:
         torch.set_num_threads(a.threads)
@@ -108,8 +109,8 @@ def main() -> None:
         f"{a.steps} profiled calls per step kind"
     )
     for batch in a.batch:
-        dspark, dseqs = setup("dspark", a.gamma, a.context, batch)
-        mtp, mseqs = setup("mtp", None, a.context, batch)
+        dspark, dseqs = setup("dspark", a.gamma, a.context, batch, a.kernels)
+        mtp, mseqs = setup("mtp", None, a.context, batch, a.kernels)
         fns = timers(mtp, mseqs, "mtp") | timers(dspark, dseqs, f"dspark g={a.gamma}")
         steps = {
             "decode": fns["target"],

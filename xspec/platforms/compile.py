@@ -23,7 +23,16 @@ from typing import Any
 class StepCompiler:
     """torch.compile with ``backend`` for step functions, memoised per function."""
 
+    # graphs one step function may have: (decode | other row counts) x kinds of layer
+    # (hash / learned routing, compressed or not) x models in the process; torch's
+    # default of 8 would silently fall back to eager for the rest
+    RECOMPILE_LIMIT = 64
+
     def __init__(self, backend: str) -> None:
+        import torch._dynamo
+
+        config = torch._dynamo.config
+        config.recompile_limit = max(config.recompile_limit, self.RECOMPILE_LIMIT)
         self.backend = backend
         self.seconds = 0.0  # wall time of the calls that compiled a graph
         self.graphs = 0
