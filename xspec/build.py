@@ -27,7 +27,7 @@ from xspec.config import RunConfig, validate
 from xspec.engine.engine import Engine
 from xspec.engine.memory import MemoryPlan, plan_memory, resolve_budget, weight_bytes
 from xspec.errors import CheckpointError, ConfigError, UserError
-from xspec.models.base import CapturePoint, TargetModel, configure_steps
+from xspec.models.base import CapturePoint, TargetModel, configure_steps, modules_of
 from xspec.parallel.engine import ParallelEngine
 from xspec.parallel.expert import ExpertParallel, routed_expert_bytes
 from xspec.parallel.lockstep import Lockstep
@@ -187,7 +187,7 @@ def build(cfg: RunConfig) -> Built:
             cfg.spec, target=target, model_cfg=cfg.model, platform=platform
         )
     _freeze(target, drafter)
-    configure_steps(_modules(target, drafter), platform.step_options())
+    configure_steps([target, drafter], platform.step_options())
     if drafter.gamma > max_rollback:
         raise ConfigError(
             f"spec.num_speculative_tokens: the drafter proposes {drafter.gamma} tokens but the caches "
@@ -316,18 +316,8 @@ def stop_ids_of(*sources: object) -> frozenset[int]:
 
 def _freeze(*parts: Any) -> None:
     """No parameter of an inference run records autograd history."""
-    for module in _modules(*parts):
+    for module in modules_of(parts):
         module.requires_grad_(False)
-
-
-def _modules(*parts: Any) -> list[torch.nn.Module]:
-    """The modules of each part: the part itself if it is one, else the modules it holds
-    as attributes (drafters)."""
-    out = []
-    for part in parts:
-        held = [part] if isinstance(part, torch.nn.Module) else list(vars(part).values())
-        out += [m for m in held if isinstance(m, torch.nn.Module)]
-    return out
 
 
 def _tokenizer_problem(model_cfg: Any) -> str | None:

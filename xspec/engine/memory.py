@@ -26,14 +26,11 @@ DeepSeek-V4 ring stack that outlives a finished sequence until its batch-mates r
 
 from __future__ import annotations
 
-from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
-from torch import nn
-
 from xspec.errors import ConfigError, MemoryBudgetError
-from xspec.models.base import KvBytes, TargetModel
+from xspec.models.base import KvBytes, TargetModel, modules_of
 from xspec.workers.drafter import Drafter
 
 # Verify-step activations kept per scored row besides the vocabulary-wide rows: fp32
@@ -61,7 +58,7 @@ def weight_bytes(*objects: Any) -> int:
     attributes (a drafter holds its modules as attributes); shared tensors count once."""
     seen: set[tuple[int, int]] = set()
     total = 0
-    for module in _modules(objects):
+    for module in modules_of(objects):
         for t in [*module.parameters(), *module.buffers()]:
             if t.is_meta:  # shape-only modules hold no memory
                 continue
@@ -70,16 +67,6 @@ def weight_bytes(*objects: Any) -> int:
                 seen.add(key)
                 total += t.untyped_storage().nbytes()
     return total
-
-
-def _modules(objects: Iterable[Any]) -> list[nn.Module]:
-    out: list[nn.Module] = []
-    for obj in objects:
-        if isinstance(obj, nn.Module):
-            out.append(obj)
-        elif obj is not None and hasattr(obj, "__dict__"):
-            out += [v for v in vars(obj).values() if isinstance(v, nn.Module)]
-    return out
 
 
 def allocated_bytes(state: Any) -> int:

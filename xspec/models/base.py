@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import enum
 import math
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
 
@@ -163,10 +164,22 @@ class StepOptions:
 EAGER_STEPS = StepOptions()
 
 
-def configure_steps(modules: list[torch.nn.Module], options: StepOptions) -> None:
-    """Give ``options`` to every submodule of ``modules`` that runs step functions (a
-    ``configure_steps(options)`` method)."""
-    for module in modules:
+def modules_of(parts: Iterable[Any]) -> list[torch.nn.Module]:
+    """The modules of ``parts``: each part that is one, and the modules a part holds as
+    attributes (a drafter holds its modules so)."""
+    out: list[torch.nn.Module] = []
+    for part in parts:
+        if isinstance(part, torch.nn.Module):
+            out.append(part)
+        elif part is not None and hasattr(part, "__dict__"):
+            out += [v for v in vars(part).values() if isinstance(v, torch.nn.Module)]
+    return out
+
+
+def configure_steps(parts: Iterable[Any], options: StepOptions) -> None:
+    """Give ``options`` to every submodule of ``parts`` (see :func:`modules_of`) that
+    runs step functions (a ``configure_steps(options)`` method)."""
+    for module in modules_of(parts):
         for sub in module.modules():
             configure = getattr(sub, "configure_steps", None)
             if callable(configure):

@@ -384,12 +384,12 @@ def test_bfloat16_model_runs_and_tracks_fp32(dsv4):
 
 
 def _moe_out(moe, x, ids, *, grouped: bool, grad: bool):
-    moe.grouped = grouped
+    moe.can_group, moe.grouped = True, grouped
     try:
         with torch.set_grad_enabled(grad):
             return moe(x, ids).detach()
     finally:
-        moe.grouped = False
+        moe.can_group = moe.grouped = False
 
 
 @pytest.mark.parametrize("rows", [1, 6, 40, 300])
@@ -426,3 +426,17 @@ def test_replaced_expert_weights_restack(dsv4):
     with torch.no_grad():
         stacks = moe._stacked()
     assert stacks is not None and torch.equal(stacks[0][0], new)
+
+
+def test_grouped_gemms_only_where_the_platform_kernel_serves(dsv4):
+    from xspec.models.base import StepOptions
+
+    moe = copy.deepcopy(dsv4.model("tiny", 0).layers[-1].ffn)  # fp32 weights
+    assert not moe.can_group  # unconfigured: the reference
+    moe.configure_steps(StepOptions(kernels={"grouped_mm": frozenset({"bfloat16"})}))
+    assert not moe.can_group
+    moe.configure_steps(StepOptions(kernels={"grouped_mm": frozenset({"float32"})}))
+    assert moe.can_group and not moe.grouped  # the host: grouped from 3 experts with rows
+    eager = {"grouped_mm": frozenset({"float32"}), "grouped_mm_eager": True}
+    moe.configure_steps(StepOptions(kernels=eager))
+    assert moe.grouped  # no host sync at all

@@ -18,11 +18,15 @@ parameter is a view of its row of the stack, so the checkpoint names and in-plac
 loading are unchanged and nothing is stored twice). Two ways to run the routed experts:
 
 * grouped GEMMs (``torch._grouped_mm``: one op per projection for all experts, group
-  offsets computed on the device, so no host sync): where the platform has the kernel
-  (``StepOptions.kernels["grouped_mm"]``) and in compiled steps, which cannot sync;
+  offsets computed on the device, so no host sync): where the platform prefers them
+  (``StepOptions.kernels["grouped_mm_eager"]``) and in compiled steps, which cannot
+  sync;
 * with one host sync that reads the group sizes (free on the host): grouped GEMMs
   when more than two experts have rows, else the experts one after another (the
   reference, and what autograd runs).
+
+Grouped GEMMs run only where ``StepOptions.kernels["grouped_mm"]`` lists the dtype and
+the kernel takes the shapes; an unconfigured layer runs the reference.
 """
 
 from __future__ import annotations
@@ -131,7 +135,8 @@ def grouped_mm_serves(dtype: torch.dtype, *widths: int) -> bool:
 class MoE(nn.Module):
     """Checkpoint tensors (``layers.{i}.ffn.``): ``gate.*``, ``experts.{e}.w{1,2,3}``,
     ``shared_experts.w{1,2,3}``. ``tag``: the layer id, checked across EP ranks.
-    ``grouped`` (set by :meth:`configure_steps`): run the routed experts as grouped GEMMs.
+    ``can_group`` / ``grouped`` (set by :meth:`configure_steps`): grouped GEMMs serve
+    this layer / run its routed experts always (no host sync).
     """
 
     w1: torch.Tensor | None  # the expert stacks (non-persistent buffers), see _stack_experts
@@ -167,7 +172,7 @@ class MoE(nn.Module):
         self.first_local = local.start if isinstance(local, range) else 0
         self.stacked = False
         self._stack_experts()
-        self.grouped = False
+        self.can_group = self.grouped = False
         self.shared_experts = (
             Expert(d, inter * args.n_shared_experts, limit, dtype=dtype, device=device)
             if args.n_shared_experts
@@ -199,16 +204,16 @@ class MoE(nn.Module):
         return out
 
     def configure_steps(self, options: StepOptions) -> None:
-        """Grouped GEMMs where the platform has them or the steps are compiled, and the
-        kernel takes these shapes; otherwise the per-expert reference."""
+        """Grouped GEMMs where the platform's kernel takes this dtype and these shapes;
+        always where it prefers them or the steps are compiled."""
         w1, kernels = self.w1, options.kernels
-        wanted = options.compile is not None or bool(kernels.get("grouped_mm_eager"))
-        self.grouped = (
-            wanted
-            and w1 is not None
+        self.can_group = (
+            w1 is not None
             and str(w1.dtype).removeprefix("torch.") in kernels.get("grouped_mm", ())
             and grouped_mm_serves(w1.dtype, w1.shape[1], w1.shape[2])
         )
+        always = options.compile is not None or bool(kernels.get("grouped_mm_eager"))
+        self.grouped = self.can_group and always
 
     def _stacked(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
         """The weight stacks, if the experts' parameters still view them (a parameter
@@ -295,7 +300,7 @@ class MoE(nn.Module):
             local = sizes[self.first_local :][: stacks[0].shape[0]]
             # one grouped GEMM per projection beats one GEMM per expert from 3 experts
             # on (measured on the host: equal at 2, 1.6x at 4, 2x at 8)
-            if self.grouped or sum(1 for n in local if n) > 2:
+            if self.grouped or (self.can_group and sum(1 for n in local if n) > 2):
                 offs = torch.tensor(local).cumsum(0, dtype=torch.int32).to(xs.device)
                 return _grouped_swiglu(xs, ws, offs, stacks, self.limit)
         groups: list[tuple[Expert, slice]] = []
