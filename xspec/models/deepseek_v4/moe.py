@@ -170,24 +170,32 @@ class MoE(nn.Module):
             for e in range(args.n_routed_experts)
         )
         self.first_local = local.start if isinstance(local, range) else 0
-        self.stacked = False
-        self._stack_experts()
-        self.can_group = self.grouped = False
+        self.num_local = len(local)
         self.shared_experts = (
             Expert(d, inter * args.n_shared_experts, limit, dtype=dtype, device=device)
             if args.n_shared_experts
             else None
         )
+        # one shared expert has the routed experts' shape: it joins the stack as its last
+        # row and runs as one more group (all rows, weight 1) in the same grouped GEMMs
+        self.shared_in_stack = args.n_shared_experts == 1
+        self.stacked = False
+        self._stack_experts()
+        self.can_group = self.grouped = False
 
     def _local(self) -> list[Expert]:
         return [e for e in self.experts if isinstance(e, Expert)]
 
     def _stack_experts(self) -> None:
-        """Make the local experts' weights views of ``[E_local, out, in]`` stacks, the
-        non-persistent buffers ``w1, w2, w3`` (one copy now; afterwards loading writes
-        through the views). Buffers, so a compiler treats them like parameters."""
-        local = self._local()
+        """Make the local experts' weights views of ``[E_local (+1), out, in]`` stacks,
+        the non-persistent buffers ``w1, w2, w3`` (one copy now; afterwards loading writes
+        through the views; the shared expert is the last row when ``shared_in_stack``).
+        Buffers, so a compiler treats them like parameters."""
+        local: list[Expert] = self._local()
         self.stacked = bool(local)
+        if self.stacked and self.shared_in_stack:
+            assert self.shared_experts is not None
+            local = [*local, self.shared_experts]
         for name in ("w1", "w2", "w3"):
             stack = None
             if self.stacked:
@@ -239,7 +247,7 @@ class MoE(nn.Module):
         if self.expert_parallel is None and stacks is not None:
             if x.shape[0]:
                 y.index_add_(0, *self._routed(x, weights, experts, stacks))
-            if self.shared_experts is not None:
+            if self.shared_experts is not None and not self.shared_in_stack:
                 y += self.shared_experts(x).float()
             return y.to(x.dtype)
         # group the T*k (row, expert) assignments by expert with one stable sort; the one
@@ -249,6 +257,15 @@ class MoE(nn.Module):
         counts = torch.bincount(flat, minlength=len(self.experts))  # [E]
         rows = order // experts.shape[1]  # token row of each sorted assignment
         ws = weights.flatten()[order].unsqueeze(1)  # [N, 1] routing weight
+        stacks = self._stacked() if self.can_group and self.shared_in_stack else None
+        if self.expert_parallel is None and stacks is not None and x.shape[0]:
+            # the routed groups and the shared expert as a last group: per row the same
+            # sum in the same order (routed experts ascending, then the shared one)
+            rows, ws = self._with_shared(rows, ws, x.shape[0])
+            sizes = torch.tensor([*counts.tolist(), x.shape[0]])
+            offs = sizes.cumsum(0, dtype=torch.int32).to(x.device)
+            out = _grouped_swiglu(x.index_select(0, rows), ws, offs, stacks, self.limit)
+            return y.index_add_(0, rows, out.float()).to(x.dtype)
         if self.expert_parallel is not None:  # every EP rank enters, with or without rows
             out = self.expert_parallel.run(
                 x.index_select(0, rows), ws, counts, self._grouped, self.tag
@@ -282,12 +299,26 @@ class MoE(nn.Module):
         flat = experts.flatten()  # [T*k]
         order = flat.argsort(stable=True)  # assignments grouped by expert, rows ascending
         ones = torch.ones_like(flat, dtype=torch.int32)
-        counts = torch.zeros(len(self.experts), dtype=torch.int32, device=x.device)
-        offs = counts.scatter_add_(0, flat, ones).cumsum(0, dtype=torch.int32)
+        groups = len(self.experts) + int(self.shared_in_stack)
+        counts = torch.zeros(groups, dtype=torch.int32, device=x.device)
+        counts = counts.scatter_add_(0, flat, ones)
         rows = order // experts.shape[1]
         ws = weights.flatten()[order].unsqueeze(1)  # [N, 1]
+        if self.shared_in_stack:  # the shared expert: a last group of every row
+            counts[-1] = x.shape[0]
+            rows, ws = self._with_shared(rows, ws, x.shape[0])
+        offs = counts.cumsum(0, dtype=torch.int32)
         out = _grouped_swiglu(x.index_select(0, rows), ws, offs, stacks, self.limit)
         return rows, out.float()
+
+    @staticmethod
+    def _with_shared(
+        rows: torch.Tensor, ws: torch.Tensor, num_rows: int
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The routed assignments ``rows [N]``, ``ws [N, 1]`` plus the shared expert's:
+        every row once, weight 1 (``weights * h`` is then ``h`` exactly)."""
+        every = torch.arange(num_rows, device=rows.device)
+        return torch.cat([rows, every]), torch.cat([ws, ws.new_ones(num_rows, 1)])
 
     def _grouped(self, xs: torch.Tensor, ws: torch.Tensor, sizes: list[int]) -> torch.Tensor:
         """The routed experts on their groups: ``xs [N, d]`` rows sorted by expert,
@@ -297,7 +328,9 @@ class MoE(nn.Module):
         """
         stacks = self._stacked()
         if stacks is not None and xs.shape[0]:  # this rank's experts: a contiguous range
-            local = sizes[self.first_local :][: stacks[0].shape[0]]
+            e = self.num_local
+            stacks = (stacks[0][:e], stacks[1][:e], stacks[2][:e])  # routed rows only
+            local = sizes[self.first_local :][:e]
             # one grouped GEMM per projection beats one GEMM per expert from 3 experts
             # on (measured on the host: equal at 2, 1.6x at 4, 2x at 8)
             if self.grouped or (self.can_group and sum(1 for n in local if n) > 2):

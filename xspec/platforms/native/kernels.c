@@ -7,6 +7,18 @@
 #include <math.h>
 #include <stdint.h>
 
+/* a . b in 8 independent partial sums (vectorisable; the order differs from a BLAS
+ * dot's anyway) */
+static float xspec_dot(const float *a, const float *b, int64_t n) {
+    float lane[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+    int64_t e = 0;
+    for (; e + 8 <= n; e += 8)
+        for (int l = 0; l < 8; ++l) lane[l] += a[e + l] * b[e + l];
+    float s = ((lane[0] + lane[1]) + (lane[2] + lane[3])) + ((lane[4] + lane[5]) + (lane[6] + lane[7]));
+    for (; e < n; ++e) s += a[e] * b[e];
+    return s;
+}
+
 /* mHC mixes of one site, T rows at once:
  *   z    = mix * scale[site of column] + base     (mix [T, (2+hc)*hc])
  *   pre  = sigmoid(z[:hc]) + eps                   [T, hc]
@@ -75,9 +87,7 @@ void xspec_rms_norm(const float *x, const float *w, int64_t rows, int64_t n, flo
     for (int64_t r = 0; r < rows; ++r) {
         const float *xr = x + r * n;
         float *yr = y + r * n;
-        double ss = 0.0;
-        for (int64_t k = 0; k < n; ++k) ss += (double)xr[k] * xr[k];
-        float inv = 1.0f / sqrtf((float)(ss / (double)n) + eps);
+        float inv = 1.0f / sqrtf(xspec_dot(xr, xr, n) / (float)n + eps);
         if (w != 0)
             for (int64_t k = 0; k < n; ++k) yr[k] = (xr[k] * inv) * w[k];
         else
@@ -116,18 +126,6 @@ void xspec_rope(const float *x, const float *cos, const float *sin, int64_t rows
  * among j < n, exact ties to the lower index, are written in ascending index order to
  * out[t, :k], each -1 where its score is -inf. q [T, H, c], w [T, H], keys [*, c].
  * scratch: n floats. */
-/* a . b in 8 independent partial sums (vectorisable; the order differs from a BLAS
- * dot's anyway) */
-static float xspec_dot(const float *a, const float *b, int64_t n) {
-    float lane[8] = {0, 0, 0, 0, 0, 0, 0, 0};
-    int64_t e = 0;
-    for (; e + 8 <= n; e += 8)
-        for (int l = 0; l < 8; ++l) lane[l] += a[e + l] * b[e + l];
-    float s = ((lane[0] + lane[1]) + (lane[2] + lane[3])) + ((lane[4] + lane[5]) + (lane[6] + lane[7]));
-    for (; e < n; ++e) s += a[e] * b[e];
-    return s;
-}
-
 static int xspec_before(float sa, int64_t a, float sb, int64_t b) {
     return sa > sb || (sa == sb && a < b); /* a ranks before b */
 }
