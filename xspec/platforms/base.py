@@ -37,7 +37,8 @@ KERNELS_VALUES = ("auto", "reference")
 class PlatformSettings(Protocol):
     """The platform config section a platform is built from (duck-typed).
 
-    ``native_sas`` is a str-valued Enum (``auto|on|off``); platforms compare ``.value``.
+    ``native_sas``, ``compile`` (``auto|on|off``) and ``kernels`` (``auto|reference``)
+    are str-valued Enums or their values; a section without the last two means auto.
     """
 
     @property
@@ -48,12 +49,6 @@ class PlatformSettings(Protocol):
 
     @property
     def native_sas(self) -> Any: ...
-
-    @property
-    def compile(self) -> Any: ...
-
-    @property
-    def kernels(self) -> Any: ...
 
 
 class SasMode(str, enum.Enum):
@@ -127,9 +122,9 @@ class Capabilities:
     compile_backend: str | None = None
     # what platform.compile=auto means here
     compile_by_default: bool = False
-    # dtypes torch._grouped_mm serves on this device (MoE routed experts as grouped GEMMs
-    # in compiled steps), and whether eager steps should use it too (no host sync; on the
-    # host CPU the per-expert loop is faster)
+    # dtypes torch._grouped_mm serves on this device (MoE routed experts as grouped GEMMs),
+    # and whether eager steps should always use it (no host sync per MoE layer; where a
+    # sync is free, the host, they read the group sizes and pick per layer call)
     grouped_mm_dtypes: frozenset[str] = frozenset()
     grouped_mm_eager: bool = False
 
@@ -276,14 +271,15 @@ class Platform(abc.ABC):
             caps = self.capabilities
             kernels: dict[str, Any] = {}
             kernels_line = "reference torch ops"
-            if self.kernels == "auto":
-                kernels, kernels_line = self.fused_kernels()
-                kernels = dict(kernels)
-            kernels["grouped_mm"] = caps.grouped_mm_dtypes
-            kernels["grouped_mm_eager"] = caps.grouped_mm_eager
             compiling = caps.compile_backend is not None and (
                 self.compile == "on" or (self.compile == "auto" and caps.compile_by_default)
             )
+            if self.kernels == "auto":
+                kernels, kernels_line = self.fused_kernels()
+                kernels = dict(kernels)
+            if self.kernels == "auto" or compiling:  # compiled MoE needs grouped GEMMs
+                kernels["grouped_mm"] = caps.grouped_mm_dtypes
+                kernels["grouped_mm_eager"] = caps.grouped_mm_eager
             compiler = None
             how = "eager"
             if compiling:

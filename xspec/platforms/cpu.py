@@ -44,11 +44,12 @@ class HostDevice:
 
 
 class CpuPlatform(HostDevice, Platform):
-    """Runs everything on the host CPU: torch ops, plus the native fused mHC kernel
-    (built on first use with the system C compiler; see ``platforms/native``)."""
+    """Runs everything on the host CPU: torch ops, plus native fused kernels (mHC,
+    RMSNorm, RoPE, indexer top-k; built on first use with the system C compiler, see
+    ``platforms/native``)."""
 
     name = "cpu"
-    description = "host CPU, torch ops + native fused mHC kernel, gloo collectives"
+    description = "host CPU, torch ops + native fused kernels, gloo collectives"
 
     def _build_capabilities(self) -> Capabilities:
         # inductor compiles on the host, but per compiled region the guard and call

@@ -8,10 +8,11 @@ from xspec.platforms.base import Capabilities, Platform
 
 
 class CudaPlatform(Platform):
-    """Runs on ``cuda:<device_index>`` with the reference torch kernels."""
+    """Runs on ``cuda:<device_index>``: torch ops, steps compiled by inductor by default,
+    grouped-GEMM MoE on sm90+ in bf16."""
 
     name = "cuda"
-    description = "NVIDIA GPU via torch.cuda, reference torch kernels, nccl collectives"
+    description = "NVIDIA GPU via torch.cuda, compiled steps, nccl collectives"
 
     @classmethod
     def unavailable_reason(cls) -> str | None:

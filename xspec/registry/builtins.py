@@ -10,7 +10,7 @@ from __future__ import annotations
 # registry kind -> {name: (target "module:attr", one-line description)}
 BUILTINS: dict[str, dict[str, tuple[str, str]]] = {
     "platform": {
-        "cpu": ("xspec.platforms.cpu:CpuPlatform", "host CPU, reference torch kernels"),
+        "cpu": ("xspec.platforms.cpu:CpuPlatform", "host CPU, torch ops + native fused kernels"),
         "cuda": ("xspec.platforms.cuda:CudaPlatform", "NVIDIA GPU, nccl"),
         "npu": ("xspec.platforms.npu.platform:NpuPlatform", "Ascend NPU (torch_npu + CANN), hccl"),
         "npu_emulated": (

@@ -82,9 +82,9 @@ class Block(nn.Module):
     def forward(self, x: torch.Tensor, ctx: BlockContext) -> torch.Tensor:
         """``x [T, hc, d]`` streams -> ``[T, hc, d]``; ``ctx.caches`` are this block's.
 
-        The stateless parts run through ``self.steps`` (compiled where the platform
-        compiles steps, see :func:`xspec.models.compiled.compile_steps`); the attention
-        between them reads and writes the caches eagerly.
+        The stateless parts run through ``self.steps`` (eager or compiled, with the
+        platform's fused kernels: see ``steps.py`` and ``models.base.configure_steps``);
+        the attention core between them reads and writes the caches eagerly.
         """
         h, post, comb = self.steps.mix_in(self, x)
         out, rot = self.attend(h, ctx)
