@@ -68,6 +68,9 @@ def test_inputs_a_kernel_does_not_take_fall_back(kernels):
     assert kernels.rms_norm(x.t(), None, 1e-6) is None  # not contiguous
     cos = sin = torch.randn(4, 8)
     assert kernels.rope(x.double(), cos, sin, False) is None
+    mix, scale, base = torch.randn(3, 24), torch.ones(3), torch.zeros(24)
+    assert kernels.mhc_pre(mix.bfloat16(), scale, base, 4, 20, 1e-6, None) is None
+    assert kernels.mhc_pre(mix, scale, base, 4, 20, 1e-6, None)[0] is None  # no streams
     # the reference runs instead, and gives the reference's answer
     assert torch.equal(
         rotate(x.bfloat16(), cos, sin, kernel=kernels.rope), rotate(x.bfloat16(), cos, sin)

@@ -154,7 +154,7 @@ class MhcKernel(Protocol):
     """A fused kernel of the mixes of one site (a platform's, e.g. the CPU platform's
     ``native`` C kernel): ``mix [T, (2+hc)*hc]``, ``scale [3]``, ``base`` fp32 -> ``u
     [T, d]`` fp32 (None when it does not take ``x``), ``pre, post [T, hc]``, ``comb [T,
-    hc, hc]``, as :func:`hc_pre` computes them."""
+    hc, hc]``, as :func:`hc_pre` computes them; None for inputs it does not take."""
 
     def __call__(
         self,
@@ -165,7 +165,7 @@ class MhcKernel(Protocol):
         iters: int,
         eps: float,
         x: torch.Tensor | None,
-    ) -> tuple[torch.Tensor | None, torch.Tensor, torch.Tensor, torch.Tensor]: ...
+    ) -> tuple[torch.Tensor | None, torch.Tensor, torch.Tensor, torch.Tensor] | None: ...
 
 
 def hc_pre(
@@ -186,11 +186,13 @@ def hc_pre(
     flat = rms_normalize(x.flatten(1).float(), args.rms_norm_eps, kernels)  # [T, hc*d]
     mix = F.linear(flat, fn.float())  # [T, (2+hc)*hc] = [pre | post | comb]
     kernel = fused(kernels, "mhc_pre") if kernels else None
+    fused_out = None
     if kernel is not None:
         streams = x if x.dtype == torch.float32 and x.is_contiguous() else None
-        u, pre, post, comb = kernel(
-            mix, scale.float(), base.float(), hc, args.hc_sinkhorn_iters, args.hc_eps, streams
-        )
+        iters, eps = args.hc_sinkhorn_iters, args.hc_eps
+        fused_out = kernel(mix, scale.float(), base.float(), hc, iters, eps, streams)
+    if fused_out is not None:
+        u, pre, post, comb = fused_out
         if u is None:
             u = (pre.unsqueeze(-1) * x).sum(dim=1)
         return u.to(x.dtype), post, comb

@@ -61,10 +61,14 @@ class NativeKernels:
         iters: int,
         eps: float,
         x: torch.Tensor | None,
-    ) -> tuple[torch.Tensor | None, torch.Tensor, torch.Tensor, torch.Tensor]:
+    ) -> tuple[torch.Tensor | None, torch.Tensor, torch.Tensor, torch.Tensor] | None:
         """``mix [T, (2+hc)*hc]``, ``scale [3]``, ``base [(2+hc)*hc]`` fp32 contiguous
         host tensors -> ``u [T, d]`` (None without ``x [T, hc, d]`` fp32), ``pre, post
-        [T, hc]``, ``comb [T, hc, hc]`` (see ``mhc.c``)."""
+        [T, hc]``, ``comb [T, hc, hc]`` (see ``kernels.c``); None if it does not take them."""
+        if not (_takes(mix) and _takes(scale) and _takes(base)):
+            return None
+        if x is not None and not _takes(x):
+            x = None
         rows = mix.shape[0]
         pre = mix.new_empty(rows, hc)
         post = mix.new_empty(rows, hc)
@@ -162,7 +166,14 @@ class NativeKernels:
 
 
 def _takes(t: torch.Tensor) -> bool:
-    return t.dtype == torch.float32 and t.is_contiguous() and not t.requires_grad
+    """A tensor the kernels can read through its data pointer: host memory, fp32,
+    contiguous, outside autograd."""
+    return (
+        t.device.type == "cpu"
+        and t.dtype == torch.float32
+        and t.is_contiguous()
+        and not t.requires_grad
+    )
 
 
 def compiler() -> str | None:
