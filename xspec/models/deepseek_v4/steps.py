@@ -5,10 +5,11 @@ A block's forward alternates stateless tensor math with cache reads and writes
 projection of the attention input), the attention core over the caches (eager: its
 index sets change every step), then ``mix_out`` (output projection, mHC expand, the FFN
 site's collapse, norm, MoE, expand). :class:`Steps` holds the first, second and fourth
-as callables taking the module as their first argument. ``EAGER`` calls the methods;
-:meth:`Steps.compiled` wraps the same functions with a platform's compiler, and because
-they are plain functions of (module, tensors), one compiled graph serves every layer of
-the same kind (guards see the module's static attributes, not its identity).
+as callables taking the module as their first argument, and the platform's fused
+kernels for the eager code. ``EAGER`` calls the methods; :func:`steps_for` wraps the
+same functions with a platform's compiler where ``platform.compile`` says so, and
+because they are plain functions of (module, tensors), one compiled graph serves every
+layer of the same kind (guards see the module's static attributes, not its identity).
 
 Under expert parallelism ``mix_out`` stays eager: the MoE exchanges rows with the other
 ranks in the middle of it.
