@@ -141,8 +141,9 @@ class NativeKernels:
         ``q [T, H, c]``, ``weights [T, H]``, ``keys [*, c]`` fp32; ``key0, visible [T]``
         int64 (the row's first key, its causal entry count); ``n`` entries per sequence
         at most -> ``[T, k]`` int64, ascending, -1 = none."""
-        tensors = (q, weights, keys)
-        if not all(_takes(t) for t in tensors) or key0.dtype != torch.int64:
+        if not all(_takes(t) for t in (q, weights, keys)) or not all(
+            t.dtype == torch.int64 and t.device.type == "cpu" for t in (key0, visible)
+        ):
             return None
         key0, visible = key0.contiguous(), visible.contiguous()
         out = torch.empty(q.shape[0], k, dtype=torch.int64)
