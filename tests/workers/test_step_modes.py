@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 
 import xspec
+from xspec.platforms import native
 from xspec.train import corpus
 
 NEW_TOKENS = 24
@@ -35,7 +36,10 @@ def test_greedy_speculation_equals_the_baseline(prompts, mode) -> None:
     llm, baseline = generate("none", mode, prompts)
     options = llm._built.platform.step_options()
     assert (options.compile is not None) == (mode == "compiled")
-    assert ("mhc_pre" in options.kernels) == (mode != "reference") or mode == "native"
+    if mode == "reference":
+        assert "mhc_pre" not in options.kernels
+    elif native.compiler() is not None:  # the fused kernels build wherever there is a cc
+        assert "mhc_pre" in options.kernels
     for spec in ("mtp", "dspark"):
         spec_llm, out = generate(spec, mode, prompts)
         assert out == baseline, f"{spec} with {mode} steps"
