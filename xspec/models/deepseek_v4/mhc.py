@@ -17,7 +17,7 @@ The checkpoint stores them as plain tensors on the owning module (``layers.{i}.h
 from __future__ import annotations
 
 import functools
-from typing import TYPE_CHECKING, Any, ClassVar, Protocol
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 import torch.nn.functional as F
@@ -150,24 +150,6 @@ def _sinkhorn_bordered(buf: torch.Tensor, iters: int) -> torch.Tensor:
     return comb.permute(2, 0, 1).contiguous()
 
 
-class MhcKernel(Protocol):
-    """A fused kernel of the mixes of one site (a platform's, e.g. the CPU platform's
-    ``native`` C kernel): ``mix [T, (2+hc)*hc]``, ``scale [3]``, ``base`` fp32 -> ``u
-    [T, d]`` fp32 (None when it does not take ``x``), ``pre, post [T, hc]``, ``comb [T,
-    hc, hc]``, as :func:`hc_pre` computes them; None for inputs it does not take."""
-
-    def __call__(
-        self,
-        mix: torch.Tensor,
-        scale: torch.Tensor,
-        base: torch.Tensor,
-        hc: int,
-        iters: int,
-        eps: float,
-        x: torch.Tensor | None,
-    ) -> tuple[torch.Tensor | None, torch.Tensor, torch.Tensor, torch.Tensor] | None: ...
-
-
 def hc_pre(
     x: torch.Tensor,
     fn: torch.Tensor,
@@ -179,8 +161,10 @@ def hc_pre(
     """Collapse the streams for one sub-block.
 
     ``x [T, hc, d]`` -> ``u [T, d]`` (x.dtype), ``post [T, hc]`` fp32, ``comb [T, hc, hc]`` fp32.
-    ``kernels``: the platform's fused kernels (``mhc_pre``: everything after the ``fn``
-    projection, as :class:`MhcKernel`; ``rms_norm``).
+    ``kernels``: the platform's fused kernels: ``rms_norm``, and ``mhc_pre(mix, scale,
+    base, hc, iters, eps, x | None)`` for everything after the ``fn`` projection, which
+    returns ``(u | None, pre, post, comb)`` as computed here (``u`` only given ``x``), or
+    None for inputs it does not take.
     """
     hc, t = args.hc_mult, x.shape[0]
     flat = rms_normalize(x.flatten(1).float(), args.rms_norm_eps, kernels)  # [T, hc*d]

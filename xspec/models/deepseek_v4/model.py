@@ -21,6 +21,7 @@ from torch import nn
 
 from xspec.errors import ConfigError, RequestError
 from xspec.models.base import (
+    EAGER_STEPS,
     CapturePoint,
     CaptureSite,
     ForwardBatch,
@@ -33,7 +34,7 @@ from xspec.models.deepseek_v4.attention import Attention
 from xspec.models.deepseek_v4.mhc import HyperHead, RMSNorm, hc_post, hc_pre, new_hc_params
 from xspec.models.deepseek_v4.moe import MoE
 from xspec.models.deepseek_v4.state import BlockContext, DeepseekV4State, LayerCache, kv_bytes
-from xspec.models.deepseek_v4.steps import EAGER, Steps, steps_for
+from xspec.models.deepseek_v4.steps import Steps, steps_for
 
 if TYPE_CHECKING:
     from xspec.parallel.expert import ExpertParallel
@@ -77,7 +78,7 @@ class Block(nn.Module):
             expert_parallel=expert_parallel,
             tag=layer_id,
         )
-        self.steps: Steps = EAGER
+        self.steps: Steps = steps_for(EAGER_STEPS, moe=True)
 
     def forward(self, x: torch.Tensor, ctx: BlockContext) -> torch.Tensor:
         """``x [T, hc, d]`` streams -> ``[T, hc, d]``; ``ctx.caches`` are this block's.

@@ -128,8 +128,7 @@ class RemoteExpert(nn.Module):
 def grouped_mm_serves(dtype: torch.dtype, *widths: int) -> bool:
     """Whether ``torch._grouped_mm`` takes operands of ``dtype`` whose rows are ``widths``
     elements long (its kernels need 16-byte aligned strides)."""
-    size = torch.empty(0, dtype=dtype).element_size()
-    return hasattr(torch, "_grouped_mm") and all(w * size % 16 == 0 for w in widths)
+    return hasattr(torch, "_grouped_mm") and all(w * dtype.itemsize % 16 == 0 for w in widths)
 
 
 class MoE(nn.Module):
@@ -179,7 +178,6 @@ class MoE(nn.Module):
         # one shared expert has the routed experts' shape: it joins the stack as its last
         # row and runs as one more group (all rows, weight 1) in the same grouped GEMMs
         self.shared_in_stack = args.n_shared_experts == 1
-        self.stacked = False
         self._stack_experts()
         self.can_group = self.grouped = False
 
@@ -192,13 +190,13 @@ class MoE(nn.Module):
         through the views; the shared expert is the last row when ``shared_in_stack``).
         Buffers, so a compiler treats them like parameters."""
         local: list[Expert] = self._local()
-        self.stacked = bool(local)
-        if self.stacked and self.shared_in_stack:
+        stacked = bool(local)
+        if stacked and self.shared_in_stack:
             assert self.shared_experts is not None
             local = [*local, self.shared_experts]
         for name in ("w1", "w2", "w3"):
             stack = None
-            if self.stacked:
+            if stacked:
                 linears = [getattr(ex, name) for ex in local]
                 stack = torch.stack([lin.weight.detach() for lin in linears])
                 for lin, row in zip(linears, stack.unbind(0)):
@@ -227,7 +225,7 @@ class MoE(nn.Module):
         """The weight stacks, if the experts' parameters still view them (a parameter
         replaced from outside, e.g. ``load_state_dict(assign=True)``, makes it restack;
         a compiled step trusts them)."""
-        if not self.stacked or torch.is_grad_enabled():
+        if self.w1 is None or torch.is_grad_enabled():
             return None
         if not torch.compiler.is_compiling():
             first = self._local()[0]
@@ -324,7 +322,8 @@ class MoE(nn.Module):
         """The routed experts on their groups: ``xs [N, d]`` rows sorted by expert,
         ``ws [N, 1]`` fp32 weights, ``sizes [E]`` group sizes -> ``[N, d]`` (x.dtype).
 
-        Only the matmuls run per expert; the activation runs once on all rows.
+        Grouped GEMMs where they serve and more than two experts have rows; otherwise
+        the reference: only the matmuls run per expert, the activation once on all rows.
         """
         stacks = self._stacked()
         if stacks is not None and xs.shape[0]:  # this rank's experts: a contiguous range
