@@ -51,8 +51,8 @@ class StepCompile(str, enum.Enum):
 
 class StepKernels(str, enum.Enum):
     """``platform.kernels``: auto = the platform's fused kernels where they are available
-    (the CPU platform's native mHC, RMSNorm, RoPE and indexer top-k kernels, built on
-    first use); reference = the torch reference ops everywhere (for comparison and
+    (the CPU platform's native mHC, RMSNorm, RoPE, indexer top-k, sparse attention, MoE
+    and compressor pooling kernels, built on first use); reference = the torch reference ops everywhere (for comparison and
     debugging)."""
 
     auto = "auto"

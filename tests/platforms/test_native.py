@@ -130,3 +130,190 @@ def test_index_topk_is_the_reference_selection(kernels, seed):
         fused = indexer.select(q, w, keys, layout)
     assert torch.equal(fused, reference)
     assert (fused == -1).any()  # the 3-token sequence has no complete entry yet
+
+
+def _attention_case(gen, rows, heads, d):
+    """Queries over a window source and a compressed source, with unused (-1) slots:
+    one query has no compressed entry at all, one window slot is unused everywhere."""
+    q = torch.randn(rows, heads, d, generator=gen)
+    window, entries = torch.randn(50, d, generator=gen), torch.randn(12, d, generator=gen)
+    w_index = torch.randint(0, 50, (rows, 20), generator=gen)
+    w_index[:, 0] = -1
+    c_index = torch.randint(-1, 12, (rows, 7), generator=gen)
+    c_index[0] = -1
+    sink = torch.randn(heads, generator=gen)
+    return q, [(window, w_index), (entries, c_index)], sink
+
+
+@pytest.mark.parametrize(("rows", "heads", "d"), [(1, 8, 64), (6, 8, 64), (7, 6, 40), (5, 16, 24)])
+def test_sparse_attention_matches_the_reference(kernels, rows, heads, d):
+    """Shapes that take the vector blocks and the remainders (heads not a multiple of
+    the vector width, dims not a multiple of the row block, query and row tails)."""
+    from xspec.models.deepseek_v4.attention import sparse_attention
+
+    gen = torch.Generator().manual_seed(rows * heads)
+    q, parts, sink = _attention_case(gen, rows, heads, d)
+    for used in (parts[:1], parts):
+        fused = kernels.sparse_attention(q, used, sink, d**-0.5)
+        assert fused is not None
+        torch.testing.assert_close(fused, sparse_attention(q, used, sink, d**-0.5))
+
+
+def test_a_query_s_attention_does_not_depend_on_its_batch(kernels):
+    """Each query's result is computed alone: the same bits for a query in a batch of
+    one, of six, or of twenty (verify rows equal the decode rows they stand for)."""
+    gen = torch.Generator().manual_seed(3)
+    q, parts, sink = _attention_case(gen, 20, 8, 64)
+    whole = kernels.sparse_attention(q, parts, sink, 0.125)
+    for lo, hi in [(0, 1), (4, 10), (19, 20)]:
+        sub = [(kv, index[lo:hi].contiguous()) for kv, index in parts]
+        assert torch.equal(kernels.sparse_attention(q[lo:hi], sub, sink, 0.125), whole[lo:hi])
+
+
+def _moe(**changes):
+    from xspec.models.deepseek_v4.moe import MoE
+
+    args = dataclasses.replace(DeepseekV4Args.tiny(), **changes)
+    gen = torch.Generator().manual_seed(4)
+    moe = MoE(args, hash_routed=False, dtype=torch.float32, device="cpu")
+    with torch.no_grad():
+        for p in moe.parameters():
+            p.copy_(torch.randn(p.shape, generator=gen) / p.shape[-1] ** 0.5)
+    return moe, args
+
+
+@pytest.mark.parametrize(
+    "changes",
+    [
+        {},  # sqrtsoftplus, normalised top-k, one shared expert (as Flash)
+        {"scoring_func": "softmax", "norm_topk_prob": False, "n_shared_experts": 0},
+        {"scoring_func": "sigmoid", "num_experts_per_tok": 3, "swiglu_limit": 0.0},
+    ],
+)
+@pytest.mark.parametrize("rows", [1, 6, 13])
+def test_moe_matches_the_reference(kernels, changes, rows):
+    from xspec.models.base import StepOptions
+
+    moe, args = _moe(**changes)
+    gen = torch.Generator().manual_seed(rows)
+    x = torch.randn(rows, args.hidden_size, generator=gen)
+    ids = torch.randint(0, args.vocab_size, (rows,), generator=gen)
+    with torch.no_grad():
+        reference = moe(x, ids)
+        moe.configure_steps(StepOptions(kernels={"moe": kernels.moe}))
+        fused = moe(x, ids)
+        direct = kernels.moe(x, ids, moe.gate, moe._stacked(), moe.shared_in_stack, moe.limit)
+        alone = moe(x[-1:], ids[-1:])
+    assert direct is not None and torch.equal(direct, fused)  # the kernel ran
+    torch.testing.assert_close(fused, reference, rtol=1e-5, atol=1e-5)
+    assert torch.equal(alone, fused[-1:])  # one row alone gets the same bits as in the batch
+
+
+def test_moe_hash_routing_matches_the_reference(kernels):
+    from xspec.models.base import StepOptions
+    from xspec.models.deepseek_v4.moe import MoE
+
+    args = DeepseekV4Args.tiny()
+    moe = MoE(args, hash_routed=True, dtype=torch.float32, device="cpu")
+    gen = torch.Generator().manual_seed(5)
+    with torch.no_grad():
+        for p in moe.parameters():
+            p.copy_(torch.randn(p.shape, generator=gen) / p.shape[-1] ** 0.5)
+        table = torch.randint(0, args.n_routed_experts, moe.gate.tid2eid.shape, generator=gen)
+        moe.gate.tid2eid.copy_(table)
+        x = torch.randn(9, args.hidden_size, generator=gen)
+        ids = torch.randint(0, args.vocab_size, (9,), generator=gen)
+        reference = moe(x, ids)
+        moe.configure_steps(StepOptions(kernels={"moe": kernels.moe}))
+        torch.testing.assert_close(moe(x, ids), reference, rtol=1e-5, atol=1e-5)
+
+
+def test_moe_layers_the_kernel_does_not_take_run_the_reference(kernels):
+    """Two shared experts do not fit the stack (the kernel says no); bf16 neither."""
+    from xspec.models.base import StepOptions
+
+    moe, args = _moe(n_shared_experts=2)
+    x = torch.randn(3, args.hidden_size)
+    ids = torch.arange(3)
+    with torch.no_grad():
+        reference = moe(x, ids)
+        assert kernels.moe(x, ids, moe.gate, moe._stacked(), True, moe.limit) is None
+        assert kernels.moe(x.bfloat16(), ids, moe.gate, moe._stacked(), False, 1.0) is None
+        moe.configure_steps(StepOptions(kernels={"moe": kernels.moe}))
+        assert torch.equal(moe(x, ids), reference)
+
+
+@pytest.mark.parametrize(("ratio", "width"), [(4, 32), (8, 24)])
+def test_compress_pool_matches_the_reference(kernels, ratio, width):
+    """CSA (ratio 4: two overlapping series) and HCA-like (one series) pooling of rows
+    from the rings, the new rows and the pad row (positions before the start)."""
+    from xspec.models.deepseek_v4.compressor import Compressor
+    from xspec.models.deepseek_v4.rope import Rope, rope_inv_freq
+
+    args = DeepseekV4Args.tiny()
+    rope = Rope(rope_inv_freq(args, compressed=True))
+    comp = Compressor(args, ratio, width, rope, dtype=torch.float32, device="cpu")
+    gen = torch.Generator().manual_seed(ratio)
+    cols = 2 * comp.coff * width
+    ring, rows = torch.randn(10, cols, generator=gen), torch.randn(7, cols, generator=gen)
+    index = torch.randint(0, 18, (5, comp.coff * ratio), generator=gen)  # 17 = the pad row
+    index[0, : ratio // 2] = 17
+    fused = kernels.compress_pool(ring, rows, index, ratio, comp.coff, width)
+    pad = torch.full((1, cols), float("-inf"))
+    pad[:, : comp.coff * width] = 0
+    gathered = torch.cat([ring, rows, pad]).index_select(0, index.flatten())
+    with torch.no_grad():
+        reference = comp.pool(gathered.view(*index.shape, cols))
+    assert fused is not None
+    torch.testing.assert_close(fused, reference, rtol=1e-6, atol=1e-6)
+    assert kernels.compress_pool(ring, rows, index.int(), ratio, comp.coff, width) is None
+
+
+def test_the_build_targets_this_cpu_and_falls_back_to_the_baseline(monkeypatch, tmp_path):
+    """``-march=native`` builds are keyed by the CPU (a shared cache never hands one CPU
+    another's build); a compiler that refuses the flag gets the baseline build."""
+    fake = tmp_path / "cc"
+    real = native.compiler()
+    assert real is not None
+    fake.write_text(
+        f'#!/bin/sh\nfor a in "$@"; do [ "$a" = -march=native ] && exit 1; done\nexec {real} "$@"\n'
+    )
+    fake.chmod(0o755)
+    monkeypatch.setenv("XSPEC_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setenv("CC", str(fake))
+    baseline, why = native.load()
+    assert baseline is not None and "baseline target" in why
+    monkeypatch.setenv("CC", real)
+    first, why = native.load()
+    assert first is not None and "-march=native" in why
+    monkeypatch.setattr(native, "cpu_identity", lambda: "another cpu")
+    other, _ = native.load()
+    assert other is not None and other.path != first.path != baseline.path
+
+
+def test_indices_out_of_range_are_refused_not_read(kernels):
+    """A kernel never reads outside its buffers: an index out of range returns None, so
+    the reference op raises its own error instead."""
+    gen = torch.Generator().manual_seed(6)
+    q, parts, sink = _attention_case(gen, 3, 8, 64)
+    (window, w_index), (entries, c_index) = parts
+    c_index = c_index.clone()
+    c_index[2, 1] = entries.shape[0]
+    assert kernels.sparse_attention(q, [(window, w_index), (entries, c_index)], sink, 0.1) is None
+
+    from xspec.models.deepseek_v4.moe import MoE
+
+    args = DeepseekV4Args.tiny()
+    moe = MoE(args, hash_routed=True, dtype=torch.float32, device="cpu")
+    x = torch.randn(2, args.hidden_size)
+    with torch.no_grad():
+        run = (moe.gate, moe._stacked(), moe.shared_in_stack, moe.limit)
+        assert kernels.moe(x, torch.tensor([0, args.vocab_size]), *run) is None
+        moe.gate.tid2eid[3, 0] = args.n_routed_experts
+        assert kernels.moe(x, torch.tensor([3, 1]), *run) is None
+        assert kernels.moe(x, torch.tensor([2, 1]), *run) is not None
+
+    ring, rows = torch.randn(4, 16), torch.randn(2, 16)
+    index = torch.tensor([[0, 5, 6, -1]])
+    assert kernels.compress_pool(ring, rows, index, 4, 1, 8) is None
+    assert kernels.compress_pool(ring, rows, index.clamp(min=0), 4, 1, 8) is not None

@@ -142,8 +142,9 @@ class StepOptions:
     (``Platform.step_options``) and handed to every module by :func:`configure_steps`.
 
     ``kernels``: what the platform's devices offer the step functions, by name: fused
-    kernels (``"mhc_pre"``, ``"rms_norm"``, ``"rope"``, ``"index_topk"``: see the CPU
-    platform's ``native``) and kernel facts (``"grouped_mm"``: the dtypes
+    kernels (``"mhc_pre"``, ``"rms_norm"``, ``"rope"``, ``"index_topk"``,
+    ``"sparse_attention"``, ``"moe"``, ``"compress_pool"``: see the CPU platform's
+    ``native``) and kernel facts (``"grouped_mm"``: the dtypes
     ``torch._grouped_mm`` serves; ``"grouped_mm_eager"``: use it in eager steps always).
     A model uses those it knows and runs its reference torch ops for the rest.
     ``compile``: wraps a pure step function into its compiled form (memoised per

@@ -241,10 +241,13 @@ class Platform(abc.ABC):
 
     def draft_attention_op(self) -> DraftAttentionOp:
         """The sparse attention the DSpark draft window runs on (``explicit_indices``:
-        the native layout's explicit index set). Default: the reference torch attention.
-        An operator that cannot take explicit indices raises :class:`SasIndicesRejected`,
-        and the caller falls back to the compatibility layout (see ``sas_mode``)."""
+        the native layout's explicit index set). Default: the reference torch attention,
+        or this platform's fused ``sparse_attention`` kernel where :meth:`step_options`
+        has one. An operator that cannot take explicit indices raises
+        :class:`SasIndicesRejected`, and the caller falls back to the compatibility layout
+        (see ``sas_mode``)."""
         from xspec.models.deepseek_v4.attention import sparse_attention
+        from xspec.models.deepseek_v4.mhc import fused
 
         def reference(
             q: torch.Tensor,
@@ -254,7 +257,8 @@ class Platform(abc.ABC):
             *,
             explicit_indices: bool,
         ) -> torch.Tensor:
-            return sparse_attention(q, parts, sink, scale)
+            kernel = fused(self.step_options().kernels, "sparse_attention")
+            return sparse_attention(q, parts, sink, scale, kernel)
 
         return reference
 

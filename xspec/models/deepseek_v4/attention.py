@@ -51,13 +51,17 @@ def sparse_attention(
     parts: list[tuple[torch.Tensor, torch.Tensor]],
     sink: torch.Tensor,
     scale: float,
+    kernel: Any = None,
 ) -> torch.Tensor:
     """Attention of each query over its own KV rows, with a value-less sink.
 
     ``q [S, H, D]``; ``parts``: ``(kv [N, D], index [S, K])`` pairs (K = V; ``index``
     rows of ``kv`` per query, -1 = unused), whose selected rows are attended as one set;
-    ``sink [H]`` -> ``[S, H, D]`` fp32.
+    ``sink [H]`` -> ``[S, H, D]`` fp32. ``kernel``: the platform's fused
+    ``sparse_attention`` (same arguments; None where it does not take them).
     """
+    if kernel is not None and (out := kernel(q, parts, sink, scale)) is not None:
+        return out
     sink = sink.float().view(1, -1, 1)
     out = []
     for b in range(0, q.shape[0], _QUERY_BLOCK):
@@ -196,7 +200,8 @@ class Attention(UsesKernels, nn.Module):
             # rings first and every query gathers its window from the rings
             scatter_rows(swa, kv, layout.ring_slots(ring))
             parts = [(swa.flatten(0, 1), layout.window_index(ring, window))]
-            out = sparse_attention(q, parts + ([extra] if extra else []), sink, scale)
+            parts += [extra] if extra else []
+            out = sparse_attention(q, parts, sink, scale, self.kernel("sparse_attention"))
         else:  # prefill chunks: dense blocks over each sequence's contiguous window rows
             local = [
                 torch.cat([swa[b].index_select(0, slots), kv[r0 : r0 + n]])

@@ -94,33 +94,43 @@ class Compressor(UsesKernels, nn.Module):
         stack = stack_rings([c.ring for c in caches])  # [B, ring, C], row b = caches[b]
         plan = layout.emission(self.ratio, self.coff, stack.shape[1])
         if plan is not None:
-            pad = torch.full_like(rows[:1], float("-inf"))  # before position 0: kv 0, score -inf
-            pad[:, : self.coff * self.width] = 0
-            source = torch.cat([stack.flatten(0, 1), rows, pad])
-            gathered = source.index_select(0, plan.index.flatten())
-            entries = self.pool(gathered.view(*plan.index.shape, -1), plan)  # [E, width]
+            entries = self._entries(stack.flatten(0, 1), rows, plan)  # [E, width]
             e0 = 0
             for b, first, n in zip(plan.seqs, plan.firsts, plan.counts):
                 caches[b].put_entries(first, entries[e0 : e0 + n])
                 e0 += n
         scatter_rows(stack, rows, layout.ring_slots(stack.shape[1]))
 
-    def pool(self, rows: torch.Tensor, plan: Emission) -> torch.Tensor:
-        """Softmax pooling of each entry's window rows, then norm and rope.
+    def _entries(self, ring: torch.Tensor, rows: torch.Tensor, plan: Emission) -> torch.Tensor:
+        """The entries ``plan`` completes, from the ring rows ``ring [R, C]`` of every live
+        sequence and the new ``rows [T, C]``: pooled, normed and roped ``[E, width]``."""
+        kernel = self.kernel("compress_pool")
+        pooled = None
+        if kernel is not None:
+            pooled = kernel(ring, rows, plan.index, self.ratio, self.coff, self.width)
+        if pooled is None:
+            pad = torch.full_like(rows[:1], float("-inf"))  # before position 0: kv 0, score -inf
+            pad[:, : self.coff * self.width] = 0
+            source = torch.cat([ring, rows, pad])
+            gathered = source.index_select(0, plan.index.flatten())
+            pooled = self.pool(gathered.view(*plan.index.shape, -1))
+        key = self.rope.key
+        if key not in plan.memo:  # the indexer's compressor and other layers reuse it
+            plan.memo[key] = self.rope.rotation(plan.window_starts, plan.limit)
+        return rotate(self.norm(pooled), *plan.memo[key], kernel=self.kernel("rope"))
+
+    def pool(self, rows: torch.Tensor) -> torch.Tensor:
+        """Softmax pooling of each entry's window rows (before norm and rope).
 
         ``rows [E, coff*m, 2*coff*width]`` (``[kv | score]`` of positions
-        ``(w-coff+1)*m .. (w+1)*m - 1``) -> entries ``[E, width]``.
+        ``(w-coff+1)*m .. (w+1)*m - 1``) -> ``[E, width]``.
         """
         m, w, cw = self.ratio, self.width, self.coff * self.width
         kv, score = rows[..., :cw], rows[..., cw:]
         if self.coff == 2:  # entry w: Ca of window w-1 (first m rows), Cb of window w
             kv = torch.cat([kv[:, :m, :w], kv[:, m:, w:]], dim=1)  # [E, 2m, w]
             score = torch.cat([score[:, :m, :w], score[:, m:, w:]], dim=1)
-        pooled = (kv * score.softmax(dim=1)).sum(dim=1)
-        key = self.rope.key
-        if key not in plan.memo:  # the indexer's compressor and other layers reuse it
-            plan.memo[key] = self.rope.rotation(plan.window_starts, plan.limit)
-        return rotate(self.norm(pooled), *plan.memo[key], kernel=self.kernel("rope"))
+        return (kv * score.softmax(dim=1)).sum(dim=1)
 
 
 class Indexer(UsesKernels, nn.Module):

@@ -15,7 +15,10 @@ the per-row sum stays the single-process one.
 
 The local experts' weights are stacked ``[E, out, in]`` (each expert's ``w1/w2/w3``
 parameter is a view of its row of the stack, so the checkpoint names and in-place
-loading are unchanged and nothing is stored twice). Two ways to run the routed experts:
+loading are unchanged and nothing is stored twice). A platform's fused ``moe`` kernel
+(``StepOptions.kernels``; the CPU's native one) runs the whole layer, gate included, where
+it takes the inputs and the experts are one stack. Otherwise, two ways to run the routed
+experts:
 
 * grouped GEMMs (``torch._grouped_mm``: one op per projection for all experts, group
   offsets computed on the device, so no host sync): where the platform prefers them
@@ -40,6 +43,7 @@ from torch import nn
 
 from xspec.models.base import StepOptions
 from xspec.models.deepseek_v4.args import DeepseekV4Args
+from xspec.models.deepseek_v4.mhc import UsesKernels
 
 if TYPE_CHECKING:
     from xspec.parallel.expert import ExpertParallel
@@ -131,7 +135,7 @@ def grouped_mm_serves(dtype: torch.dtype, *widths: int) -> bool:
     return hasattr(torch, "_grouped_mm") and all(w * dtype.itemsize % 16 == 0 for w in widths)
 
 
-class MoE(nn.Module):
+class MoE(UsesKernels, nn.Module):
     """Checkpoint tensors (``layers.{i}.ffn.``): ``gate.*``, ``experts.{e}.w{1,2,3}``,
     ``shared_experts.w{1,2,3}``. ``tag``: the layer id, checked across EP ranks.
     ``can_group`` / ``grouped`` (set by :meth:`configure_steps`): grouped GEMMs serve
@@ -202,6 +206,10 @@ class MoE(nn.Module):
                 for lin, row in zip(linears, stack.unbind(0)):
                     lin.weight = nn.Parameter(row, requires_grad=lin.weight.requires_grad)
             self.register_buffer(name, stack, persistent=False)
+        # the first expert's linears: _stacked checks they still view the stacks
+        self.__dict__["_first"] = (
+            tuple(getattr(local[0], n) for n in ("w1", "w2", "w3")) if stacked else ()
+        )
 
     def _apply(self, fn: Callable[[torch.Tensor], torch.Tensor], recurse: bool = True) -> MoE:
         # .to() / .cuda() / to_empty() give every parameter new storage: restack
@@ -212,6 +220,7 @@ class MoE(nn.Module):
     def configure_steps(self, options: StepOptions) -> None:
         """Grouped GEMMs where the platform's kernel takes this dtype and these shapes;
         always where it prefers them or the steps are compiled."""
+        super().configure_steps(options)
         w1, kernels = self.w1, options.kernels
         self.can_group = (
             w1 is not None
@@ -227,18 +236,24 @@ class MoE(nn.Module):
         a compiled step trusts them)."""
         if self.w1 is None or torch.is_grad_enabled():
             return None
-        if not torch.compiler.is_compiling():
-            first = self._local()[0]
-            if any(
-                getattr(first, n).weight.data_ptr() != getattr(self, n).data_ptr()
-                for n in ("w1", "w2", "w3")
-            ):
-                self._stack_experts()
-        assert self.w1 is not None and self.w2 is not None and self.w3 is not None
-        return self.w1, self.w2, self.w3
+        stacks = self._buffers["w1"], self._buffers["w2"], self._buffers["w3"]
+        if not torch.compiler.is_compiling() and any(
+            lin._parameters["weight"].data_ptr() != stack.data_ptr()  # type: ignore[union-attr]
+            for lin, stack in zip(self.__dict__["_first"], stacks)
+        ):
+            self._stack_experts()
+            stacks = self._buffers["w1"], self._buffers["w2"], self._buffers["w3"]
+        return stacks  # type: ignore[return-value]
 
     def forward(self, x: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
         """``x [T, d]`` (the ``ffn_norm`` output), ``input_ids [T]`` -> ``[T, d]``."""
+        kernel = self.kernel("moe")  # the whole layer fused (no expert parallelism)
+        one_stack = self.shared_experts is None or self.shared_in_stack
+        if kernel is not None and self.expert_parallel is None and one_stack:
+            stacks = self._stacked()
+            args = (self.gate, stacks, self.shared_in_stack, self.limit)
+            if stacks is not None and (y := kernel(x, input_ids, *args)) is not None:
+                return y
         weights, experts = self.gate(x, input_ids)  # [T, k] each
         y = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
         stacks = self._stacked() if self.grouped else None

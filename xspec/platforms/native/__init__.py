@@ -10,7 +10,19 @@ the ones a DeepSeek-V4 step calls most:
 * ``rms_norm``: weighted or plain RMS normalisation (``F.rms_norm`` is six ops);
 * ``rope``: the rotation of the last ``rd`` dims of every head (ten ops in torch);
 * ``index_topk``: the CSA lightning indexer's scores and stable causal top-k (thirty
-  ops in torch, one host sync).
+  ops in torch, one host sync);
+* ``sparse_attention``: a decode / verify query's attention over the window and
+  compressed rows it selects, with the sink (gathers, masks, two GEMMs and a softmax in
+  torch, about thirty ops per layer); the DSpark draft window's too;
+* ``moe``: a whole MoE layer, gate, top-k or hash routing, experts and the shared
+  expert (about forty ops and a host sync in torch);
+* ``compress_pool``: a compressor's softmax pooling of the windows a forward completes
+  (gather, concatenations, softmax, product and sum in torch).
+
+The attention and expert products are vectorised explicitly (the GCC / clang vector
+extension) and may fuse multiply-adds, as the BLAS behind the reference ops does; the
+other kernels round every product and sum as the reference ops do. A kernel that finds
+an index out of range returns None, so the reference op raises its own error.
 
 Each returns None for inputs it does not take (not fp32, not contiguous), and the
 caller runs the reference torch ops instead. Rows are independent: a row's result
@@ -29,6 +41,7 @@ from __future__ import annotations
 import ctypes
 import hashlib
 import os
+import platform
 import shutil
 import subprocess
 import sys
@@ -156,6 +169,104 @@ class NativeKernels:
         )  # fmt: skip
         return out
 
+    def sparse_attention(
+        self,
+        q: torch.Tensor,
+        parts: list[tuple[torch.Tensor, torch.Tensor]],
+        sink: torch.Tensor,
+        scale: float,
+    ) -> torch.Tensor | None:
+        """``attention.sparse_attention`` of fp32 ``q [S, H, D]`` over one or two
+        ``(kv [N, D], index [S, K])`` sources (int64 host indices, -1 = none) -> ``[S, H,
+        D]`` fp32."""
+        if not (_takes(q) and _takes(sink)) or q.dim() != 3 or not 1 <= len(parts) <= 2:
+            return None
+        rows, heads, d = q.shape
+        for kv, index in parts:
+            if not (_takes(kv) and kv.dim() == 2 and kv.shape[1] == d and _ids(index)):
+                return None
+            if index.dim() != 2 or index.shape[0] != rows:
+                return None
+        (kv0, idx0), (kv1, idx1) = parts[0], parts[-1] if len(parts) == 2 else (None, None)
+        k0, k1 = idx0.shape[1], 0 if idx1 is None else idx1.shape[1]
+        out = torch.empty_like(q)
+        scratch = torch.empty(heads * (k0 + k1 + d))
+        rows_at = torch.empty(k0 + k1, dtype=torch.int64)  # row pointers
+        bad = self.lib.xspec_sparse_attn(
+            q.data_ptr(), rows, heads, d, kv0.data_ptr(), kv0.shape[0], idx0.data_ptr(), k0,
+            None if kv1 is None else kv1.data_ptr(), 0 if kv1 is None else kv1.shape[0],
+            None if idx1 is None else idx1.data_ptr(), k1, sink.data_ptr(), ctypes.c_float(scale),
+            scratch.data_ptr(), rows_at.data_ptr(), out.data_ptr(),
+        )  # fmt: skip
+        return None if bad else out  # an index out of range: the reference op says so
+
+    def moe(
+        self,
+        x: torch.Tensor,
+        input_ids: torch.Tensor,
+        gate: Any,
+        stacks: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
+        shared: bool,
+        limit: float,
+    ) -> torch.Tensor | None:
+        """``moe.MoE.forward`` of fp32 ``x [T, d]``: the gate (``moe.Gate``: its
+        ``weight``, ``bias`` or hash table ``tid2eid``, and ``args``' scoring) and the
+        experts' stacks ``w1, w3 [G, inter, d]``, ``w2 [G, d, inter]`` (the shared expert
+        last when ``shared``) -> ``[T, d]`` fp32."""
+        w1, w2, w3 = stacks
+        args = gate.args
+        table = gate.tid2eid if gate.hash_routed else None
+        bias = gate.bias
+        if not all(_takes(t) for t in (x, gate.weight, w1, w2, w3)) or (
+            bias is not None and not _takes(bias)
+        ):
+            return None
+        if not (_ids(input_ids) and (table is None or _ids(table))) or x.dim() != 2:
+            return None
+        rows, d = x.shape
+        experts, k, inter = gate.weight.shape[0], args.num_experts_per_tok, w1.shape[1]
+        if w1.shape[0] != experts + int(shared) or w1.shape[2] != d:
+            return None
+        score_fn = {"softmax": 0, "sigmoid": 1}.get(args.scoring_func, 2)
+        y = torch.empty_like(x)
+        scratch = torch.empty(2 * experts + 3 * inter + d)
+        pick = torch.empty(2 * k, dtype=torch.int64)
+        bad = self.lib.xspec_moe(
+            x.data_ptr(), input_ids.data_ptr(), rows, d, inter, gate.weight.data_ptr(),
+            None if bias is None else bias.data_ptr(), None if table is None else table.data_ptr(),
+            0 if table is None else table.shape[0], experts, k, score_fn,
+            int(args.norm_topk_prob), ctypes.c_float(args.routed_scaling_factor),
+            ctypes.c_float(limit), w1.data_ptr(), w2.data_ptr(), w3.data_ptr(), int(shared),
+            scratch.data_ptr(), pick.data_ptr(), y.data_ptr(),
+        )  # fmt: skip
+        return None if bad else y  # a token id or table entry out of range: the reference says so
+
+    def compress_pool(
+        self,
+        ring: torch.Tensor,
+        rows: torch.Tensor,
+        index: torch.Tensor,
+        ratio: int,
+        coff: int,
+        width: int,
+    ) -> torch.Tensor | None:
+        """``compressor.Compressor.pool`` of the entries ``index [E, coff*ratio]`` (rows of
+        ``cat(ring, rows, pad)``) of fp32 ``[kv | score]`` rows ``ring [R, 2*coff*width]``
+        and ``rows [T, 2*coff*width]`` -> ``[E, width]`` fp32, before norm and rope."""
+        if not (_takes(ring) and _takes(rows) and _ids(index)) or index.dim() != 2:
+            return None
+        if ring.shape[1] != 2 * coff * width or rows.shape[1] != ring.shape[1]:
+            return None
+        if index.shape[1] != coff * ratio:
+            return None
+        out = rows.new_empty(index.shape[0], width)
+        scratch = torch.empty(coff * ratio)
+        bad = self.lib.xspec_compress_pool(
+            ring.data_ptr(), ring.shape[0], rows.data_ptr(), rows.shape[0], index.data_ptr(),
+            index.shape[0], ratio, coff, width, scratch.data_ptr(), out.data_ptr(),
+        )  # fmt: skip
+        return None if bad else out  # an index out of range: the reference op says so
+
     def by_name(self) -> dict[str, Any]:
         """``StepOptions.kernels`` entries."""
         return {
@@ -163,18 +274,26 @@ class NativeKernels:
             "rms_norm": self.rms_norm,
             "rope": self.rope,
             "index_topk": self.index_topk,
+            "sparse_attention": self.sparse_attention,
+            "moe": self.moe,
+            "compress_pool": self.compress_pool,
         }
 
 
 def _takes(t: torch.Tensor) -> bool:
     """A tensor the kernels can read through its data pointer: host memory, fp32,
-    contiguous, outside autograd."""
+    contiguous, and not one autograd would record (a parameter under no_grad is fine)."""
     return (
-        t.device.type == "cpu"
-        and t.dtype == torch.float32
+        t.is_cpu
+        and t.dtype is torch.float32
         and t.is_contiguous()
-        and not t.requires_grad
+        and not (t.requires_grad and torch.is_grad_enabled())
     )
+
+
+def _ids(t: torch.Tensor) -> bool:
+    """A contiguous int64 host tensor."""
+    return t.is_cpu and t.dtype is torch.int64 and t.is_contiguous()
 
 
 def compiler() -> str | None:
@@ -188,36 +307,66 @@ def build_dir() -> Path:
     return cache_root() / "native"
 
 
+def cpu_identity() -> str:
+    """What a ``-march=native`` build depends on: the CPU's model and feature flags."""
+    try:
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
+    except OSError:
+        return f"{platform.machine()} {platform.processor()}"
+    keys = ("model name", "flags", "Features", "CPU implementer", "CPU part")
+    return "\n".join(dict.fromkeys(line for line in lines if line.startswith(keys)))
+
+
+def _build(cc: str, flags: tuple[str, ...], path: Path) -> str | None:
+    """Compile ``kernels.c`` into ``path`` (atomically); the compiler's last error line
+    on failure, else None."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=path.parent) as tmp:
+        out = Path(tmp) / path.name
+        cmd = [cc, *flags, "-o", str(out), str(_SOURCE), "-lm"]
+        done = subprocess.run(cmd, capture_output=True, text=True, check=False)
+        if done.returncode != 0:
+            return (done.stderr.strip().splitlines() or ["no output"])[-1]
+        os.replace(out, path)  # atomic: concurrent builders race harmlessly
+    return None
+
+
 def load() -> tuple[NativeKernels | None, str]:
     """The kernels (built now if not cached) and a one-line account of where they came
-    from, or None and why not."""
+    from, or None and why not. The build targets this CPU's vector units
+    (``-march=native``; the cache key names the CPU, so a shared cache directory serves
+    different machines), and falls back to the compiler's baseline target where the
+    compiler refuses that."""
     cc = compiler()
     if cc is None:
         return None, "no C compiler (set $CC); using the reference torch ops"
     source = _SOURCE.read_bytes()
-    key = hashlib.sha256(source + " ".join((cc, *_FLAGS, sys.platform)).encode()).hexdigest()
-    path = build_dir() / f"xspec_host_{key[:16]}.so"
-    if not path.exists():
-        path.parent.mkdir(parents=True, exist_ok=True)
-        with tempfile.TemporaryDirectory(dir=path.parent) as tmp:
-            out = Path(tmp) / path.name
-            cmd = [cc, *_FLAGS, "-o", str(out), str(_SOURCE), "-lm"]
-            done = subprocess.run(cmd, capture_output=True, text=True, check=False)
-            if done.returncode != 0:
-                err = (done.stderr.strip().splitlines() or ["no output"])[-1]
-                return (
-                    None,
-                    f"building {_SOURCE.name} failed ({err}); using the reference torch ops",
-                )
-            os.replace(out, path)  # atomic: concurrent builders race harmlessly
+    failed = "no output"
+    for target in (("-march=native",), ()):
+        flags = (*_FLAGS, *target)
+        ident = " ".join((cc, *flags, sys.platform, cpu_identity() if target else ""))
+        key = hashlib.sha256(source + ident.encode()).hexdigest()
+        path = build_dir() / f"xspec_host_{key[:16]}.so"
+        if path.exists():
+            break
+        error = _build(cc, flags, path)
+        if error is None:
+            break
+        failed = error
+    else:
+        return None, f"building {_SOURCE.name} failed ({failed}); using the reference torch ops"
     lib = ctypes.CDLL(str(path))
-    f = ctypes.c_float
-    for name, argtypes in (
-        ("xspec_mhc_pre", [_P, _P, _P, _I, _I, _I, f, _P, _I, _P, _P, _P, _P]),
-        ("xspec_rms_norm", [_P, _P, _I, _I, f, _P]),
-        ("xspec_rope", [_P, _P, _P, _I, _I, _I, _I, _I, _P]),
-        ("xspec_index_topk", [_P, _P, _P, _P, _P, _I, _I, _I, _I, _I, f, _P, _P, _P]),
-    ):
+    f, status = ctypes.c_float, ctypes.c_int64  # status: 0, or 1 for an index out of range
+    for name, restype, argtypes in (
+        ("xspec_mhc_pre", None, [_P, _P, _P, _I, _I, _I, f, _P, _I, _P, _P, _P, _P]),
+        ("xspec_rms_norm", None, [_P, _P, _I, _I, f, _P]),
+        ("xspec_rope", None, [_P, _P, _P, _I, _I, _I, _I, _I, _P]),
+        ("xspec_index_topk", None, [_P, _P, _P, _P, _P, _I, _I, _I, _I, _I, f, _P, _P, _P]),
+        ("xspec_sparse_attn", status, [_P, _I, _I, _I, *(_P, _I, _P, _I) * 2, _P, f, *(_P,) * 3]),
+        ("xspec_moe", status, [_P, _P, *(_I,) * 3, *(_P,) * 3, *(_I,) * 5, f, f, *(_P,) * 3, _I, *(_P,) * 3]),
+        ("xspec_compress_pool", status, [_P, _I, _P, _I, _P, _I, _I, _I, _I, _P, _P]),
+    ):  # fmt: skip
         fn = getattr(lib, name)
-        fn.restype, fn.argtypes = None, argtypes
-    return NativeKernels(lib, path), f"native host kernels ({path.name})"
+        fn.restype, fn.argtypes = restype, argtypes
+    built = f"{path.name}, {' '.join(target) or 'baseline target'}"
+    return NativeKernels(lib, path), f"native host kernels ({built})"

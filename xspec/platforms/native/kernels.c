@@ -6,6 +6,7 @@
  */
 #include <math.h>
 #include <stdint.h>
+#include <string.h>
 
 /* a . b in 8 independent partial sums (vectorisable; the order differs from a BLAS
  * dot's anyway) */
@@ -196,4 +197,319 @@ void xspec_index_topk(const float *q, const float *w, const float *keys, const i
         for (int64_t i = 0; i < size; ++i) o[m++] = score[heap[i]] == -INFINITY ? -1 : heap[i];
         for (; m < k; ++m) o[m] = -1;
     }
+}
+
+/* XSPEC_LANES floats as one value (GCC / clang vector extension): the width of one
+ * vector register, 8 with AVX, else 4 (SSE, NEON). */
+#if defined(__AVX__)
+#define XSPEC_LANES 8
+#else
+#define XSPEC_LANES 4
+#endif
+typedef float xspec_vec __attribute__((vector_size(4 * XSPEC_LANES)));
+
+static inline xspec_vec xspec_load(const float *p) {
+    xspec_vec v;
+    memcpy(&v, p, sizeof v);
+    return v;
+}
+
+static inline float xspec_hsum(xspec_vec v) {
+    float s = 0.0f;
+    for (int c = 0; c < XSPEC_LANES; ++c) s += v[c];
+    return s;
+}
+
+/* The dense products below (attention, experts) may fuse multiply-adds, as the BLAS
+ * the reference ops call does; the kernels above stay exact to the reference ops. */
+#if defined(__GNUC__) && !defined(__clang__)
+#define XSPEC_DENSE __attribute__((optimize("fp-contract=fast")))
+#else
+#define XSPEC_DENSE
+#endif
+
+/* y = W x for W [m, n]: blocks of 4 rows of W with vector accumulators */
+XSPEC_DENSE static void xspec_gemv(const float *w, const float *x, int64_t m, int64_t n,
+                                   float *y) {
+    int64_t nv = n - n % XSPEC_LANES, i = 0;
+    for (; i + 4 <= m; i += 4) {
+        const float *w0 = w + i * n, *w1 = w0 + n, *w2 = w1 + n, *w3 = w2 + n;
+        xspec_vec a0 = {0}, a1 = {0}, a2 = {0}, a3 = {0};
+        for (int64_t e = 0; e < nv; e += XSPEC_LANES) {
+            xspec_vec xv = xspec_load(x + e);
+            a0 += xspec_load(w0 + e) * xv;
+            a1 += xspec_load(w1 + e) * xv;
+            a2 += xspec_load(w2 + e) * xv;
+            a3 += xspec_load(w3 + e) * xv;
+        }
+        float s0 = xspec_hsum(a0), s1 = xspec_hsum(a1), s2 = xspec_hsum(a2), s3 = xspec_hsum(a3);
+        for (int64_t e = nv; e < n; ++e) {
+            s0 += w0[e] * x[e];
+            s1 += w1[e] * x[e];
+            s2 += w2[e] * x[e];
+            s3 += w3[e] * x[e];
+        }
+        y[i] = s0;
+        y[i + 1] = s1;
+        y[i + 2] = s2;
+        y[i + 3] = s3;
+    }
+    for (; i < m; ++i) {
+        float acc = 0.0f;
+        for (int64_t e = 0; e < n; ++e) acc += w[i * n + e] * x[e];
+        y[i] = acc;
+    }
+}
+
+/* logit[j, h] = scale * (q[h] . rows[j]) for n rows and H heads, q transposed to
+ * qt [D, H]: blocks of 4 rows x XSPEC_LANES heads in registers (independent chains, no
+ * horizontal sums); the rest one at a time. */
+XSPEC_DENSE static void xspec_logits(const float *qt, const float *const *rows, int64_t n,
+                                     int64_t heads, int64_t d, float scale, float *logit) {
+    int64_t hv = heads - heads % XSPEC_LANES, j = 0;
+    for (; j + 4 <= n; j += 4) {
+        const float *r0 = rows[j], *r1 = rows[j + 1], *r2 = rows[j + 2], *r3 = rows[j + 3];
+        for (int64_t h0 = 0; h0 < hv; h0 += XSPEC_LANES) {
+            xspec_vec a0 = {0}, a1 = {0}, a2 = {0}, a3 = {0};
+            for (int64_t e = 0; e < d; ++e) {
+                xspec_vec qe = xspec_load(qt + e * heads + h0);
+                a0 += qe * r0[e];
+                a1 += qe * r1[e];
+                a2 += qe * r2[e];
+                a3 += qe * r3[e];
+            }
+            for (int c = 0; c < XSPEC_LANES; ++c) {
+                logit[j * heads + h0 + c] = scale * a0[c];
+                logit[(j + 1) * heads + h0 + c] = scale * a1[c];
+                logit[(j + 2) * heads + h0 + c] = scale * a2[c];
+                logit[(j + 3) * heads + h0 + c] = scale * a3[c];
+            }
+        }
+    }
+    for (int64_t r = 0; r < n; ++r)
+        for (int64_t h = r < j ? hv : 0; h < heads; ++h) {
+            float acc = 0.0f;
+            for (int64_t e = 0; e < d; ++e) acc += qt[e * heads + h] * rows[r][e];
+            logit[r * heads + h] = scale * acc;
+        }
+}
+
+/* out[h] = sum_j p[j, h] * rows[j] for each head: blocks of 4 * XSPEC_LANES dims in
+ * registers; the rest one at a time. */
+XSPEC_DENSE static void xspec_weighted_rows(const float *p, const float *const *rows,
+                                            int64_t n, int64_t heads, int64_t d, float *out) {
+    enum { B = 4 * XSPEC_LANES };
+    int64_t dv = d - d % B;
+    for (int64_t h = 0; h < heads; ++h) {
+        float *o = out + h * d;
+        for (int64_t e0 = 0; e0 < dv; e0 += B) {
+            xspec_vec a[4] = {{0}, {0}, {0}, {0}};
+            for (int64_t j = 0; j < n; ++j) {
+                float w = p[j * heads + h];
+                const float *r = rows[j] + e0;
+                for (int c = 0; c < 4; ++c) a[c] += xspec_load(r + c * XSPEC_LANES) * w;
+            }
+            memcpy(o + e0, a, sizeof a);
+        }
+        for (int64_t e = dv; e < d; ++e) {
+            float acc = 0.0f;
+            for (int64_t j = 0; j < n; ++j) acc += p[j * heads + h] * rows[j][e];
+            o[e] = acc;
+        }
+    }
+}
+
+/* Sparse attention with a value-less sink (attention.sparse_attention), S queries at once.
+ * Query s attends the rows its index rows select from up to two sources: rows
+ * idx0[s, :k0] of kv0 [*, D], then rows idx1[s, :k1] of kv1 (-1 = none; k1 may be 0).
+ * Per head h: logit_j = scale * (q[s, h] . row_j), p = softmax({logit_j} and sink[h]),
+ * the sink in the denominator only; out[s, h] = sum_j p_j * row_j.
+ * q, out [S, H, D]; scratch: (k0 + k1 + D) * H floats and k0 + k1 row pointers.
+ * Returns 1 (out unfinished) if an index is out of its source's n0 / n1 rows, else 0. */
+int64_t xspec_sparse_attn(const float *q, int64_t nq, int64_t heads, int64_t d,
+                          const float *kv0, int64_t n0, const int64_t *idx0, int64_t k0,
+                          const float *kv1, int64_t n1, const int64_t *idx1, int64_t k1,
+                          const float *sink, float scale, float *scratch, const float **rows,
+                          float *out) {
+    float *logit = scratch, *qt = scratch + (k0 + k1) * heads; /* [K, H], [D, H] */
+    for (int64_t s = 0; s < nq; ++s) {
+        const float *qs = q + s * heads * d;
+        int64_t n = 0; /* the selected rows, in index order (masked ones skipped) */
+        for (int64_t j = 0; j < k0; ++j) {
+            int64_t r = idx0[s * k0 + j];
+            if (r >= n0) return 1;
+            if (r >= 0) rows[n++] = kv0 + r * d;
+        }
+        for (int64_t j = 0; j < k1; ++j) {
+            int64_t r = idx1[s * k1 + j];
+            if (r >= n1) return 1;
+            if (r >= 0) rows[n++] = kv1 + r * d;
+        }
+        for (int64_t h = 0; h < heads; ++h)
+            for (int64_t e = 0; e < d; ++e) qt[e * heads + h] = qs[h * d + e];
+        xspec_logits(qt, rows, n, heads, d, scale, logit);
+        for (int64_t h = 0; h < heads; ++h) {
+            float m = sink[h], sum;
+            for (int64_t j = 0; j < n; ++j)
+                if (logit[j * heads + h] > m) m = logit[j * heads + h];
+            sum = expf(sink[h] - m);
+            for (int64_t j = 0; j < n; ++j) {
+                float p = expf(logit[j * heads + h] - m);
+                logit[j * heads + h] = p;
+                sum += p;
+            }
+            for (int64_t j = 0; j < n; ++j) logit[j * heads + h] /= sum;
+        }
+        xspec_weighted_rows(logit, rows, n, heads, d, out + s * heads * d);
+    }
+    return 0;
+}
+
+/* One routed MoE layer on T rows (moe.MoE.forward), expert weights stacked by group:
+ * gate: logit_e = x . gate_w[e]; score = softmax (score_fn 0), sigmoid (1) or
+ * sqrt(softplus) (2); the row's k experts are table[ids[t], :] (hash layers, table !=
+ * NULL) or the k largest score + bias (ties to the lower id), weighted by their scores,
+ * normalised to sum 1 if norm (summed in rank order), times scaling. Then
+ * y[t] = sum over its experts in ascending id of W2_e (w_e * silu(min(W1_e x, L)) *
+ * clamp(W3_e x, -L, L)) (no clamps when L <= 0), plus the shared expert (stack row E,
+ * weight 1) last when shared != 0.
+ * x, y [T, d]; gate_w [E, d]; bias [E] or NULL; w1, w3 [G, inter, d]; w2 [G, d, inter];
+ * scratch: 2 * E + 3 * inter + d floats, 2 * k int64. Returns 1 (y unfinished) if a
+ * hash layer's token id or table entry is out of range, else 0. */
+static float xspec_silu(float g) { return g / (1.0f + expf(-g)); }
+
+/* y += W2 (w * silu(min(W1 x, L)) * clamp(W3 x, -L, L)) for one expert (w = 1 and no
+ * product when !weighted); scratch: 3 * inter + d floats */
+static void xspec_expert(const float *x, int64_t d, int64_t inter, const float *w1,
+                         const float *w2, const float *w3, float weight, int weighted,
+                         float limit, float *scratch, float *y) {
+    float *g = scratch, *u = g + inter, *h = u + inter, *o = h + inter;
+    xspec_gemv(w1, x, inter, d, g);
+    xspec_gemv(w3, x, inter, d, u);
+    for (int64_t i = 0; i < inter; ++i) {
+        float gi = g[i], ui = u[i];
+        if (limit > 0.0f) {
+            gi = gi > limit ? limit : gi;
+            ui = ui > limit ? limit : (ui < -limit ? -limit : ui);
+        }
+        h[i] = weighted ? weight * (xspec_silu(gi) * ui) : xspec_silu(gi) * ui;
+    }
+    xspec_gemv(w2, h, d, inter, o);
+    for (int64_t j = 0; j < d; ++j) y[j] += o[j];
+}
+
+int64_t xspec_moe(const float *x, const int64_t *ids, int64_t rows, int64_t d, int64_t inter,
+                  const float *gate_w, const float *bias, const int64_t *table,
+                  int64_t table_rows, int64_t experts,
+               int64_t k, int64_t score_fn, int64_t norm, float scaling, float limit,
+               const float *w1, const float *w2, const float *w3, int64_t shared,
+               float *scratch, int64_t *pick, float *y) {
+    float *score = scratch, *biased = scratch + experts, *h = scratch + 2 * experts;
+    int64_t *order = pick + k;
+    for (int64_t t = 0; t < rows; ++t) {
+        const float *xt = x + t * d;
+        float *yt = y + t * d;
+        for (int64_t e = 0; e < experts; ++e) score[e] = xspec_dot(gate_w + e * d, xt, d);
+        if (score_fn == 0) {
+            float m = score[0], sum = 0.0f;
+            for (int64_t e = 1; e < experts; ++e)
+                if (score[e] > m) m = score[e];
+            for (int64_t e = 0; e < experts; ++e) {
+                score[e] = expf(score[e] - m);
+                sum += score[e];
+            }
+            for (int64_t e = 0; e < experts; ++e) score[e] /= sum;
+        } else {
+            for (int64_t e = 0; e < experts; ++e) {
+                float l = score[e];
+                score[e] = score_fn == 1 ? 1.0f / (1.0f + expf(-l))
+                                         : sqrtf(l > 20.0f ? l : log1pf(expf(l)));
+            }
+        }
+        if (table != 0) {
+            if (ids[t] < 0 || ids[t] >= table_rows) return 1;
+            for (int64_t i = 0; i < k; ++i) {
+                pick[i] = table[ids[t] * k + i];
+                if (pick[i] < 0 || pick[i] >= experts) return 1;
+            }
+        } else { /* selection: the k best biased scores, in rank order */
+            for (int64_t e = 0; e < experts; ++e) biased[e] = bias ? score[e] + bias[e] : score[e];
+            for (int64_t i = 0; i < k; ++i) {
+                int64_t best = -1;
+                for (int64_t e = 0; e < experts; ++e) {
+                    int taken = 0;
+                    for (int64_t p = 0; p < i; ++p) taken |= pick[p] == e;
+                    if (!taken && (best < 0 || biased[e] > biased[best])) best = e;
+                }
+                pick[i] = best;
+            }
+        }
+        float sum = 0.0f;
+        for (int64_t i = 0; i < k; ++i) sum += score[pick[i]];
+        /* the experts in ascending id: the order the reference adds them in */
+        for (int64_t i = 0; i < k; ++i) order[i] = i;
+        for (int64_t i = 1; i < k; ++i)
+            for (int64_t p = i; p > 0 && pick[order[p - 1]] > pick[order[p]]; --p) {
+                int64_t tmp = order[p];
+                order[p] = order[p - 1];
+                order[p - 1] = tmp;
+            }
+        for (int64_t j = 0; j < d; ++j) yt[j] = 0.0f;
+        for (int64_t i = 0; i < k; ++i) {
+            int64_t e = pick[order[i]];
+            float w = score[e];
+            if (norm) w = w / sum;
+            w = w * scaling;
+            xspec_expert(xt, d, inter, w1 + e * inter * d, w2 + e * d * inter, w3 + e * inter * d,
+                         w, 1, limit, h, yt);
+        }
+        if (shared)
+            xspec_expert(xt, d, inter, w1 + experts * inter * d, w2 + experts * d * inter,
+                         w3 + experts * inter * d, 1.0f, 0, limit, h, yt);
+    }
+    return 0;
+}
+
+/* A compressor's softmax pooling of the windows one forward completes
+ * (compressor.Compressor.pool), E entries at once. Row r of source = ring [R, 2*cw] for
+ * r < R, else rows [T, 2*cw] (r - R) for r < R + T, else the pad row (kv 0, score -inf:
+ * weight 0), where a row is [kv | score], cw = coff * width. Entry e pools its coff * m
+ * rows index[e, :]: with coff 2 the first m rows give their first width channels (and
+ * scores), the last m their second; per channel p = softmax over the rows of score,
+ * out[e] = sum_rows p * kv. out [E, width]; scratch: coff * m floats. Returns 1 (out
+ * unwritten) if an index is outside the rows and the pad row, else 0. */
+int64_t xspec_compress_pool(const float *ring, int64_t ring_rows, const float *rows,
+                            int64_t new_rows, const int64_t *index, int64_t entries,
+                            int64_t m, int64_t coff, int64_t width, float *scratch,
+                            float *out) {
+    int64_t span = coff * m, cw = coff * width;
+    for (int64_t i = 0; i < entries * span; ++i)
+        if (index[i] < 0 || index[i] > ring_rows + new_rows) return 1;
+    for (int64_t e = 0; e < entries; ++e) {
+        const int64_t *ix = index + e * span;
+        for (int64_t c = 0; c < width; ++c) {
+            float mx = -INFINITY, sum = 0.0f, acc = 0.0f;
+            for (int64_t i = 0; i < span; ++i) { /* this channel's score in each row */
+                int64_t r = ix[i], col = (i / m) * width + c;
+                const float *row = r < ring_rows ? ring + r * 2 * cw
+                                   : r < ring_rows + new_rows ? rows + (r - ring_rows) * 2 * cw
+                                                              : 0;
+                scratch[i] = row ? row[cw + col] : -INFINITY;
+                if (scratch[i] > mx) mx = scratch[i];
+            }
+            for (int64_t i = 0; i < span; ++i) {
+                scratch[i] = expf(scratch[i] - mx);
+                sum += scratch[i];
+            }
+            for (int64_t i = 0; i < span; ++i) {
+                int64_t r = ix[i], col = (i / m) * width + c;
+                if (r >= ring_rows + new_rows) continue; /* the pad row: weight 0 */
+                const float *row =
+                    r < ring_rows ? ring + r * 2 * cw : rows + (r - ring_rows) * 2 * cw;
+                acc += row[col] * (scratch[i] / sum);
+            }
+            out[e * width + c] = acc;
+        }
+    }
+    return 0;
 }
