@@ -238,15 +238,16 @@ def hc_head(
     base: torch.Tensor,
     scale: torch.Tensor,
     args: DeepseekV4Args,
+    kernels: dict[str, Any] | None = None,
 ) -> torch.Tensor:
     """Final collapse of the streams: ``x [T, hc, d]`` -> ``[T, d]`` (x.dtype)."""
-    flat = rms_normalize(x.flatten(1).float(), args.rms_norm_eps)  # [T, hc*d]
+    flat = rms_normalize(x.flatten(1).float(), args.rms_norm_eps, kernels)  # [T, hc*d]
     mix = F.linear(flat, fn.float())  # [T, hc]
     pre = torch.sigmoid(mix * scale.float() + base.float()) + args.hc_eps
     return (pre.unsqueeze(-1) * x).sum(dim=1).to(x.dtype)
 
 
-class HyperHead:
+class HyperHead(UsesKernels):
     """Mixin for modules that own ``hc_head_{fn,base,scale}`` (the model, MTP modules).
 
     Call :meth:`init_hyper_head` in ``__init__`` (after ``nn.Module.__init__``); the
@@ -265,4 +266,5 @@ class HyperHead:
 
     def hyper_head(self, x: torch.Tensor) -> torch.Tensor:
         """``x [T, hc, d]`` -> ``[T, d]``."""
-        return hc_head(x, self.hc_head_fn, self.hc_head_base, self.hc_head_scale, self.args)
+        fn, base, scale = self.hc_head_fn, self.hc_head_base, self.hc_head_scale
+        return hc_head(x, fn, base, scale, self.args, self.kernels)

@@ -31,7 +31,14 @@ from xspec.models.base import (
 )
 from xspec.models.deepseek_v4.args import DeepseekV4Args
 from xspec.models.deepseek_v4.attention import Attention
-from xspec.models.deepseek_v4.mhc import HyperHead, RMSNorm, hc_post, hc_pre, new_hc_params
+from xspec.models.deepseek_v4.mhc import (
+    HyperHead,
+    RMSNorm,
+    UsesKernels,
+    hc_post,
+    hc_pre,
+    new_hc_params,
+)
 from xspec.models.deepseek_v4.moe import MoE
 from xspec.models.deepseek_v4.state import BlockContext, DeepseekV4State, LayerCache, kv_bytes
 from xspec.models.deepseek_v4.steps import Steps, steps_for
@@ -40,7 +47,7 @@ if TYPE_CHECKING:
     from xspec.parallel.expert import ExpertParallel
 
 
-class Block(nn.Module):
+class Block(UsesKernels, nn.Module):
     """One decoder layer: ``hc_attn`` + attention, ``hc_ffn`` + MoE, on the mHC streams.
 
     Checkpoint tensors (``layers.{i}.``): ``attn_norm, ffn_norm``, ``hc_{attn,ffn}_{fn,base,
@@ -118,6 +125,7 @@ class Block(nn.Module):
 
     def configure_steps(self, options: StepOptions) -> None:
         """Run the stateless steps as the platform says (see ``models.base.StepOptions``)."""
+        super().configure_steps(options)
         self.steps = steps_for(options, moe=self.ffn.expert_parallel is None)
 
     def attend(

@@ -54,6 +54,8 @@ import torch
 
 _SOURCE = Path(__file__).with_name("kernels.c")
 _FLAGS = ("-O3", "-shared", "-fPIC", "-ffp-contract=off", "-fno-fast-math")
+# the targets a build tries, in order: this CPU's vector units, then the compiler's baseline
+_TARGETS: tuple[tuple[str, ...], ...] = (("-march=native",), ())
 _P = ctypes.c_void_p
 _I = ctypes.c_int64
 
@@ -342,7 +344,7 @@ def load() -> tuple[NativeKernels | None, str]:
         return None, "no C compiler (set $CC); using the reference torch ops"
     source = _SOURCE.read_bytes()
     failed = "no output"
-    for target in (("-march=native",), ()):
+    for target in _TARGETS:
         flags = (*_FLAGS, *target)
         ident = " ".join((cc, *flags, sys.platform, cpu_identity() if target else ""))
         key = hashlib.sha256(source + ident.encode()).hexdigest()

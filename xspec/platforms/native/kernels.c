@@ -294,28 +294,96 @@ XSPEC_DENSE static void xspec_logits(const float *qt, const float *const *rows, 
         }
 }
 
-/* out[h] = sum_j p[j, h] * rows[j] for each head: blocks of 4 * XSPEC_LANES dims in
- * registers; the rest one at a time. */
+/* out[h] = sum_j p[j, h] * rows[j] for each head: 2 heads x 4 * XSPEC_LANES dims in
+ * registers (each row block loaded once for both heads); the rest one at a time. */
 XSPEC_DENSE static void xspec_weighted_rows(const float *p, const float *const *rows,
                                             int64_t n, int64_t heads, int64_t d, float *out) {
     enum { B = 4 * XSPEC_LANES };
-    int64_t dv = d - d % B;
-    for (int64_t h = 0; h < heads; ++h) {
-        float *o = out + h * d;
+    int64_t dv = d - d % B, h = 0;
+    for (; h + 2 <= heads; h += 2) {
+        float *o0 = out + h * d, *o1 = o0 + d;
         for (int64_t e0 = 0; e0 < dv; e0 += B) {
-            xspec_vec a[4] = {{0}, {0}, {0}, {0}};
+            xspec_vec a[4] = {{0}, {0}, {0}, {0}}, b[4] = {{0}, {0}, {0}, {0}};
             for (int64_t j = 0; j < n; ++j) {
-                float w = p[j * heads + h];
+                float w0 = p[j * heads + h], w1 = p[j * heads + h + 1];
                 const float *r = rows[j] + e0;
-                for (int c = 0; c < 4; ++c) a[c] += xspec_load(r + c * XSPEC_LANES) * w;
+                for (int c = 0; c < 4; ++c) {
+                    xspec_vec v = xspec_load(r + c * XSPEC_LANES);
+                    a[c] += v * w0;
+                    b[c] += v * w1;
+                }
             }
-            memcpy(o + e0, a, sizeof a);
+            memcpy(o0 + e0, a, sizeof a);
+            memcpy(o1 + e0, b, sizeof b);
         }
-        for (int64_t e = dv; e < d; ++e) {
+    }
+    for (int64_t hh = 0; hh < heads; ++hh) /* the dims past the blocks; an odd last head */
+        for (int64_t e = hh < h ? dv : 0; e < d; ++e) {
             float acc = 0.0f;
-            for (int64_t j = 0; j < n; ++j) acc += p[j * heads + h] * rows[j][e];
-            o[e] = acc;
+            for (int64_t j = 0; j < n; ++j) acc += p[j * heads + hh] * rows[j][e];
+            out[hh * d + e] = acc;
         }
+}
+
+/* exp(x) of each lane: 2^k * exp(r), k = round(x / ln 2), r = x - k ln 2 (in two parts),
+ * exp(r) by Cephes' degree-6 polynomial (within 2 ulp of expf); x is clamped to
+ * [-87.3, 88.7], so exp of a very negative x is 1e-38, not 0. */
+typedef int32_t xspec_ivec __attribute__((vector_size(4 * XSPEC_LANES)));
+
+static inline xspec_vec xspec_select(xspec_ivec mask, xspec_vec a, xspec_vec b) {
+    return (xspec_vec)((mask & (xspec_ivec)a) | (~mask & (xspec_ivec)b));
+}
+
+static inline xspec_vec xspec_vexp(xspec_vec x) {
+    const xspec_vec hi = x - x + 88.7f, lo = x - x + -87.3f, magic = x - x + 12582912.0f;
+    x = xspec_select(x > hi, hi, x);
+    x = xspec_select(x < lo, lo, x);
+    xspec_vec t = x * 1.44269504088896341f + magic; /* k in the low mantissa bits */
+    xspec_vec k = t - magic;
+    xspec_vec r = x - k * 0.693359375f;
+    r = r - k * -2.12194440e-4f;
+    xspec_vec y = r * 1.9875691500e-4f + 1.3981999507e-3f;
+    y = y * r + 8.3334519073e-3f;
+    y = y * r + 4.1665795894e-2f;
+    y = y * r + 1.6666665459e-1f;
+    y = y * r + 5.0000001201e-1f;
+    y = y * (r * r) + r + 1.0f;
+    xspec_ivec e = ((xspec_ivec)t - (xspec_ivec)magic + 127) << 23; /* 2^k */
+    return y * (xspec_vec)e;
+}
+
+/* In place, per head h: logit[:, h] <- softmax of (logit[0..n-1, h], sink[h]) without the
+ * sink's own term, for logit [n, H]: blocks of XSPEC_LANES heads as vectors. */
+static void xspec_softmax_heads(float *logit, int64_t n, int64_t heads, const float *sink) {
+    int64_t hv = heads - heads % XSPEC_LANES;
+    for (int64_t h0 = 0; h0 < hv; h0 += XSPEC_LANES) {
+        xspec_vec m = xspec_load(sink + h0);
+        for (int64_t j = 0; j < n; ++j) {
+            xspec_vec l = xspec_load(logit + j * heads + h0);
+            m = xspec_select(l > m, l, m);
+        }
+        xspec_vec sum = xspec_vexp(xspec_load(sink + h0) - m);
+        for (int64_t j = 0; j < n; ++j) {
+            xspec_vec p = xspec_vexp(xspec_load(logit + j * heads + h0) - m);
+            memcpy(logit + j * heads + h0, &p, sizeof p);
+            sum += p;
+        }
+        for (int64_t j = 0; j < n; ++j) {
+            xspec_vec p = xspec_load(logit + j * heads + h0) / sum;
+            memcpy(logit + j * heads + h0, &p, sizeof p);
+        }
+    }
+    for (int64_t h = hv; h < heads; ++h) {
+        float m = sink[h], sum;
+        for (int64_t j = 0; j < n; ++j)
+            if (logit[j * heads + h] > m) m = logit[j * heads + h];
+        sum = expf(sink[h] - m);
+        for (int64_t j = 0; j < n; ++j) {
+            float p = expf(logit[j * heads + h] - m);
+            logit[j * heads + h] = p;
+            sum += p;
+        }
+        for (int64_t j = 0; j < n; ++j) logit[j * heads + h] /= sum;
     }
 }
 
@@ -348,18 +416,7 @@ int64_t xspec_sparse_attn(const float *q, int64_t nq, int64_t heads, int64_t d,
         for (int64_t h = 0; h < heads; ++h)
             for (int64_t e = 0; e < d; ++e) qt[e * heads + h] = qs[h * d + e];
         xspec_logits(qt, rows, n, heads, d, scale, logit);
-        for (int64_t h = 0; h < heads; ++h) {
-            float m = sink[h], sum;
-            for (int64_t j = 0; j < n; ++j)
-                if (logit[j * heads + h] > m) m = logit[j * heads + h];
-            sum = expf(sink[h] - m);
-            for (int64_t j = 0; j < n; ++j) {
-                float p = expf(logit[j * heads + h] - m);
-                logit[j * heads + h] = p;
-                sum += p;
-            }
-            for (int64_t j = 0; j < n; ++j) logit[j * heads + h] /= sum;
-        }
+        xspec_softmax_heads(logit, n, heads, sink);
         xspec_weighted_rows(logit, rows, n, heads, d, out + s * heads * d);
     }
     return 0;
