@@ -234,6 +234,20 @@ def test_moe_hash_routing_matches_the_reference(kernels):
         torch.testing.assert_close(moe(x, ids), reference, rtol=1e-5, atol=1e-5)
 
 
+def test_prefill_sized_moe_calls_go_to_the_grouped_gemms(kernels):
+    """Past MOE_MAX_MACS the kernel says no: BLAS is faster there."""
+    moe, args = _moe()
+    k, inter = args.num_experts_per_tok + 1, args.moe_intermediate_size
+    per_row = k * 3 * inter * args.hidden_size
+    fits = native.MOE_MAX_MACS // per_row
+    with torch.no_grad():
+        run = (moe.gate, moe._stacked(), moe.shared_in_stack, moe.limit)
+        for rows, taken in ((fits, True), (fits + 1, False)):
+            x = torch.randn(rows, args.hidden_size)
+            out = kernels.moe(x, torch.zeros(rows, dtype=torch.long), *run)
+            assert (out is not None) == taken
+
+
 def test_moe_layers_the_kernel_does_not_take_run_the_reference(kernels):
     """Two shared experts do not fit the stack (the kernel says no); bf16 neither."""
     from xspec.models.base import StepOptions
