@@ -422,6 +422,58 @@ int64_t xspec_sparse_attn(const float *q, int64_t nq, int64_t heads, int64_t d,
     return 0;
 }
 
+/* Y[r, i] = W[i] . X[r] for W [m, n] and rows X[r] (pointers), r < R: blocks of 4 rows
+ * of W x 2 rows of X share their loads. Each dot is summed exactly as xspec_gemv sums it,
+ * so a row's result does not depend on the rows it is blocked with. Y [R, m]. */
+XSPEC_DENSE static void xspec_gemm_rows(const float *w, int64_t m, int64_t n,
+                                        const float *const *x, int64_t rows, float *y) {
+    int64_t nv = n - n % XSPEC_LANES, r = 0;
+    for (; r + 2 <= rows; r += 2) {
+        const float *x0 = x[r], *x1 = x[r + 1];
+        float *y0 = y + r * m, *y1 = y0 + m;
+        int64_t i = 0;
+        for (; i + 4 <= m; i += 4) {
+            const float *w0 = w + i * n, *w1 = w0 + n, *w2 = w1 + n, *w3 = w2 + n;
+            xspec_vec a0 = {0}, a1 = {0}, a2 = {0}, a3 = {0};
+            xspec_vec b0 = {0}, b1 = {0}, b2 = {0}, b3 = {0};
+            for (int64_t e = 0; e < nv; e += XSPEC_LANES) {
+                xspec_vec u = xspec_load(x0 + e), v = xspec_load(x1 + e);
+                xspec_vec c0 = xspec_load(w0 + e), c1 = xspec_load(w1 + e);
+                xspec_vec c2 = xspec_load(w2 + e), c3 = xspec_load(w3 + e);
+                a0 += c0 * u;
+                a1 += c1 * u;
+                a2 += c2 * u;
+                a3 += c3 * u;
+                b0 += c0 * v;
+                b1 += c1 * v;
+                b2 += c2 * v;
+                b3 += c3 * v;
+            }
+            float s[8] = {xspec_hsum(a0), xspec_hsum(a1), xspec_hsum(a2), xspec_hsum(a3),
+                          xspec_hsum(b0), xspec_hsum(b1), xspec_hsum(b2), xspec_hsum(b3)};
+            for (int64_t e = nv; e < n; ++e)
+                for (int c = 0; c < 4; ++c) {
+                    s[c] += w[(i + c) * n + e] * x0[e];
+                    s[4 + c] += w[(i + c) * n + e] * x1[e];
+                }
+            for (int c = 0; c < 4; ++c) {
+                y0[i + c] = s[c];
+                y1[i + c] = s[4 + c];
+            }
+        }
+        for (; i < m; ++i) { /* as xspec_gemv's last rows */
+            float s0 = 0.0f, s1 = 0.0f;
+            for (int64_t e = 0; e < n; ++e) {
+                s0 += w[i * n + e] * x0[e];
+                s1 += w[i * n + e] * x1[e];
+            }
+            y0[i] = s0;
+            y1[i] = s1;
+        }
+    }
+    for (; r < rows; ++r) xspec_gemv(w, x[r], m, n, y + r * m);
+}
+
 /* One routed MoE layer on T rows (moe.MoE.forward), expert weights stacked by group:
  * gate: logit_e = x . gate_w[e]; score = softmax (score_fn 0), sigmoid (1) or
  * sqrt(softplus) (2); the row's k experts are table[ids[t], :] (hash layers, table !=
@@ -429,43 +481,29 @@ int64_t xspec_sparse_attn(const float *q, int64_t nq, int64_t heads, int64_t d,
  * normalised to sum 1 if norm (summed in rank order), times scaling. Then
  * y[t] = sum over its experts in ascending id of W2_e (w_e * silu(min(W1_e x, L)) *
  * clamp(W3_e x, -L, L)) (no clamps when L <= 0), plus the shared expert (stack row E,
- * weight 1) last when shared != 0.
+ * weight 1) last when shared != 0. The experts run one after another on all their rows
+ * (xspec_gemm_rows), adding to y in ascending id: each row's sum keeps that order.
  * x, y [T, d]; gate_w [E, d]; bias [E] or NULL; w1, w3 [G, inter, d]; w2 [G, d, inter];
- * scratch: 2 * E + 3 * inter + d floats, 2 * k int64. Returns 1 (y unfinished) if a
- * hash layer's token id or table entry is out of range, else 0. */
+ * scratch: 2 * E + A + 3 * A * inter + A * d floats (A = T * k, at least T), A int64,
+ * 2 * A pointers; pick: T * k int64. Returns 1 (y unwritten) if a hash layer's token id
+ * or table entry is out of range, else 0. */
 static float xspec_silu(float g) { return g / (1.0f + expf(-g)); }
-
-/* y += W2 (w * silu(min(W1 x, L)) * clamp(W3 x, -L, L)) for one expert (w = 1 and no
- * product when !weighted); scratch: 3 * inter + d floats */
-static void xspec_expert(const float *x, int64_t d, int64_t inter, const float *w1,
-                         const float *w2, const float *w3, float weight, int weighted,
-                         float limit, float *scratch, float *y) {
-    float *g = scratch, *u = g + inter, *h = u + inter, *o = h + inter;
-    xspec_gemv(w1, x, inter, d, g);
-    xspec_gemv(w3, x, inter, d, u);
-    for (int64_t i = 0; i < inter; ++i) {
-        float gi = g[i], ui = u[i];
-        if (limit > 0.0f) {
-            gi = gi > limit ? limit : gi;
-            ui = ui > limit ? limit : (ui < -limit ? -limit : ui);
-        }
-        h[i] = weighted ? weight * (xspec_silu(gi) * ui) : xspec_silu(gi) * ui;
-    }
-    xspec_gemv(w2, h, d, inter, o);
-    for (int64_t j = 0; j < d; ++j) y[j] += o[j];
-}
 
 int64_t xspec_moe(const float *x, const int64_t *ids, int64_t rows, int64_t d, int64_t inter,
                   const float *gate_w, const float *bias, const int64_t *table,
-                  int64_t table_rows, int64_t experts,
-               int64_t k, int64_t score_fn, int64_t norm, float scaling, float limit,
-               const float *w1, const float *w2, const float *w3, int64_t shared,
-               float *scratch, int64_t *pick, float *y) {
-    float *score = scratch, *biased = scratch + experts, *h = scratch + 2 * experts;
-    int64_t *order = pick + k;
+                  int64_t table_rows, int64_t experts, int64_t k, int64_t score_fn,
+                  int64_t norm, float scaling, float limit, const float *w1, const float *w2,
+                  const float *w3, int64_t shared, float *scratch, int64_t *pick,
+                  int64_t *members, const float **ptrs, float *y) {
+    int64_t most = rows * k > rows ? rows * k : rows; /* rows one expert may have */
+    float *score = scratch, *biased = score + experts, *weight = biased + experts;
+    float *g = weight + rows * k, *u = g + most * inter, *h = u + most * inter;
+    float *out = h + most * inter;
+    const float **xs = ptrs, **hs = ptrs + most;
+    /* routing: each row's k experts (rank order) and their weights */
     for (int64_t t = 0; t < rows; ++t) {
         const float *xt = x + t * d;
-        float *yt = y + t * d;
+        int64_t *pt = pick + t * k;
         for (int64_t e = 0; e < experts; ++e) score[e] = xspec_dot(gate_w + e * d, xt, d);
         if (score_fn == 0) {
             float m = score[0], sum = 0.0f;
@@ -486,8 +524,8 @@ int64_t xspec_moe(const float *x, const int64_t *ids, int64_t rows, int64_t d, i
         if (table != 0) {
             if (ids[t] < 0 || ids[t] >= table_rows) return 1;
             for (int64_t i = 0; i < k; ++i) {
-                pick[i] = table[ids[t] * k + i];
-                if (pick[i] < 0 || pick[i] >= experts) return 1;
+                pt[i] = table[ids[t] * k + i];
+                if (pt[i] < 0 || pt[i] >= experts) return 1;
             }
         } else { /* selection: the k best biased scores, in rank order */
             for (int64_t e = 0; e < experts; ++e) biased[e] = bias ? score[e] + bias[e] : score[e];
@@ -495,34 +533,51 @@ int64_t xspec_moe(const float *x, const int64_t *ids, int64_t rows, int64_t d, i
                 int64_t best = -1;
                 for (int64_t e = 0; e < experts; ++e) {
                     int taken = 0;
-                    for (int64_t p = 0; p < i; ++p) taken |= pick[p] == e;
+                    for (int64_t p = 0; p < i; ++p) taken |= pt[p] == e;
                     if (!taken && (best < 0 || biased[e] > biased[best])) best = e;
                 }
-                pick[i] = best;
+                pt[i] = best;
             }
         }
         float sum = 0.0f;
-        for (int64_t i = 0; i < k; ++i) sum += score[pick[i]];
-        /* the experts in ascending id: the order the reference adds them in */
-        for (int64_t i = 0; i < k; ++i) order[i] = i;
-        for (int64_t i = 1; i < k; ++i)
-            for (int64_t p = i; p > 0 && pick[order[p - 1]] > pick[order[p]]; --p) {
-                int64_t tmp = order[p];
-                order[p] = order[p - 1];
-                order[p - 1] = tmp;
-            }
-        for (int64_t j = 0; j < d; ++j) yt[j] = 0.0f;
-        for (int64_t i = 0; i < k; ++i) {
-            int64_t e = pick[order[i]];
-            float w = score[e];
-            if (norm) w = w / sum;
-            w = w * scaling;
-            xspec_expert(xt, d, inter, w1 + e * inter * d, w2 + e * d * inter, w3 + e * inter * d,
-                         w, 1, limit, h, yt);
+        for (int64_t i = 0; i < k; ++i) sum += score[pt[i]];
+        for (int64_t i = 0; i < k; ++i)
+            weight[t * k + i] = (norm ? score[pt[i]] / sum : score[pt[i]]) * scaling;
+    }
+    for (int64_t j = 0; j < rows * d; ++j) y[j] = 0.0f;
+    /* each expert on its assignments (row-major order), then the shared one on every row */
+    for (int64_t e = 0; e < experts + (shared ? 1 : 0); ++e) {
+        int64_t n = 0;
+        if (e < experts) {
+            for (int64_t a = 0; a < rows * k; ++a)
+                if (pick[a] == e) members[n++] = a;
+        } else {
+            for (int64_t t = 0; t < rows; ++t) members[n++] = -1 - t; /* shared: weight 1 */
         }
-        if (shared)
-            xspec_expert(xt, d, inter, w1 + experts * inter * d, w2 + experts * d * inter,
-                         w3 + experts * inter * d, 1.0f, 0, limit, h, yt);
+        if (n == 0) continue;
+        for (int64_t r = 0; r < n; ++r) {
+            int64_t t = members[r] >= 0 ? members[r] / k : -1 - members[r];
+            xs[r] = x + t * d;
+            hs[r] = h + r * inter;
+        }
+        const float *e1 = w1 + e * inter * d, *e3 = w3 + e * inter * d, *e2 = w2 + e * d * inter;
+        xspec_gemm_rows(e1, inter, d, xs, n, g);
+        xspec_gemm_rows(e3, inter, d, xs, n, u);
+        for (int64_t r = 0; r < n; ++r)
+            for (int64_t i = 0; i < inter; ++i) {
+                float gi = g[r * inter + i], ui = u[r * inter + i];
+                if (limit > 0.0f) {
+                    gi = gi > limit ? limit : gi;
+                    ui = ui > limit ? limit : (ui < -limit ? -limit : ui);
+                }
+                float act = xspec_silu(gi) * ui;
+                h[r * inter + i] = members[r] >= 0 ? weight[members[r]] * act : act;
+            }
+        xspec_gemm_rows(e2, d, inter, hs, n, out);
+        for (int64_t r = 0; r < n; ++r) {
+            int64_t t = members[r] >= 0 ? members[r] / k : -1 - members[r];
+            for (int64_t j = 0; j < d; ++j) y[t * d + j] += out[r * d + j];
+        }
     }
     return 0;
 }
