@@ -21,17 +21,19 @@ the ones a DeepSeek-V4 step calls most:
 
 The attention and expert products are vectorised explicitly (the GCC / clang vector
 extension) and may fuse multiply-adds, as the BLAS behind the reference ops does; the
-other kernels round every product and sum as the reference ops do. A kernel that finds
-an index out of range returns None, so the reference op raises its own error.
+other kernels round every product and sum as the reference ops do.
 
-Each returns None for inputs it does not take (not fp32, not contiguous), and the
-caller runs the reference torch ops instead. Rows are independent: a row's result
-does not depend on what else is in the batch.
+Each returns None for inputs it does not take (not fp32, not contiguous, an index out
+of range, a prefill-sized MoE call), and the caller runs the reference torch ops
+instead (which raise their own error for a bad index: the kernels never read outside
+their buffers). Rows are independent: what a kernel gives a row does not depend on what
+else is in the batch.
 
 ``kernels.c`` is plain C over float32 buffers (no Python or torch headers), compiled with
-the system C compiler (``$CC``, else ``cc``) into ``$XSPEC_CACHE_DIR/native/`` under a
-name that hashes the source and flags, loaded with ctypes, and called with the tensors'
-data pointers. Where there is no compiler or the build fails, :func:`load` says why
+the system C compiler (``$CC``, else ``cc``) for this CPU (``-march=native``, else the
+compiler's baseline) into ``$XSPEC_CACHE_DIR/native/`` under a name that hashes the
+source, the flags and the CPU, loaded with ctypes, and called with the tensors' data
+pointers. Where there is no compiler or the build fails, :func:`load` says why
 and the model runs the reference torch ops (``platform.kernels=reference`` forces that).
 Nothing here runs at import.
 """
