@@ -167,7 +167,7 @@ def test_sparse_attention_matches_the_reference(kernels, rows, heads, d):
 
 def test_a_query_s_attention_does_not_depend_on_its_batch(kernels):
     """Each query's result is computed alone: the same bits for a query in a batch of
-    one, of six, or of twenty (verify rows equal the decode rows they stand for)."""
+    one, of six, or of twenty (a verify row's attention equals its decode row's)."""
     gen = torch.Generator().manual_seed(3)
     q, parts, sink = _attention_case(gen, 20, 8, 64)
     whole = kernels.sparse_attention(q, parts, sink, 0.125)
@@ -231,7 +231,10 @@ def test_moe_hash_routing_matches_the_reference(kernels):
         ids = torch.randint(0, args.vocab_size, (9,), generator=gen)
         reference = moe(x, ids)
         moe.configure_steps(StepOptions(kernels={"moe": kernels.moe}))
-        torch.testing.assert_close(moe(x, ids), reference, rtol=1e-5, atol=1e-5)
+        fused = moe(x, ids)
+        direct = kernels.moe(x, ids, moe.gate, moe._stacked(), moe.shared_in_stack, moe.limit)
+    assert direct is not None and torch.equal(direct, fused)  # the kernel ran
+    torch.testing.assert_close(fused, reference, rtol=1e-5, atol=1e-5)
 
 
 def test_prefill_sized_moe_calls_go_to_the_grouped_gemms(kernels):
