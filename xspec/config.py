@@ -52,8 +52,8 @@ class StepCompile(str, enum.Enum):
 class StepKernels(str, enum.Enum):
     """``platform.kernels``: auto = the platform's fused kernels where they are available
     (the CPU platform's native mHC, RMSNorm, RoPE, indexer top-k, sparse attention, MoE
-    and compressor pooling kernels, built on first use); reference = the torch reference ops everywhere (for comparison and
-    debugging)."""
+    and compressor pooling kernels, built on first use); reference = the torch reference
+    ops everywhere (for comparison and debugging)."""
 
     auto = "auto"
     reference = "reference"

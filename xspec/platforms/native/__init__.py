@@ -378,7 +378,8 @@ def load() -> tuple[NativeKernels | None, str]:
         ("xspec_rope", None, [_P, _P, _P, _I, _I, _I, _I, _I, _P]),
         ("xspec_index_topk", None, [_P, _P, _P, _P, _P, _I, _I, _I, _I, _I, f, _P, _P, _P]),
         ("xspec_sparse_attn", status, [_P, _I, _I, _I, *(_P, _I, _P, _I) * 2, _P, f, *(_P,) * 3]),
-        ("xspec_moe", status, [_P, _P, *(_I,) * 3, *(_P,) * 3, *(_I,) * 5, f, f, *(_P,) * 3, _I, *(_P,) * 5]),
+        ("xspec_moe", status,
+         [_P, _P, *(_I,) * 3, *(_P,) * 3, *(_I,) * 5, f, f, *(_P,) * 3, _I, *(_P,) * 5]),
         ("xspec_compress_pool", status, [_P, _I, _P, _I, _P, _I, _I, _I, _I, _P, _P]),
     ):  # fmt: skip
         fn = getattr(lib, name)
