@@ -3,6 +3,10 @@
 from __future__ import annotations
 
 import dataclasses
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -342,3 +346,172 @@ def test_indices_out_of_range_are_refused_not_read(kernels):
     index = torch.tensor([[0, 5, 6, -1]])
     assert kernels.compress_pool(ring, rows, index, 4, 1, 8) is None
     assert kernels.compress_pool(ring, rows, index.clamp(min=0), 4, 1, 8) is not None
+
+
+def _topk_case() -> tuple[torch.Tensor, ...]:
+    """Three query rows over 10 keys: rows 0 and 1 read keys 0..3 and 0..5, row 2 keys
+    4..9 (key0 + visible <= 10)."""
+    gen = torch.Generator().manual_seed(7)
+    q, w = torch.randn(3, 2, 16, generator=gen), torch.randn(3, 2, generator=gen)
+    keys = torch.randn(10, 16, generator=gen)
+    return q, w, keys, torch.tensor([0, 0, 4]), torch.tensor([3, 5, 6])
+
+
+def test_index_topk_refuses_keys_outside_the_buffer(kernels):
+    """``key0 + visible`` past the keys, or either negative, is refused (not read); so
+    are shapes that do not fit together."""
+    q, w, keys, key0, visible = _topk_case()
+    assert kernels.index_topk(q, w, keys, key0, visible, 6, 2, 0.25) is not None
+    for k0, vis in (([0, 0, 5], [3, 5, 6]), ([0, -1, 4], [3, 5, 6]), ([0, 0, 4], [3, -1, 6])):
+        out = kernels.index_topk(q, w, keys, torch.tensor(k0), torch.tensor(vis), 6, 2, 0.25)
+        assert out is None, (k0, vis)
+    for args in (
+        (q, w[:, :1].contiguous(), keys, key0, visible),  # weights not [T, H]
+        (q, w, keys[:, :8].contiguous(), key0, visible),  # keys narrower than q
+        (q, w, keys, key0[:2], visible),  # a key0 per row
+        (q, w, keys, key0, visible[:2]),
+        (q.flatten(1), w, keys, key0, visible),
+    ):
+        assert kernels.index_topk(*args, 6, 2, 0.25) is None
+
+
+def test_shapes_that_do_not_fit_are_refused_not_read(kernels):
+    """Every shape relation a kernel relies on, broken once: None (the reference op
+    then raises its own error), not a read past a buffer."""
+    x = torch.randn(5, 2, 64)
+    cos, sin = torch.randn(5, 16), torch.randn(5, 16)
+    assert kernels.rope(x, cos, sin, False) is not None
+    for c, s in (
+        (cos[:, :15].contiguous(), sin[:, :15].contiguous()),  # rd odd
+        (cos[:3], sin[:3]),  # fewer rows than x
+        (cos, sin[:, :8].contiguous()),  # cos and sin differ
+        (cos.flatten(), sin.flatten()),
+    ):
+        assert kernels.rope(x, c, s, False) is None
+    wide = torch.randn(5, 80)  # rd 80 > d 64
+    assert kernels.rope(x, wide, wide, False) is None
+
+    assert kernels.rms_norm(x, torch.ones(63), 1e-6) is None  # weight length != d
+    assert kernels.rms_norm(x, torch.ones(1, 64), 1e-6) is None
+
+    mix, scale, base, streams = torch.randn(3, 24), torch.ones(3), torch.zeros(24), None
+    assert kernels.mhc_pre(mix, scale, base, 4, 20, 1e-6, streams) is not None
+    for m, sc, b, hc, xs in (
+        (mix[:, :20].contiguous(), scale, base[:20], 4, None),  # width != (2+hc)*hc
+        (mix, scale[:2], base, 4, None),
+        (mix, scale, base[:23], 4, None),
+        (mix, scale, base, 4, torch.randn(3, 3, 16)),  # hc streams
+        (mix, scale, base, 4, torch.randn(2, 4, 16)),  # a stream row per mix row
+    ):
+        assert kernels.mhc_pre(m, sc, b, hc, 20, 1e-6, xs) is None
+
+    gen = torch.Generator().manual_seed(8)
+    q, parts, sink = _attention_case(gen, 3, 8, 32)
+    assert kernels.sparse_attention(q, parts, sink[:7], 0.1) is None  # a sink per head
+    assert kernels.sparse_attention(q, parts, sink[:, None], 0.1) is None
+
+    ring, rows, index = torch.randn(4, 16), torch.randn(2, 16), torch.tensor([[0, 1, 2, 3]])
+    assert kernels.compress_pool(ring.flatten(), rows, index, 4, 1, 8) is None
+    assert kernels.compress_pool(ring, rows, index, 0, 1, 8) is None
+
+
+def test_moe_shapes_that_do_not_fit_are_refused_not_read(kernels):
+    from types import SimpleNamespace
+
+    moe, args = _moe()
+    x, ids = torch.randn(3, args.hidden_size), torch.arange(3)
+    with torch.no_grad():
+        w1, w2, w3 = moe._stacked()
+    gate, shared = moe.gate, moe.shared_in_stack
+
+    def run(gate=gate, stacks=(w1, w2, w3), ids=ids):
+        with torch.no_grad():
+            return kernels.moe(x, ids, gate, stacks, shared, moe.limit)
+
+    def gate_with(**changes):
+        fields = dict(weight=gate.weight, bias=gate.bias, tid2eid=None, hash_routed=False)
+        return SimpleNamespace(**{**fields, "args": args, **changes})
+
+    assert run() is not None and run(gate=gate_with()) is not None
+    narrow = w2[:, :, :-1].contiguous()
+    assert run(stacks=(w1, narrow, w3)) is None  # w2's inter != w1's
+    assert run(stacks=(w1, w2, w3[:, :-1].contiguous())) is None
+    assert run(stacks=(w1[:-1], w2[:-1], w3[:-1])) is None  # an expert short
+    assert run(ids=ids[:2]) is None  # a token id per row
+    wide = torch.randn(gate.weight.shape[0], args.hidden_size + 1)
+    assert run(gate=gate_with(weight=wide)) is None
+    assert run(gate=gate_with(bias=torch.zeros(gate.weight.shape[0] - 1))) is None
+    too_many = dataclasses.replace(args, num_experts_per_tok=gate.weight.shape[0] + 1)
+    assert run(gate=gate_with(args=too_many)) is None
+    k = args.num_experts_per_tok
+    table = torch.zeros(args.vocab_size, k + 1, dtype=torch.int64)  # a row of k per token
+    assert run(gate=gate_with(tid2eid=table, hash_routed=True, bias=None)) is None
+    table = torch.zeros(args.vocab_size, k, dtype=torch.int64)
+    assert run(gate=gate_with(tid2eid=table, hash_routed=True, bias=None)) is not None
+
+
+@pytest.mark.parametrize("heads", [8, 4, 6])
+def test_a_minus_inf_sink_weighs_nothing(kernels, heads):
+    """exp(-inf) is 0 in the vector softmax too (it was NaN for a block of lanes)."""
+    from xspec.models.deepseek_v4.attention import sparse_attention
+
+    gen = torch.Generator().manual_seed(heads)
+    q, parts, _ = _attention_case(gen, 3, heads, 32)
+    sink = torch.full((heads,), float("-inf"))
+    sink[0] = 0.5  # one finite sink in the block: the max is finite, the rest exp(-inf)
+    fused = kernels.sparse_attention(q, parts, sink, 0.1)
+    assert fused is not None and not fused.isnan().any()
+    torch.testing.assert_close(fused, sparse_attention(q, parts, sink, 0.1))
+    everywhere = torch.full((heads,), float("-inf"))
+    fused = kernels.sparse_attention(q, parts, everywhere, 0.1)
+    assert fused is not None and not fused.isnan().any()
+    torch.testing.assert_close(fused, sparse_attention(q, parts, everywhere, 0.1))
+
+
+# reads 60 floats past x's buffer through the raw entry point (the wrapper would refuse)
+_ASAN_PROBE = """
+import ctypes, torch
+from xspec.platforms import native
+kernels, why = native.load()
+assert kernels is not None, why
+x, y = torch.randn(4), torch.empty(64)
+kernels.lib.xspec_rms_norm(x.data_ptr(), None, 1, 64, ctypes.c_float(1e-6), y.data_ptr())
+"""
+
+
+@pytest.mark.slow
+def test_the_kernel_tests_pass_under_asan(tmp_path):
+    """This file's tests (all but the slow ones) against ``kernels.c`` built with
+    ``-fsanitize=address``, in a fresh process that preloads the sanitizer's runtime: a
+    read or write past a tensor's buffer aborts that run. A probe first checks that the
+    sanitizer is live. ``python -m pytest -m slow tests/platforms/test_native.py -k asan``
+    """
+    cc = native.compiler()
+    if cc is None:
+        pytest.skip("no C compiler")
+    found = subprocess.run([cc, "-print-file-name=libasan.so"], capture_output=True, text=True)
+    runtime = found.stdout.strip()
+    if found.returncode != 0 or not os.path.isabs(runtime):
+        pytest.skip(f"{cc} has no AddressSanitizer runtime (libasan.so)")
+    asan_cc = tmp_path / "asan-cc"
+    asan_cc.write_text(f'#!/bin/sh\nexec {cc} -fsanitize=address -fno-omit-frame-pointer "$@"\n')
+    asan_cc.chmod(0o755)
+    env = {
+        **os.environ,
+        "CC": str(asan_cc),  # a compiler of its own: its builds get their own cache names
+        "XSPEC_CACHE_DIR": str(tmp_path / "cache"),
+        "LD_PRELOAD": runtime,  # python is not instrumented: the runtime must load first
+        "ASAN_OPTIONS": "detect_leaks=0",  # the interpreter's own allocations at exit
+    }
+    root = Path(__file__).resolve().parents[2]
+
+    def run(*args: str) -> subprocess.CompletedProcess[str]:
+        cmd = [sys.executable, *args]
+        return subprocess.run(cmd, cwd=root, env=env, capture_output=True, text=True, timeout=1200)
+
+    probe = run("-c", _ASAN_PROBE)
+    if "AddressSanitizer" not in probe.stderr and "building kernels.c failed" in probe.stderr:
+        pytest.skip(f"{cc} cannot build with -fsanitize=address: {probe.stderr[-500:]}")
+    assert "AddressSanitizer: heap-buffer-overflow" in probe.stderr, probe.stderr[-2000:]
+    tests = run("-m", "pytest", "-q", "-p", "no:cacheprovider", "-m", "not slow", __file__)
+    assert tests.returncode == 0, (tests.stdout + tests.stderr)[-4000:]

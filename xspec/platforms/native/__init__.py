@@ -23,19 +23,23 @@ The attention and expert products are vectorised explicitly (the GCC / clang vec
 extension) and may fuse multiply-adds, as the BLAS behind the reference ops does; the
 other kernels round every product and sum as the reference ops do.
 
-Each returns None for inputs it does not take (not fp32, not contiguous, an index out
-of range, a prefill-sized MoE call), and the caller runs the reference torch ops
-instead (which raise their own error for a bad index: the kernels never read outside
-their buffers). Rows are independent: what a kernel gives a row does not depend on what
-else is in the batch.
+Each returns None for inputs it does not take (not fp32, not contiguous, shapes that do
+not fit together, an index out of range, a prefill-sized MoE call), and the caller runs
+the reference torch ops instead (which raise their own error for a bad shape or index:
+the kernels never read outside their buffers; ``test_native.py -m slow -k asan`` runs
+the tests under AddressSanitizer). Rows are independent: what a kernel gives a row does
+not depend on what else is in the batch.
 
 ``kernels.c`` is plain C over float32 buffers (no Python or torch headers), compiled with
 the system C compiler (``$CC``, else ``cc``) for this CPU (``-march=native``, else the
 compiler's baseline) into ``$XSPEC_CACHE_DIR/native/`` under a name that hashes the
-source, the flags and the CPU, loaded with ctypes, and called with the tensors' data
-pointers. Where there is no compiler or the build fails, :func:`load` says why
-and the model runs the reference torch ops (``platform.kernels=reference`` forces that).
-Nothing here runs at import.
+source, the flags and the CPU, with the library's sha256 recorded beside it; loaded with
+ctypes only from bytes that match that record, in a cache only this user can write
+(:mod:`.cache`, ``docs/security.md``), and called with the tensors' data pointers.
+Where there is no compiler, the build fails or hangs, the cache directory cannot be
+created or the library does not load, :func:`load` says why in one line and the model
+runs the reference torch ops (``platform.kernels=reference`` forces that). Nothing here
+runs at import.
 """
 
 from __future__ import annotations
@@ -45,14 +49,14 @@ import hashlib
 import os
 import platform
 import shutil
-import subprocess
 import sys
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
+
+from xspec.platforms.native import cache as _cache
 
 _SOURCE = Path(__file__).with_name("kernels.c")
 _FLAGS = ("-O3", "-shared", "-fPIC", "-ffp-contract=off", "-fno-fast-math")
@@ -69,7 +73,8 @@ _I = ctypes.c_int64
 
 @dataclass(frozen=True)
 class NativeKernels:
-    """The loaded library's entry points, as torch-level functions."""
+    """The loaded library's entry points, as torch-level functions. ``path``: its cache
+    entry (a private build's own path, gone once loaded, where it was not cached)."""
 
     lib: ctypes.CDLL
     path: Path
@@ -89,9 +94,16 @@ class NativeKernels:
         [T, hc]``, ``comb [T, hc, hc]`` (see ``kernels.c``); None if it does not take them."""
         if not (_takes(mix) and _takes(scale) and _takes(base)):
             return None
+        width = (2 + hc) * hc  # [pre | post | comb] columns
+        if mix.dim() != 2 or mix.shape[1] != width or hc < 1 or iters < 0:
+            return None
+        if scale.numel() != 3 or base.numel() != width:
+            return None
+        rows = mix.shape[0]
         if x is not None and not _takes(x):
             x = None
-        rows = mix.shape[0]
+        if x is not None and (x.dim() != 3 or x.shape[:2] != (rows, hc)):
+            return None  # the reference's own error
         pre = mix.new_empty(rows, hc)
         post = mix.new_empty(rows, hc)
         comb = mix.new_empty(rows, hc, hc)
@@ -117,10 +129,12 @@ class NativeKernels:
         self, x: torch.Tensor, weight: torch.Tensor | None, eps: float
     ) -> torch.Tensor | None:
         """RMS normalisation over the last dim of fp32 ``x``, times ``weight`` if given."""
-        if not _takes(x) or (weight is not None and not _takes(weight)):
+        if not _takes(x) or (weight is not None and not _takes(weight)) or x.dim() == 0:
+            return None
+        n = x.shape[-1]
+        if weight is not None and weight.shape != (n,):
             return None
         y = torch.empty_like(x)
-        n = x.shape[-1]
         rows = x.numel() // n if n else 0
         wp = None if weight is None else weight.data_ptr()
         self.lib.xspec_rms_norm(x.data_ptr(), wp, rows, n, ctypes.c_float(eps), y.data_ptr())
@@ -130,9 +144,11 @@ class NativeKernels:
         self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, inverse: bool
     ) -> torch.Tensor | None:
         """``rope.rotate`` of fp32 ``x [N, ..., D]`` with ``cos, sin [N, rd]``."""
-        if not (_takes(x) and _takes(cos) and _takes(sin)) or x.dim() < 2:
+        if not (_takes(x) and _takes(cos) and _takes(sin)) or x.dim() < 2 or cos.dim() != 2:
             return None
         rows, d, rd = x.shape[0], x.shape[-1], cos.shape[-1]
+        if rd % 2 or rd > d or cos.shape != (rows, rd) or sin.shape != cos.shape:
+            return None  # pairs of the last d dims, one cos / sin row per x row
         y = torch.empty_like(x)
         heads = x.numel() // (rows * d) if rows and d else 0
         self.lib.xspec_rope(
@@ -162,21 +178,28 @@ class NativeKernels:
         """The lightning indexer's causal top-``k`` (``compressor.Indexer.select``):
         ``q [T, H, c]``, ``weights [T, H]``, ``keys [*, c]`` fp32; ``key0, visible [T]``
         int64 (the row's first key, its causal entry count); ``n`` entries per sequence
-        at most -> ``[T, k]`` int64, ascending, -1 = none."""
+        at most -> ``[T, k]`` int64, ascending, -1 = none. None (the reference raises)
+        where a row's keys ``key0 .. key0 + visible`` are not all in ``keys`` (the
+        kernel checks those values: cheaper than a host-side check)."""
         if not all(_takes(t) for t in (q, weights, keys)) or not all(
             t.dtype == torch.int64 and t.device.type == "cpu" for t in (key0, visible)
         ):
             return None
+        if q.dim() != 3 or keys.dim() != 2 or keys.shape[1] != q.shape[2] or n < 0 or k < 0:
+            return None
+        rows = q.shape[0]
+        if weights.shape != q.shape[:2] or key0.shape != (rows,) or visible.shape != (rows,):
+            return None
         key0, visible = key0.contiguous(), visible.contiguous()
-        out = torch.empty(q.shape[0], k, dtype=torch.int64)
+        out = torch.empty(rows, k, dtype=torch.int64)
         score = torch.empty(max(n, 1))
         heap = torch.empty(max(k, 1), dtype=torch.int64)
-        self.lib.xspec_index_topk(
-            q.data_ptr(), weights.data_ptr(), keys.data_ptr(), key0.data_ptr(),
-            visible.data_ptr(), q.shape[0], q.shape[1], q.shape[2], n, k, ctypes.c_float(scale),
+        bad = self.lib.xspec_index_topk(
+            q.data_ptr(), weights.data_ptr(), keys.data_ptr(), keys.shape[0], key0.data_ptr(),
+            visible.data_ptr(), rows, q.shape[1], q.shape[2], n, k, ctypes.c_float(scale),
             score.data_ptr(), heap.data_ptr(), out.data_ptr(),
         )  # fmt: skip
-        return out
+        return None if bad else out
 
     def sparse_attention(
         self,
@@ -191,6 +214,8 @@ class NativeKernels:
         if not (_takes(q) and _takes(sink)) or q.dim() != 3 or not 1 <= len(parts) <= 2:
             return None
         rows, heads, d = q.shape
+        if sink.shape != (heads,):
+            return None
         for kv, index in parts:
             if not (_takes(kv) and kv.dim() == 2 and kv.shape[1] == d and _ids(index)):
                 return None
@@ -233,8 +258,17 @@ class NativeKernels:
         if not (_ids(input_ids) and (table is None or _ids(table))) or x.dim() != 2:
             return None
         rows, d = x.shape
+        if gate.weight.dim() != 2 or gate.weight.shape[1] != d or w1.dim() != 3:
+            return None
         experts, k, inter = gate.weight.shape[0], args.num_experts_per_tok, w1.shape[1]
-        if w1.shape[0] != experts + int(shared) or w1.shape[2] != d:
+        groups = experts + int(shared)  # the shared expert is the stacks' last row
+        if w1.shape != (groups, inter, d) or w3.shape != w1.shape or w2.shape != (groups, d, inter):
+            return None
+        if not 1 <= k <= experts or input_ids.shape != (rows,):
+            return None
+        if (bias is not None and bias.shape != (experts,)) or (
+            table is not None and (table.dim() != 2 or table.shape[1] != k)
+        ):
             return None
         if rows * (k + int(shared)) * 3 * inter * d > MOE_MAX_MACS:
             return None  # prefill-sized: the reference's BLAS grouped GEMMs are faster
@@ -269,6 +303,8 @@ class NativeKernels:
         ``cat(ring, rows, pad)``) of fp32 ``[kv | score]`` rows ``ring [R, 2*coff*width]``
         and ``rows [T, 2*coff*width]`` -> ``[E, width]`` fp32, before norm and rope."""
         if not (_takes(ring) and _takes(rows) and _ids(index)) or index.dim() != 2:
+            return None
+        if ring.dim() != 2 or rows.dim() != 2 or ratio < 1 or coff < 1 or width < 0:
             return None
         if ring.shape[1] != 2 * coff * width or rows.shape[1] != ring.shape[1]:
             return None
@@ -332,57 +368,107 @@ def cpu_identity() -> str:
     return "\n".join(dict.fromkeys(line for line in lines if line.startswith(keys)))
 
 
-def _build(cc: str, flags: tuple[str, ...], path: Path) -> str | None:
-    """Compile ``kernels.c`` into ``path`` (atomically); the compiler's last error line
-    on failure, else None."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(dir=path.parent) as tmp:
-        out = Path(tmp) / path.name
-        cmd = [cc, *flags, "-o", str(out), str(_SOURCE), "-lm"]
-        done = subprocess.run(cmd, capture_output=True, text=True, check=False)
-        if done.returncode != 0:
-            return (done.stderr.strip().splitlines() or ["no output"])[-1]
-        os.replace(out, path)  # atomic: concurrent builders race harmlessly
-    return None
-
-
 def load() -> tuple[NativeKernels | None, str]:
     """The kernels (built now if not cached) and a one-line account of where they came
-    from, or None and why not. The build targets this CPU's vector units
-    (``-march=native``; the cache key names the CPU, so a shared cache directory serves
-    different machines), and falls back to the compiler's baseline target where the
-    compiler refuses that."""
+    from, or None and why not (the model then runs the reference torch ops). The build
+    targets this CPU's vector units (``-march=native``; the cache key names the CPU, so
+    a shared cache directory serves different machines), and falls back to the
+    compiler's baseline target where the compiler refuses that. What the cache must
+    satisfy to be used: :mod:`.cache`."""
     cc = compiler()
     if cc is None:
-        return None, "no C compiler (set $CC); using the reference torch ops"
+        return None, f"no C compiler (set $CC); {_REFERENCE}"
+    try:
+        cache, distrust = _cache.cache_dir(build_dir())
+    except OSError as e:
+        why = f"the kernel cache {build_dir()} cannot be created ({e.strerror or e})"
+        return None, f"{why}; {_REFERENCE}"
+    notes = [f"not cached: {distrust}"] if distrust else []
+    with _cache.private_dir(cache) as private:
+        try:
+            found = _find_or_build(cc, cache, private, notes)
+        except TimeoutError as e:
+            found = str(e)
+        if isinstance(found, str):
+            return None, f"building {_SOURCE.name} failed ({found}); {_REFERENCE}"
+        path, data, target = found
+        try:
+            lib = _open(data, private / path.name)
+        except (OSError, LookupError) as e:
+            return None, f"cannot load {path.name} ({_one_line(e)}); {_REFERENCE}"
+    built = f"{path.name}, {' '.join(target) or 'baseline target'}"
+    return NativeKernels(lib, path), f"native host kernels ({'; '.join([built, *notes])})"
+
+
+_REFERENCE = "using the reference torch ops"
+# verified libraries loaded in this process, by sha256: the same bytes are the same code
+_LOADED: dict[str, ctypes.CDLL] = {}
+
+
+def _find_or_build(
+    cc: str, cache: Path | None, private: Path, notes: list[str]
+) -> tuple[Path, bytes, tuple[str, ...]] | str:
+    """The first target whose library is in the cache (verified) or builds now (into
+    ``private``, then cached): ``(its cache path, or its private one where it could not
+    be cached; its bytes; the target)``, or the last build error. Adds what it rejected
+    or could not cache to ``notes``."""
     source = _SOURCE.read_bytes()
     failed = "no output"
     for target in _TARGETS:
         flags = (*_FLAGS, *target)
         ident = " ".join((cc, *flags, sys.platform, cpu_identity() if target else ""))
-        key = hashlib.sha256(source + ident.encode()).hexdigest()
-        path = build_dir() / f"xspec_host_{key[:16]}.so"
-        if path.exists():
-            break
-        error = _build(cc, flags, path)
-        if error is None:
-            break
-        failed = error
-    else:
-        return None, f"building {_SOURCE.name} failed ({failed}); using the reference torch ops"
-    lib = ctypes.CDLL(str(path))
+        name = f"xspec_host_{hashlib.sha256(source + ident.encode()).hexdigest()[:16]}.so"
+        if cache is not None:
+            data, rejected = _cache.verified(cache, name)
+            if data is not None:
+                return cache / name, data, target
+            if rejected:  # ours to replace: delete it, build it once more
+                notes.append(f"rebuilt: {rejected}")
+                _cache.discard(cache, name)
+        built = _cache.compile_library(cc, flags, _SOURCE, private / name)
+        if isinstance(built, str):
+            failed = built
+            continue
+        if cache is None:
+            return private / name, built, target  # loaded from there, then gone
+        unsaved = _cache.publish(cache, name, built)
+        if unsaved:
+            notes.append(unsaved)
+            return private / name, built, target
+        return cache / name, built, target
+    return failed
+
+
+def _open(data: bytes, copy: Path) -> ctypes.CDLL:
+    """The library of the verified bytes ``data``, loaded from ``copy`` in a private
+    directory (written there now for a cached library; a build is there already), its
+    entry points typed. LookupError if one is missing."""
+    digest = hashlib.sha256(data).hexdigest()
+    if digest in _LOADED:
+        return _LOADED[digest]
+    if not copy.exists():
+        copy.write_bytes(data)
+    lib = ctypes.CDLL(str(copy))
     f, status = ctypes.c_float, ctypes.c_int64  # status: 0, or 1 for an index out of range
     for name, restype, argtypes in (
         ("xspec_mhc_pre", None, [_P, _P, _P, _I, _I, _I, f, _P, _I, _P, _P, _P, _P]),
         ("xspec_rms_norm", None, [_P, _P, _I, _I, f, _P]),
         ("xspec_rope", None, [_P, _P, _P, _I, _I, _I, _I, _I, _P]),
-        ("xspec_index_topk", None, [_P, _P, _P, _P, _P, _I, _I, _I, _I, _I, f, _P, _P, _P]),
+        ("xspec_index_topk", status,
+         [_P, _P, _P, _I, _P, _P, _I, _I, _I, _I, _I, f, _P, _P, _P]),
         ("xspec_sparse_attn", status, [_P, _I, _I, _I, *(_P, _I, _P, _I) * 2, _P, f, *(_P,) * 3]),
         ("xspec_moe", status,
          [_P, _P, *(_I,) * 3, *(_P,) * 3, *(_I,) * 5, f, f, *(_P,) * 3, _I, *(_P,) * 5]),
         ("xspec_compress_pool", status, [_P, _I, _P, _I, _P, _I, _I, _I, _I, _P, _P]),
     ):  # fmt: skip
-        fn = getattr(lib, name)
+        try:
+            fn = getattr(lib, name)
+        except AttributeError:
+            raise LookupError(f"it has no {name}") from None
         fn.restype, fn.argtypes = restype, argtypes
-    built = f"{path.name}, {' '.join(target) or 'baseline target'}"
-    return NativeKernels(lib, path), f"native host kernels ({built})"
+    _LOADED[digest] = lib
+    return lib
+
+
+def _one_line(e: Exception) -> str:
+    return (str(e).strip().splitlines() or [type(e).__name__])[0]

@@ -125,16 +125,19 @@ void xspec_rope(const float *x, const float *cos, const float *sin, int64_t rows
  *   score[j] = sum_h w[t, h] * (relu(q[t, h] . keys[key0[t] + j]) * scale),  j < visible[t]
  * (entries j >= visible[t] and NaN scores rank as -inf). The k entries of largest score
  * among j < n, exact ties to the lower index, are written in ascending index order to
- * out[t, :k], each -1 where its score is -inf. q [T, H, c], w [T, H], keys [*, c].
- * scratch: n floats. */
+ * out[t, :k], each -1 where its score is -inf. q [T, H, c], w [T, H], keys [nkeys, c].
+ * scratch: n floats. Returns 1 (out unfinished) if a row's keys key0[t] .. key0[t] +
+ * visible[t] are not all within the nkeys rows (or either is negative), else 0. */
 static int xspec_before(float sa, int64_t a, float sb, int64_t b) {
     return sa > sb || (sa == sb && a < b); /* a ranks before b */
 }
 
-void xspec_index_topk(const float *q, const float *w, const float *keys, const int64_t *key0,
-                      const int64_t *visible, int64_t rows, int64_t heads, int64_t c,
-                      int64_t n, int64_t k, float scale, float *score, int64_t *heap,
-                      int64_t *out) {
+int64_t xspec_index_topk(const float *q, const float *w, const float *keys, int64_t nkeys,
+                         const int64_t *key0, const int64_t *visible, int64_t rows,
+                         int64_t heads, int64_t c, int64_t n, int64_t k, float scale,
+                         float *score, int64_t *heap, int64_t *out) {
+    for (int64_t t = 0; t < rows; ++t)
+        if (key0[t] < 0 || visible[t] < 0 || key0[t] > nkeys - visible[t]) return 1;
     for (int64_t t = 0; t < rows; ++t) {
         const float *base = keys + key0[t] * c;
         int64_t vis = visible[t] < n ? visible[t] : n;
@@ -197,6 +200,7 @@ void xspec_index_topk(const float *q, const float *w, const float *keys, const i
         for (int64_t i = 0; i < size; ++i) o[m++] = score[heap[i]] == -INFINITY ? -1 : heap[i];
         for (; m < k; ++m) o[m] = -1;
     }
+    return 0;
 }
 
 /* XSPEC_LANES floats as one value (GCC / clang vector extension): the width of one
@@ -327,16 +331,18 @@ XSPEC_DENSE static void xspec_weighted_rows(const float *p, const float *const *
 
 /* exp(x) of each lane: 2^k * exp(r), k = round(x / ln 2), r = x - k ln 2 (in two parts),
  * exp(r) by Cephes' degree-6 polynomial (within 2 ulp of expf); x is clamped to
- * [-87.3, 88.7], so exp of a very negative x is 1e-38, not 0. */
+ * [-87.3, 88.7], and below -87.3 (-inf included: a masked logit, a -inf sink) the result
+ * is 0 (expf gives 0 or a subnormal there). NaN stays NaN. */
 typedef int32_t xspec_ivec __attribute__((vector_size(4 * XSPEC_LANES)));
 
 static inline xspec_vec xspec_select(xspec_ivec mask, xspec_vec a, xspec_vec b) {
     return (xspec_vec)((mask & (xspec_ivec)a) | (~mask & (xspec_ivec)b));
 }
 
-static inline xspec_vec xspec_vexp(xspec_vec x) {
-    const xspec_vec hi = x - x + 88.7f, lo = x - x + -87.3f, magic = x - x + 12582912.0f;
-    x = xspec_select(x > hi, hi, x);
+static inline xspec_vec xspec_vexp(xspec_vec x0) {
+    /* the constants as vectors (not x - x + c: that is NaN for an infinite x) */
+    const xspec_vec zero = {0}, hi = zero + 88.7f, lo = zero + -87.3f, magic = zero + 12582912.0f;
+    xspec_vec x = xspec_select(x0 > hi, hi, x0);
     x = xspec_select(x < lo, lo, x);
     xspec_vec t = x * 1.44269504088896341f + magic; /* k in the low mantissa bits */
     xspec_vec k = t - magic;
@@ -349,7 +355,7 @@ static inline xspec_vec xspec_vexp(xspec_vec x) {
     y = y * r + 5.0000001201e-1f;
     y = y * (r * r) + r + 1.0f;
     xspec_ivec e = ((xspec_ivec)t - (xspec_ivec)magic + 127) << 23; /* 2^k */
-    return y * (xspec_vec)e;
+    return xspec_select(x0 < lo, zero, y * (xspec_vec)e);
 }
 
 /* In place, per head h: logit[:, h] <- softmax of (logit[0..n-1, h], sink[h]) without the
