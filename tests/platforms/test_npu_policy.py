@@ -15,8 +15,9 @@ from xspec.models.base import CapturePoint, CaptureSite
 from xspec.platforms import get_platform
 from xspec.platforms.base import Platform, SasMode
 from xspec.platforms.cpu import CpuPlatform
-from xspec.platforms.npu.emulated import NpuPolicyCpuPlatform
+from xspec.platforms.npu.emulated import EMULATED_SAS_OPERATOR, NpuPolicyCpuPlatform
 from xspec.platforms.npu.platform import NpuPlatform, select_sas_mode
+from xspec.platforms.npu.probe import SasOperatorProbe
 
 NPU_USABLE = NpuPlatform.unavailable_reason() is None
 
@@ -50,9 +51,12 @@ class TestNpuConformance(PlatformConformance):
 
 
 def test_npu_package_imports_without_torch_npu() -> None:
-    # The package and both modules, in one fresh interpreter.
+    # The package and its modules, in one fresh interpreter.
     probe = import_probe(
-        "xspec.platforms.npu", "xspec.platforms.npu.platform", "xspec.platforms.npu.emulated"
+        "xspec.platforms.npu",
+        "xspec.platforms.npu.platform",
+        "xspec.platforms.npu.probe",
+        "xspec.platforms.npu.emulated",
     )
     assert probe == {"torch_npu": False, "cuda_initialized": False}, probe
 
@@ -109,6 +113,22 @@ def test_sas_mode_table(native_sas: str, accepts: bool, expected: SasMode | None
     assert platform.validate(dtype="float32", num_speculative_tokens=3) == []
 
 
+@pytest.mark.parametrize(
+    ("native_sas", "accepts", "clause"),
+    [
+        ("auto", True, f"native ({EMULATED_SAS_OPERATOR} takes ori_sparse_indices)"),
+        ("auto", False, f"compat ({EMULATED_SAS_OPERATOR} does not take ori_sparse_indices)"),
+        ("off", True, "compat (platform.native_sas=off)"),
+    ],
+)
+def test_headline_names_the_layout_and_the_operator(
+    native_sas: str, accepts: bool, clause: str
+) -> None:
+    # The run headline (engine/report.py) carries step_options().summary().
+    summary = emulated(native_sas, accepts=accepts).step_options().summary()
+    assert summary.endswith(f"; sparse attention: {clause}"), summary
+
+
 def test_runtime_fallback_when_operator_rejects_indices() -> None:
     # The probe said yes; the operator then rejected the indices at run time.
     auto = emulated("auto", accepts=True)
@@ -144,8 +164,8 @@ def test_real_npu_policy_capabilities() -> None:
         def unavailable_reason(cls) -> str | None:
             return None
 
-        def _probe_sparse_attention_operator(self) -> bool:
-            return True
+        def _probe_sas_operator(self) -> SasOperatorProbe:
+            return SasOperatorProbe("npu::npu_sparse_attn_sharedkv", True)
 
     caps = PolicyOnly(PlatformCfg(name="npu")).capabilities
     assert caps.distributed_backend == "hccl" and caps.int8_matmul and caps.native_sparse_attention

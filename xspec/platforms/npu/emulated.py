@@ -22,6 +22,11 @@ from xspec.platforms.base import (
 )
 from xspec.platforms.cpu import HostDevice
 from xspec.platforms.npu.platform import NpuPlatform
+from xspec.platforms.npu.probe import SasOperatorProbe
+
+# What the emulation's probe names as the operator: the reference torch attention (or,
+# with operator_accepts_ori_sparse_indices=False, a double of an older operator).
+EMULATED_SAS_OPERATOR = "reference sparse_attention (emulated)"
 
 
 class NpuPolicyCpuPlatform(HostDevice, NpuPlatform):
@@ -72,5 +77,5 @@ class NpuPolicyCpuPlatform(HostDevice, NpuPlatform):
         # Keep the NPU's policy answers; device-bound ones follow the CPU it really runs on.
         return replace(super()._build_capabilities(), int8_matmul=False, distributed_backend="gloo")
 
-    def _probe_sparse_attention_operator(self) -> bool:
-        return self._operator_accepts
+    def _probe_sas_operator(self) -> SasOperatorProbe:
+        return SasOperatorProbe(EMULATED_SAS_OPERATOR, self._operator_accepts)

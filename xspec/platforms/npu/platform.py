@@ -7,12 +7,14 @@ Two halves, kept apart on purpose:
   ``platform.native_sas``, validation and capabilities. :mod:`.emulated` reuses it on the
   CPU, so CPU tests exercise exactly this code.
 - device (torch_npu, imported lazily inside methods): device handle, memory query,
-  synchronisation, and the probe of the installed sparse-attention operator.
+  synchronisation, and loading the modules that register the sparse-attention operator
+  before :mod:`.probe` reads its schema.
 """
 
 from __future__ import annotations
 
 import os
+from dataclasses import replace
 from functools import cached_property
 from types import ModuleType
 
@@ -20,14 +22,18 @@ import torch
 from lightning_utilities.core.imports import package_available
 
 from xspec.errors import PlatformError
-from xspec.models.base import CapturePoint, CaptureSite
+from xspec.models.base import CapturePoint, CaptureSite, StepOptions
 from xspec.platforms.base import Capabilities, Platform, SasMode, check_layer_id
+from xspec.platforms.npu.probe import (
+    NATIVE_SAS_ARGUMENT,
+    SAS_OPERATORS,
+    SasOperatorProbe,
+    import_registering_modules,
+    probe_sas_operator,
+)
 
 # Set by CANN's set_env.sh; torch_npu cannot load its kernels without them.
 _CANN_ENV_VARS = ("ASCEND_HOME_PATH", "ASCEND_TOOLKIT_HOME")
-# The shared-KV sparse attention (SAS) operator and the argument native mode needs.
-_SAS_OPERATORS = ("npu_sparse_attn_sharedkv", "sparse_attn_sharedkv")
-_NATIVE_SAS_ARGUMENT = "ori_sparse_indices"
 _INSTALL_HINT = (
     "platform=npu needs torch_npu and Ascend CANN: pip install 'xspec[npu]' on a machine "
     "with CANN installed, then source <CANN install dir>/set_env.sh"
@@ -57,7 +63,7 @@ def select_sas_mode(native_sas: str, operator_accepts: bool) -> SasMode:
 def _operator_rejects_message() -> str:
     return (
         f"platform.native_sas=on but the installed sparse attention operator does not accept "
-        f"{_NATIVE_SAS_ARGUMENT}; upgrade torch_npu/CANN or set platform.native_sas=auto or off"
+        f"{NATIVE_SAS_ARGUMENT}; upgrade torch_npu/CANN or set platform.native_sas=auto or off"
     )
 
 
@@ -83,9 +89,33 @@ class NpuPlatform(Platform):
     # ---- policy: no torch_npu below this line until the device section ----
 
     @cached_property
+    def sas_operator(self) -> SasOperatorProbe:
+        """The installed SAS operator, probed once (see :mod:`.probe`)."""
+        return self._probe_sas_operator()
+
+    @property
     def operator_accepts_ori_sparse_indices(self) -> bool:
-        """Whether the installed SAS operator takes explicit ``ori_sparse_indices`` (probed once)."""
-        return self._probe_sparse_attention_operator()
+        """Whether the installed SAS operator takes explicit ``ori_sparse_indices``."""
+        return self.sas_operator.accepts_ori_sparse_indices
+
+    def sas_summary(self) -> str:
+        """The run report's clause on the draft window layout: the mode, and the operator
+        the probe found (or that none was) as the reason. ``off`` probes nothing."""
+        if self.native_sas == "off":
+            return "sparse attention: compat (platform.native_sas=off)"
+        probe = self.sas_operator
+        mode = SasMode.NATIVE if probe.accepts_ori_sparse_indices else SasMode.COMPAT
+        return f"sparse attention: {mode.value} ({probe.describe()})"
+
+    def step_options(self) -> StepOptions:
+        # The run headline (xspec: model=... platform=...) prints this line: add the SAS
+        # layout and the operator the probe found.
+        if self._step_options is None:
+            options = super().step_options()
+            self._step_options = replace(
+                options, describe=f"{options.describe}; {self.sas_summary()}"
+            )
+        return self._step_options
 
     def _build_capabilities(self) -> Capabilities:
         native = self.native_sas != "off" and self.operator_accepts_ori_sparse_indices
@@ -125,25 +155,22 @@ class NpuPlatform(Platform):
 
     # ---- device: everything that needs torch_npu ----
 
-    def _probe_sparse_attention_operator(self) -> bool:
-        """Does the SAS operator's schema declare ``ori_sparse_indices``?
+    def _probe_sas_operator(self) -> SasOperatorProbe:
+        """Which SAS operator is registered, and does its schema declare ``ori_sparse_indices``?
 
-        Reads the registered schema instead of calling the operator: some older operators
-        abort during tiling (not a Python error) when given explicit indices, so a trial
-        call is unsafe. Unverified against every CANN release; ``native_sas=off`` is the
-        escape hatch.
+        Reads the registered schemas of every namespace in ``SAS_OPERATORS`` (torch_npu's
+        ``npu``, vllm-ascend's ``_C_ascend``) instead of calling the operator: some older
+        operators abort during tiling (not a Python error) when given explicit indices, so
+        a trial call is unsafe. Unverified against every CANN release;
+        ``native_sas=off`` is the escape hatch.
         """
+        self._import_operator_modules()
+        return probe_sas_operator(SAS_OPERATORS)
+
+    def _import_operator_modules(self) -> None:
+        """Import torch_npu and the other modules that register SAS operators."""
         _import_torch_npu()
-        for op_name in _SAS_OPERATORS:
-            try:
-                packet = getattr(torch.ops.npu, op_name)
-            except (AttributeError, RuntimeError):
-                continue
-            for overload in packet.overloads():
-                schema = getattr(packet, overload)._schema
-                if any(arg.name == _NATIVE_SAS_ARGUMENT for arg in schema.arguments):
-                    return True
-        return False
+        import_registering_modules(SAS_OPERATORS)
 
     def _device_problems(self) -> list[str]:
         torch_npu = _import_torch_npu()
