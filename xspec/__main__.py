@@ -21,15 +21,16 @@ from __future__ import annotations
 import itertools
 import os
 import sys
+import traceback
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import hydra
 from omegaconf import DictConfig
 
 from xspec.compose import compose_run, typed
 from xspec.config import RunConfig, config_dir, register_configs, validate
-from xspec.errors import ConfigError, UserError
+from xspec.errors import ConfigError, OutputError, UserError
 from xspec.parallel.topology import launch
 
 if TYPE_CHECKING:
@@ -38,9 +39,10 @@ if TYPE_CHECKING:
 USER_ERROR = 2
 
 
-def _fail(e: UserError) -> int:
+def _fail(e: UserError | OutputError) -> int:
+    """Print a user error (exit 2) or an output error (exit 1) as one message."""
     print(f"xspec: error: {e}", file=sys.stderr)
-    return USER_ERROR
+    return e.exit_code
 
 
 def _override_sets(args: list[str]) -> list[list[str]]:
@@ -96,19 +98,22 @@ def check_jobs(
     fit) before the first one runs; one ConfigError lists the problems of every job.
     ``full=False`` (``--cfg``: only printing the config) checks the values alone;
     ``search``: the user's ``--config-dir`` directories. Returns every job's config."""
-    from xspec.build import check
+    from xspec.build import check, context_fit
     from xspec.engine.workloads import workload_problems
 
     if missing := [d for d in search or [] if not Path(d).is_dir()]:
         raise ConfigError(f"--config-dir {missing[0]}: not a directory")
+    if full and override_sets and (bad := output_dir_problems(override_sets[0])):
+        raise ConfigError("the output directory cannot be created:", problems=bad)
     failures: list[tuple[list[str], list[str]]] = []
     configs: list[RunConfig] = []
     for overrides in override_sets:
         try:
             cfg = compose_run(overrides, search or [])
             configs.append(cfg)
-            if full:
-                problems = check(cfg) + workload_problems(cfg.workload)
+            if full:  # the workload's context is checked on a config that can be built
+                problems = check(cfg)
+                problems += workload_problems(cfg.workload, None if problems else context_fit(cfg))
             else:
                 validate(cfg)
                 problems = []
@@ -132,6 +137,44 @@ def check_jobs(
     )
 
 
+# Hydra's output directories (run: one job; sweep: a multirun): key -> an example value
+_OUTPUT_DIRS = {"hydra.run.dir": "outputs/my_run", "hydra.sweep.dir": "multirun/my_sweep"}
+
+
+def output_dir_problems(overrides: list[str]) -> list[str]:
+    """``hydra.run.dir`` / ``hydra.sweep.dir`` (given, or conf/config.yaml's defaults)
+    naming an existing file, or a path under one: Hydra could not create the directory.
+    Only the part before the first ``${...}`` interpolation (e.g. ``${now:...}``) is
+    checked."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+    from omegaconf import OmegaConf
+
+    hydra_yaml = OmegaConf.to_container(OmegaConf.load(config_dir() / "config.yaml").hydra)
+    assert isinstance(hydra_yaml, dict)  # unresolved: ${now:...} stays text
+    values = {key: str(hydra_yaml[key.split(".")[1]]["dir"]) for key in _OUTPUT_DIRS}
+    given = [o for o in overrides if o.split("=", 1)[0].lstrip("+~") in _OUTPUT_DIRS]
+    parsed = {
+        o.key_or_group: str(o.value()) for o in OverridesParser.create().parse_overrides(given)
+    }
+    values.update(parsed)
+    problems = []
+    for key, value in values.items():
+        static = value.split("${", 1)[0]
+        if "${" in value:  # the directory part before the interpolation
+            static = static.rpartition("/")[0]
+        path = Path(static or ".")
+        blocker = next((p for p in [path, *path.parents] if p.exists()), None)
+        if blocker is None or blocker.is_dir():
+            continue
+        what = "is an existing file" if blocker == path else f"is under the file {blocker}"
+        source = "" if key in parsed else " (the default)"
+        problems.append(
+            f"{key}={value}{source}: {path} {what}, so the output directory cannot be created; "
+            f"pick a directory (created if missing), e.g. {key}={_OUTPUT_DIRS[key]}"
+        )
+    return problems
+
+
 def _indent(text: str, prefix: str) -> str:
     first, *rest = text.splitlines() or [""]
     return "\n".join([first, *(prefix + line for line in rest)])
@@ -140,6 +183,7 @@ def _indent(text: str, prefix: str) -> str:
 _RESULTS: list[dict] = []  # one results.json content per job of this process (multirun)
 _SUMMARY_DIR: list[Path] = []  # where the summary goes: the sweep dir, or the run dir
 _EXPORTER: list = []  # the MetricsExporter of this process, when metrics.port is set
+_FAILED: list[dict[str, Any]] = []  # the multirun jobs that failed at run time
 
 
 def run(cfg: RunConfig, choices: dict[str, str] | None = None, out_dir: Path | None = None) -> None:
@@ -180,17 +224,54 @@ def _hydra_entry(cfg: DictConfig) -> None:
     from xspec.parallel.runtime import PEER_FAILURE_EXIT, PeerFailure
 
     hc = HydraConfig.get()
+    multirun = hc.mode == RunMode.MULTIRUN
     if not _SUMMARY_DIR:
-        multirun = hc.mode == RunMode.MULTIRUN
         _SUMMARY_DIR.append(Path(hc.sweep.dir if multirun else hc.runtime.output_dir))
+    out_dir = Path(hc.runtime.output_dir)
     try:
-        run(typed(cfg), dict(hc.runtime.choices), Path(hc.runtime.output_dir))
-    except UserError as e:
-        sys.exit(_fail(e))
+        run(typed(cfg), dict(hc.runtime.choices), out_dir)
     except PeerFailure as e:  # another rank died or hangs: leave now, never wait on it again
         print(f"xspec: error: {e}", file=sys.stderr, flush=True)
         sys.stdout.flush()
         os._exit(PEER_FAILURE_EXIT)
+    except (UserError, OutputError) as e:
+        if not multirun:
+            sys.exit(_fail(e))
+        _job_failed(hc, out_dir, e, traceback_text=None)
+    except Exception as e:  # a crash in one job of a sweep: the others still run
+        if not multirun:
+            raise
+        _job_failed(hc, out_dir, e, traceback_text=traceback.format_exc())
+
+
+def _job_failed(hc: Any, out_dir: Path, e: Exception, traceback_text: str | None) -> None:
+    """Record a failed multirun job (the summary marks it; the invocation exits non-zero)
+    and print one line; a crash's traceback goes to ``<job dir>/error.txt``."""
+    from xspec import atomic
+
+    overrides = list(hc.overrides.task)
+    message = str(e) if isinstance(e, UserError | OutputError) else f"{type(e).__name__}: {e}"
+    where = ""
+    if traceback_text is not None:
+        try:
+            atomic.write_text(out_dir / "error.txt", traceback_text)
+            where = f" (traceback in {out_dir / 'error.txt'})"
+        except OutputError:
+            pass
+    _FAILED.append(
+        {
+            "job": hc.job.num,
+            "overrides": overrides,
+            "error": message,
+            "exit_code": getattr(e, "exit_code", 1),
+        }
+    )
+    print(
+        f"xspec: error: job {hc.job.num} ({' '.join(overrides) or 'defaults'}) failed: "
+        f"{message.splitlines()[0] if message else type(e).__name__}{where}",
+        file=sys.stderr,
+        flush=True,
+    )
 
 
 def main() -> None:
@@ -226,8 +307,19 @@ def main() -> None:
         from xspec.parallel.runtime import shutdown
 
         shutdown()
-    if _RESULTS:
-        _summarize(_SUMMARY_DIR[0])
+    if _RESULTS or _FAILED:
+        try:
+            _summarize(_SUMMARY_DIR[0])
+        except OutputError as e:
+            sys.exit(_fail(e))
+    if _FAILED:
+        done = f"; the summary of the {len(_RESULTS)} that finished" if _RESULTS else ""
+        print(
+            f"xspec: error: {len(_FAILED)} of {len(_FAILED) + len(_RESULTS)} jobs failed "
+            f"(job {', '.join(str(f['job']) for f in _FAILED)}){done} is in {_SUMMARY_DIR[0]}",
+            file=sys.stderr,
+        )
+        sys.exit(max(f["exit_code"] for f in _FAILED))
 
 
 def _start_exporter(cfg: RunConfig) -> None:
@@ -245,10 +337,12 @@ def _summarize(directory: Path) -> None:
     """The combined table (printed for a multirun or repeats) and summary files + plot."""
     from xspec.engine.results import SUMMARY_PNG, plot, write_summary
 
-    table = write_summary(_RESULTS, directory)
-    if len(_RESULTS) > 1 or any(r["num_repeats"] > 1 for r in _RESULTS):
+    table = write_summary(_RESULTS, directory, failed=_FAILED)
+    if len(_RESULTS) + len(_FAILED) > 1 or any(r["num_repeats"] > 1 for r in _RESULTS):
         print("\n" + table)
-    if plot(_RESULTS, directory / SUMMARY_PNG):
+    if not _RESULTS:
+        print(f"xspec: summary in {directory} (summary.md, summary.json)")
+    elif plot(_RESULTS, directory / SUMMARY_PNG):
         print(f"xspec: summary in {directory} (summary.md, summary.json, {SUMMARY_PNG})")
     else:
         print(

@@ -39,3 +39,10 @@ class RequestError(UserError):
 
 class MemoryBudgetError(UserError):
     """The memory budget cannot hold the weights plus even one sequence."""
+
+
+class OutputError(Exception):
+    """An output file could not be written (disk full, permissions): the previous file,
+    if any, is left as it was. Not the user's input, so the CLI exits with code 1."""
+
+    exit_code = 1

@@ -16,12 +16,12 @@ concurrency in the same invocation (null when there is none).
 
 from __future__ import annotations
 
-import json
 import statistics
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
+from xspec import atomic
 from xspec.build import Built
 from xspec.config import WorkloadConfig
 from xspec.engine.engine import Generation
@@ -39,6 +39,7 @@ FIGURES = (
     "ttft_ms_mean",
     "tpot_ms_mean",
     "e2e_ms_mean",
+    "queue_ms_mean",
     "output_tok_s",
 )
 
@@ -48,17 +49,19 @@ def _mean(values: list[float]) -> float | None:
 
 
 def run_figures(gens: list[Generation]) -> dict[str, Any]:
-    """One measured run: means over its requests (TPOT: requests with >= 2 tokens)."""
+    """One measured run: means over its requests (TPOT: requests with >= 2 tokens).
+    TTFT, TPOT and e2e count from each request's admission, queue from the run's start."""
     ok = served(gens)  # latencies of the requests that were served
     tpots = [g.tpot_s * 1e3 for g in ok if g.tpot_s is not None]
     output_tokens = sum(len(g.token_ids) for g in gens)
-    wall_s = max(g.latency_s for g in gens)
+    wall_s = max(g.finished_at for g in gens)
     return {
         "input_tokens_mean": _mean([len(g.prompt_ids) for g in gens]),
         "output_tokens_mean": _mean([len(g.token_ids) for g in gens]),
         "ttft_ms_mean": _mean([g.ttft_s * 1e3 for g in ok]),
         "tpot_ms_mean": _mean(tpots),
         "e2e_ms_mean": _mean([g.latency_s * 1e3 for g in ok]),
+        "queue_ms_mean": _mean([g.queue_s * 1e3 for g in ok]),
         "output_tok_s": output_tokens / wall_s if wall_s > 0 else None,
         "output_tokens": output_tokens,
         "wall_s": wall_s,
@@ -74,6 +77,7 @@ def _request(g: Generation, repeat: int) -> dict[str, Any]:
         "ttft_ms": g.ttft_s * 1e3,
         "tpot_ms": g.tpot_s * 1e3 if g.tpot_s is not None else None,
         "e2e_ms": g.latency_s * 1e3,
+        "queue_ms": g.queue_s * 1e3,
         "error": g.error,
     }
 
@@ -156,8 +160,9 @@ def _adaptive(built: Built) -> dict[str, Any] | None:
 
 
 def write_json(path: Path, obj: Any) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(obj, indent=2) + "\n", encoding="utf-8")
+    """``obj`` as strict JSON, written atomically (xspec/atomic.py): a failed write leaves
+    the previous file as it was."""
+    atomic.write_json(path, obj)
 
 
 def _baseline(row: dict[str, Any], jobs: list[dict[str, Any]]) -> dict[str, Any] | None:
@@ -211,8 +216,8 @@ def summary_markdown(rows: list[dict[str, Any]]) -> str:
     """The combined table (GitHub markdown; also what the CLI prints)."""
     repeats = sorted({r["num_repeats"] for r in rows})
     head = [
-        "model", "spec", "gamma", "conc", "tok/s", "TTFT ms", "TPOT ms", "accept",
-        "tok/step", "speedup TPOT", "speedup tok/s",
+        "model", "spec", "gamma", "conc", "tok/s", "TTFT ms", "queue ms", "TPOT ms",
+        "accept", "tok/step", "speedup TPOT", "speedup tok/s",
     ]  # fmt: skip
     lines = [
         f"figures: median ±half the min-max range over {'/'.join(map(str, repeats))} "
@@ -227,7 +232,7 @@ def summary_markdown(rows: list[dict[str, Any]]) -> str:
             r["model"], r["spec"] + ("+adaptive" if r.get("adaptive") else ""),
             str(r["gamma"]), str(r["concurrency"]),
             _fmt(r, "output_tok_s", ".1f"), _fmt(r, "ttft_ms_mean", ".1f"),
-            _fmt(r, "tpot_ms_mean", ".2f"),
+            _fmt(r, "queue_ms_mean", ".1f"), _fmt(r, "tpot_ms_mean", ".2f"),
             f"{r['acceptance']:.3f}" if r["acceptance"] is not None else "-",
             f"{r['mean_committed_per_step']:.3f}",
             _fmt(r, "speedup_tpot", ".3f"), _fmt(r, "speedup_tok_s", ".3f"),
@@ -264,16 +269,33 @@ def plot(jobs: list[dict[str, Any]], path: Path) -> bool:
     if ax_acc.lines:
         ax_acc.legend(fontsize=7)
     fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
+    try:
+        with atomic.atomic_path(path) as tmp:
+            fig.savefig(tmp, dpi=100, format=path.suffix.lstrip(".") or "png")
+    finally:
+        plt.close(fig)
     return True
 
 
-def write_summary(jobs: list[dict[str, Any]], directory: Path) -> str:
-    """summary.json / summary.md / summary.png into ``directory``; returns the table."""
-    rows = summary_rows(jobs)
-    table = summary_markdown(rows)
-    write_json(directory / SUMMARY_JSON, rows)
-    (directory / SUMMARY_MD).write_text(table + "\n", encoding="utf-8")
+def write_summary(
+    jobs: list[dict[str, Any]], directory: Path, failed: list[dict[str, Any]] | None = None
+) -> str:
+    """summary.json / summary.md into ``directory``; returns the table. ``failed``: the
+    multirun jobs that crashed (job number, overrides, error), listed after the table and
+    in summary.json as rows with ``"status": "failed"``."""
+    failed = failed or []
+    rows = summary_rows(jobs) if jobs else []
+    table = summary_markdown(rows) if rows else "no job finished"
+    if failed:
+        table += "\n\nfailed jobs:\n" + "\n".join(
+            f"- job {f['job']} ({' '.join(f['overrides']) or 'defaults'}): "
+            + (f["error"].splitlines() or [""])[0]
+            for f in failed
+        )
+    status = [{"status": "ok", **r} for r in rows]
+    status += [
+        {"status": "failed", **{k: f[k] for k in ("job", "overrides", "error")}} for f in failed
+    ]
+    write_json(directory / SUMMARY_JSON, status)
+    atomic.write_text(directory / SUMMARY_MD, table + "\n")
     return table
