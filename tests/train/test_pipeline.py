@@ -8,7 +8,7 @@ import json
 from pathlib import Path
 
 import pytest
-import torch
+from safetensors import safe_open
 
 import xspec
 from xspec.train import corpus
@@ -71,8 +71,8 @@ def test_regenerated_text_is_the_targets(built) -> None:
     """Half the prompts were continued greedily: re-running the exported target greedily
     on them gives the same tokens."""
     work, out = built
-    saved = torch.load(work / "regen.pt", weights_only=False)
-    ids, n = saved["ids"], saved["prompt_len"]
+    with safe_open(str(work / "regen.safetensors"), "pt") as f:  # safetensors, no pickle
+        ids, n = f.get_tensor("ids"), int(f.metadata()["prompt_len"])
     assert ids.shape == (RECIPE.regen_prompts, RECIPE.prompt_len + RECIPE.new_tokens)
     llm = xspec.LLM(
         model="dsv4_tiny",
@@ -108,3 +108,13 @@ def test_evaluate_reports_both_drafters(built) -> None:
     assert set(result) == {"mtp@0.0", "mtp@0.8", "dspark@0.0", "dspark@0.8"}
     assert result["dspark@0.0"]["gamma"] == RECIPE.dspark_block
     assert len(result["dspark@0.0"]["survival"]) == RECIPE.dspark_block
+
+
+def test_the_work_dir_holds_no_pickle(built) -> None:
+    """Every kept file is safetensors or JSON: the loop states, the token caches."""
+    work, _ = built
+    assert not list(work.glob("*.pt"))
+    names = {p.name for p in work.iterdir()}
+    want = {"train_tokens.safetensors", "regen.safetensors", "metrics.json"}
+    assert want | {f"{j}_state.safetensors" for j in ("target", "mtp", "dspark")} <= names
+    assert not [n for n in names if n.startswith(".")]  # no temp file or directory left

@@ -35,6 +35,7 @@ from typing import Any
 
 import torch
 
+from xspec import atomic
 from xspec.errors import ConfigError
 from xspec.models.base import CapturePoint, ForwardBatch, TargetModel
 from xspec.sampling import SamplingParams, logits_to_probs
@@ -100,8 +101,7 @@ def save_profile(
         "drafts": cost.drafts,
         "seconds": cost.seconds,
     }
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(body, indent=2) + "\n", encoding="utf-8")
+    atomic.write_json(path, body)  # a failed write leaves the previous file as it was
 
 
 def read_profile(path: Path, key: dict[str, Any]) -> StepCost:

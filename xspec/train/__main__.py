@@ -17,7 +17,7 @@ import json
 import sys
 from pathlib import Path
 
-from xspec.errors import UserError
+from xspec.errors import OutputError, UserError
 from xspec.train import pipeline
 
 STAGES = ("target", "regen", "drafters", "export", "calibrate", "card", "all")
@@ -41,14 +41,15 @@ def main(argv: list[str] | None = None) -> int:
     ns = parser.parse_args(argv)
     try:
         return _run(ns)
-    except UserError as e:
+    except (UserError, OutputError) as e:  # one line, no traceback (a full disk: exit 1)
         print(f"error: {e}", file=sys.stderr)
-        return 2
+        return e.exit_code
 
 
 def _run(ns: argparse.Namespace) -> int:
     recipe = pipeline.Recipe()
     progress = not ns.no_progress
+    pipeline.refuse_legacy(ns.work)  # an older xspec's pickles: refused, never opened
     done: dict[str, object] = {}
     if ns.stage in ("target", "all"):
         done["target"] = pipeline.stage_target(ns.work, recipe, progress=progress)

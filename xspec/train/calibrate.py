@@ -3,8 +3,10 @@ temperatures by Sequential Temperature Scaling (DSpark paper section 4).
 
 The command builds the run the overrides describe (``spec=dspark``, a model, a workload:
 the held-out prompts), runs the workload at fixed gamma with raw confidences
-(``spec.adaptive`` off), records per verify row the head's raw logits ``z [gamma]``, the
-drafts verified and the drafts accepted, and fits one temperature per position:
+(``spec.adaptive`` off), records per verify row the head's raw logits ``z [gamma]`` (as
+the head computed them, not recovered from the proposal's fp32 sigmoid, which rounds to
+1 above z ~ 17), the drafts verified and the drafts accepted, and fits one temperature
+per position:
 
     for k = 1 .. gamma (left to right, earlier T frozen):
         T_k = argmin_T ECE( prod_{i<k} sigmoid(z_i / T_i) * sigmoid(z_k / T),
@@ -14,13 +16,17 @@ by a 1-D grid search (:data:`GRID`, T = 1 included). Dividing a logit by T > 0 k
 order of the confidences at each position. ECE: 20 equal-width bins, weighted by counts.
 The table is written next to the draft weights (``confidence_calibration.json``, read
 by ``spec.adaptive.calibration=auto``) or to ``--out``. Acceptance depends on the
-sampling settings: calibrate with the ``sampling.*`` the runs will use.
+sampling settings: calibrate with the ``sampling.*`` the runs will use. The file records
+them (``sampling_temperature``, ``sampling_top_k``, ``sampling_top_p``); runs that sample
+otherwise get a warning (:class:`xspec.workers.calibration.RegimeCheck`).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import sys
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -36,7 +42,6 @@ from xspec.workers.calibration import (
 
 GRID = sorted({1.0, *torch.logspace(-1.5, 1.5, 121, dtype=torch.float64).tolist()})
 BINS = 20
-LOGIT_EPS = 1e-6  # raw confidences are recorded as sigmoid outputs: logit(clamp(c))
 
 
 def ece(pred: Tensor, label: Tensor, bins: int = BINS) -> float:
@@ -92,11 +97,51 @@ def _weighted(values: list[float], counts: list[int]) -> float:
     return sum(v * c for v, c in zip(values, counts)) / total if total else 0.0
 
 
-class ConfidenceRecorder(SpecDecodeMetrics):
-    """The engine's metrics, also keeping each verify row's confidences and outcome."""
+class LogitTap:
+    """Keeps the raw logits ``z [B, n]`` of the confidence head's latest call: the proposal
+    carries only ``sigmoid(z)`` (fp32, exactly 1.0 for z above ~17), which cannot give z
+    back. Installed on a drafter for the length of a calibration run (:meth:`installed`)."""
 
     def __init__(self) -> None:
+        self.latest: Tensor | None = None  # [B, n] float64 on the host
+
+    def wrap(self, logits: Callable[..., Tensor]) -> Callable[..., Tensor]:
+        def tapped(*args: Any, **kwargs: Any) -> Tensor:
+            z = logits(*args, **kwargs)  # [B, n] raw logits
+            self.latest = z.detach().to("cpu", torch.float64)
+            return z
+
+        return tapped
+
+    @contextlib.contextmanager
+    def installed(self, head: Any) -> Iterator[LogitTap]:
+        """Tap ``head.logits`` (a confidence head) until the block exits."""
+        head.logits = self.wrap(head.logits)  # an instance attribute shadows the method
+        try:
+            yield self
+        finally:
+            del head.logits
+
+    def take(self, rows: int, columns: int) -> Tensor:
+        """The latest logits, first ``columns`` positions (the step verifies a prefix of
+        what was proposed); cleared, so a step without a head call is an error."""
+        z, self.latest = self.latest, None
+        if z is None or z.shape[0] != rows or z.shape[1] < columns:
+            got = None if z is None else tuple(z.shape)
+            raise RuntimeError(
+                f"calibrate: the step's confidences [{rows}, {columns}] do not match the "
+                f"confidence head's last logits {got}"
+            )
+        return z[:, :columns]
+
+
+class ConfidenceRecorder(SpecDecodeMetrics):
+    """The engine's metrics, also keeping each verify row's raw confidence logits (from
+    ``tap``) and outcome."""
+
+    def __init__(self, tap: LogitTap) -> None:
         super().__init__()
+        self.tap = tap
         self.logits: list[Tensor] = []  # [B, G] per step
         self.drafted: list[Tensor] = []  # [B]
         self.accepted: list[Tensor] = []  # [B]
@@ -107,8 +152,7 @@ class ConfidenceRecorder(SpecDecodeMetrics):
         super().observe_step(output_tokens, num_draft_tokens, confidence)
         if confidence is None:
             return
-        c = confidence.detach().to("cpu", torch.float64)
-        self.logits.append(torch.logit(c, eps=LOGIT_EPS))
+        self.logits.append(self.tap.take(*confidence.shape))  # [B, G] raw z of these rows
         self.drafted.append(num_draft_tokens.detach().cpu().long())
         self.accepted.append((output_tokens.detach().cpu() >= 0).sum(dim=1) - 1)
 
@@ -138,9 +182,11 @@ def calibrate(overrides: list[str], out: Path | None) -> tuple[ConfidenceCalibra
     s, w = cfg.sampling, cfg.workload
     params = SamplingParams(temperature=s.temperature, top_k=s.top_k, top_p=s.top_p, seed=s.seed)
     work = load_workload(w, built.tokenizer, built.target.vocab_size, params)
-    recorder = ConfidenceRecorder()
+    tap = LogitTap()
+    recorder = ConfidenceRecorder(tap)
     built.engine.metrics = recorder
-    built.engine.run(work.requests, w.concurrency)
+    with tap.installed(drafter.model.confidence):
+        built.engine.run(work.requests, w.concurrency)
     logits, drafted, accepted = recorder.samples(drafter.gamma)
     if int((drafted > 0).sum()) == 0:
         raise ConfigError(
@@ -148,7 +194,11 @@ def calibrate(overrides: list[str], out: Path | None) -> tuple[ConfidenceCalibra
             "workload.num_requests"
         )
     cal = fit_sts(logits, drafted, accepted)
-    cal.sampling_temperature = s.temperature
+    cal.sampling_temperature, cal.sampling_top_k, cal.sampling_top_p = (
+        s.temperature,
+        s.top_k,
+        s.top_p,
+    )
     cal.source = f"xspec.train calibrate {' '.join(overrides)}"
     path = out if out is not None else Path(drafter.draft_dir) / CALIBRATION_FILE
     save_calibration(cal, path)
@@ -156,7 +206,7 @@ def calibrate(overrides: list[str], out: Path | None) -> tuple[ConfidenceCalibra
 
 
 def main(argv: list[str]) -> int:
-    from xspec.errors import UserError
+    from xspec.errors import OutputError, UserError
 
     parser = argparse.ArgumentParser(
         prog="python -m xspec.train calibrate",
@@ -169,9 +219,9 @@ def main(argv: list[str]) -> int:
     args = parser.parse_args(argv)
     try:
         cal, path = calibrate(args.overrides, args.out)
-    except UserError as e:
+    except (UserError, OutputError) as e:  # one line, no traceback (a full disk: exit 1)
         print(f"xspec.train calibrate: error: {e}", file=sys.stderr)
-        return 2
+        return e.exit_code
     temps = ", ".join(f"{t:.3g}" for t in cal.temperatures)
     print(
         f"calibrated {len(cal.temperatures)} positions on {cal.num_samples} verify rows: "

@@ -3,9 +3,10 @@
 A :class:`Job` owns the trainable module, the optimiser (AdamW, linear warmup then
 cosine decay to ``min_lr_ratio``), a seeded generator for its data and a loss
 function; :func:`run` steps it with a progress bar, appends one JSON line per logged
-step to ``<name>_log.jsonl`` and saves ``<name>_state.pt`` (module, optimiser, step,
-generator) every ``save_every`` steps and at the end. Starting again with the same
-directory resumes from the last save: same data order, same result as one run.
+step to ``<name>_log.jsonl`` and saves ``<name>_state.safetensors`` (module, optimiser,
+step, generator; :mod:`xspec.train.state`: no pickle, written atomically) every
+``save_every`` steps and at the end. Starting again with the same directory resumes from
+the last save: same data order, same result as one run.
 """
 
 from __future__ import annotations
@@ -20,6 +21,18 @@ from typing import Any
 
 import torch
 from torch import nn
+
+from xspec import atomic
+from xspec.errors import CheckpointError
+from xspec.train.state import (
+    TrainState,
+    legacy_state_path,
+    load_state,
+    refuse_pickle,
+    restore_optimizer,
+    save_state,
+    state_path,
+)
 
 LossFn = Callable[[torch.Generator], tuple[torch.Tensor, dict[str, float]]]
 
@@ -46,7 +59,7 @@ class Schedule:
 
 @dataclass
 class Job:
-    name: str  # files: <name>_state.pt, <name>_log.jsonl
+    name: str  # files: <name>_state.safetensors, <name>_log.jsonl
     module: nn.Module
     params: list[nn.Parameter]
     loss_fn: LossFn
@@ -61,22 +74,19 @@ def run(job: Job, out_dir: Path, *, progress: bool = True) -> dict[str, Any]:
     from tqdm import tqdm
 
     out_dir.mkdir(parents=True, exist_ok=True)
-    state_path, log_path = out_dir / f"{job.name}_state.pt", out_dir / f"{job.name}_log.jsonl"
+    path, log_path = state_path(out_dir, job.name), out_dir / f"{job.name}_log.jsonl"
+    refuse_pickle(legacy_state_path(out_dir, job.name), f"{job.name} starts over from step 0")
     sched = job.schedule
     opt = torch.optim.AdamW(
         job.params, lr=sched.lr, weight_decay=sched.weight_decay, betas=(0.9, 0.95)
     )
     gen = torch.Generator().manual_seed(job.seed)
-    step = 0
-    if state_path.exists():
-        saved = torch.load(state_path, weights_only=False)
-        job.module.load_state_dict(saved["module"])
-        opt.load_state_dict(saved["optimizer"])
-        gen.set_state(saved["generator"])
-        step = int(saved["step"])
+    step = _resume(path, job, opt, gen) if path.exists() else 0
     if log_path.exists():  # keep the lines up to the saved step: no stale or doubled ones
-        kept = [x for x in log_path.read_text().splitlines() if json.loads(x)["step"] <= step]
-        log_path.write_text("".join(x + "\n" for x in kept))
+        lines = log_path.read_text().splitlines()
+        kept = [x for x in lines if json.loads(x)["step"] <= step]
+        if len(kept) < len(lines):
+            atomic.write_text(log_path, "".join(x + "\n" for x in kept))
     job.module.train()
     window: list[dict[str, float]] = []
     start = time.perf_counter()
@@ -103,25 +113,28 @@ def run(job: Job, out_dir: Path, *, progress: bool = True) -> dict[str, Any]:
                 f.write(json.dumps({"step": step, "lr": sched.lr_at(step - 1)} | mean) + "\n")
             window = []
         if step % sched.save_every == 0 or step == sched.steps:
-            _save(state_path, job, opt, gen, step)
+            save_state(
+                path, TrainState(step, job.module.state_dict(), opt.state_dict(), gen.get_state())
+            )
     bar.close()
     job.module.eval()
     final = last_logged(log_path)
     return final | {"wall_s": time.perf_counter() - start, "schedule": asdict(sched)}
 
 
-def _save(
-    path: Path, job: Job, opt: torch.optim.Optimizer, gen: torch.Generator, step: int
-) -> None:
-    tmp = path.with_suffix(".tmp")
-    state = {
-        "module": job.module.state_dict(),
-        "optimizer": opt.state_dict(),
-        "generator": gen.get_state(),
-        "step": step,
-    }
-    torch.save(state, tmp)
-    tmp.replace(path)  # never a half-written state file
+def _resume(path: Path, job: Job, opt: torch.optim.Optimizer, gen: torch.Generator) -> int:
+    """Load the saved state into the module, optimiser and generator; the saved step."""
+    saved = load_state(path)
+    try:
+        job.module.load_state_dict(saved.module)
+        restore_optimizer(opt, saved.optimizer)
+        gen.set_state(saved.generator)
+    except (RuntimeError, ValueError, KeyError, TypeError) as e:
+        raise CheckpointError(
+            f"{path} does not fit this {job.name} job ({e}); delete it to train it again "
+            "from step 0"
+        ) from None
+    return saved.step
 
 
 def last_logged(log_path: Path) -> dict[str, float]:

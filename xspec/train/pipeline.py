@@ -6,6 +6,10 @@ target) -> ``drafters`` (MTP and DSpark distilled against the frozen target) ->
 (Sequential Temperature Scaling of the DSpark confidence head on held-out prompts) ->
 ``card`` (the model card). ``python -m xspec.train all --work DIR`` runs whatever is not
 done yet.
+
+Every file a stage keeps is written atomically (:mod:`xspec.atomic`) and none is a pickle:
+tensors are safetensors (``train_tokens``, ``regen``, the loop states of
+:mod:`xspec.train.state`), the rest JSON.
 """
 
 from __future__ import annotations
@@ -16,11 +20,56 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from safetensors import safe_open
+from safetensors.torch import save
 
+from xspec import atomic
+from xspec.errors import CheckpointError, OutputError
 from xspec.train import corpus
 from xspec.train.loop import Job, Schedule, run
+from xspec.train.state import (
+    READ_ERRORS,
+    legacy_state_path,
+    load_state,
+    refuse_pickle,
+    state_path,
+)
 
 TOKENIZER = "tokenizer.json"
+TOKENS, REGEN = "train_tokens.safetensors", "regen.safetensors"
+# what an older xspec kept as pickles, and what running again rebuilds once it is deleted
+LEGACY = {
+    "train_tokens.pt": "the target stage re-tokenises the corpus",
+    "regen.pt": "the regen stage regenerates it",
+    "target_state.pt": "the target stage trains again from step 0",
+    "mtp_state.pt": "the drafters stage trains MTP again from step 0",
+    "dspark_state.pt": "the drafters stage trains DSpark again from step 0",
+}
+
+
+def refuse_legacy(work: Path) -> None:
+    """CheckpointError listing every pickle an older xspec left in ``work`` (none is opened)."""
+    found = [(work / name, how) for name, how in LEGACY.items() if (work / name).exists()]
+    if found:
+        raise CheckpointError(
+            f"{work} holds pickle files from an older xspec; they are not loaded (unpickling "
+            "can run arbitrary code). Delete them and run the stages again:",
+            problems=[f"{path}: once deleted, {how}" for path, how in found],
+        )
+
+
+def _save_tensors(path: Path, tensors: dict[str, torch.Tensor], **meta: str) -> None:
+    """Serialised in memory, written atomically (a full disk: OutputError, no partial file)."""
+    atomic.write_bytes(path, save({k: v.contiguous() for k, v in tensors.items()}, metadata=meta))
+
+
+def _load_tensors(path: Path, rebuild: str) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+    """(tensors, metadata) of a safetensors cache; CheckpointError naming it when unreadable."""
+    try:
+        with safe_open(str(path), "pt", device="cpu") as f:
+            return {k: f.get_tensor(k) for k in f.keys()}, dict(f.metadata() or {})  # noqa: SIM118
+    except READ_ERRORS as e:
+        raise CheckpointError(f"{path} is not readable ({e}); delete it: {rebuild}") from None
 
 
 @dataclass
@@ -63,13 +112,18 @@ def work_tokenizer(work: Path, recipe: Recipe) -> Path:
 
 
 def train_stream(work: Path, recipe: Recipe) -> torch.Tensor:
-    path = work / "train_tokens.pt"
+    """``[N]`` int64: the training split, tokenised once and cached in ``work``."""
+    refuse_pickle(work / "train_tokens.pt", LEGACY["train_tokens.pt"])
+    path = work / TOKENS
     if not path.exists():
         stream = corpus.encode_files(
             corpus.source_files(split="train"), work_tokenizer(work, recipe)
         )
-        torch.save(stream, path)
-    return torch.load(path)
+        _save_tensors(path, {"ids": stream})
+    tensors, _ = _load_tensors(path, LEGACY["train_tokens.pt"])
+    if "ids" not in tensors:
+        raise CheckpointError(f"{path} has no 'ids' tensor; delete it: it is rebuilt")
+    return tensors["ids"]
 
 
 def stage_target(work: Path, recipe: Recipe, *, progress: bool = True) -> dict[str, Any]:
@@ -92,7 +146,7 @@ def stage_target(work: Path, recipe: Recipe, *, progress: bool = True) -> dict[s
         after_step=update,
     )
     result = run(job, work, progress=progress)
-    (work / "target_args.json").write_text(json.dumps(args.to_config(), indent=1))
+    atomic.write_json(work / "target_args.json", args.to_config(), indent=1)
     return result
 
 
@@ -105,38 +159,36 @@ TARGET_DIR = "target"  # the trained target, bf16, as a checkpoint directory
 def stage_target_dir(work: Path, recipe: Recipe) -> Path:
     """The trained target written once as a bf16 checkpoint directory (+ tokenizer): every
     later stage reads this, so the drafters learn the target exactly as shipped."""
-    import shutil
-
     from xspec.models.deepseek_v4.args import DeepseekV4Args
     from xspec.models.deepseek_v4.model import DeepseekV4Model
-    from xspec.models.loading import write_checkpoint
 
     out = work / TARGET_DIR
     if (out / "config.json").exists():
         return out
-    state = finished(work, "target", recipe.target.steps)
+    weights = finished(work, "target", recipe.target.steps)
     config = json.loads((work / "target_args.json").read_text())
     args = DeepseekV4Args.from_config(config, "target_args.json")
     model = DeepseekV4Model(args)
-    model.load_state_dict(state["module"])
-    write_checkpoint(out, bf16(model.state_dict()), config)
-    shutil.copy(work_tokenizer(work, recipe), out / TOKENIZER)
+    model.load_state_dict(weights)
+    replace_checkpoint(out, bf16(model.state_dict()), config, work_tokenizer(work, recipe))
     return out
 
 
-def finished(work: Path, name: str, steps: int) -> dict[str, Any]:
-    """The saved loop state of stage ``name``, which must have run all ``steps``."""
+def finished(work: Path, name: str, steps: int) -> dict[str, torch.Tensor]:
+    """The module weights of job ``name``, which must have run all ``steps``."""
     from xspec.errors import UserError
 
-    path = work / f"{name}_state.pt"
-    state = torch.load(path, weights_only=False) if path.exists() else {"step": 0}
-    if state["step"] < steps:
+    refuse_pickle(legacy_state_path(work, name), LEGACY[f"{name}_state.pt"])
+    path = state_path(work, name)
+    state = load_state(path) if path.exists() else None
+    step = 0 if state is None else state.step
+    if state is None or step < steps:
         stage = "target" if name == "target" else "drafters"
         raise UserError(
-            f"{name} has trained {state['step']}/{steps} steps in {work}: run "
+            f"{name} has trained {step}/{steps} steps in {work}: run "
             f"`python -m xspec.train {stage} --work {work}` (or `all`) first"
         )
-    return state
+    return state.module
 
 
 def bf16(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -170,7 +222,8 @@ def stage_regen(work: Path, recipe: Recipe) -> Path:
     from xspec.train.corpus import sample_windows
     from xspec.train.drafters import regenerate
 
-    path = work / "regen.pt"
+    refuse_pickle(work / "regen.pt", LEGACY["regen.pt"])
+    path = work / REGEN
     if path.exists():
         return path
     stream = train_stream(work, recipe)
@@ -188,7 +241,7 @@ def stage_regen(work: Path, recipe: Recipe) -> Path:
         temperature=recipe.regen_temperature,
         seed=recipe.seed,
     )
-    torch.save({"ids": torch.cat([greedy, sampled]), "prompt_len": recipe.prompt_len}, path)
+    _save_tensors(path, {"ids": torch.cat([greedy, sampled])}, prompt_len=str(recipe.prompt_len))
     return path
 
 
@@ -215,8 +268,14 @@ def dspark_config(target_config: dict, recipe: Recipe) -> dict:
 def scored(work: Path, recipe: Recipe, target):  # -> Scored
     from xspec.train.drafters import Regenerated, Scored
 
-    saved = torch.load(stage_regen(work, recipe), weights_only=False)
-    data = Regenerated(saved["ids"], int(saved["prompt_len"]))
+    path = stage_regen(work, recipe)
+    tensors, meta = _load_tensors(path, LEGACY["regen.pt"])
+    try:
+        data = Regenerated(tensors["ids"], int(meta["prompt_len"]))
+    except (KeyError, ValueError) as e:
+        raise CheckpointError(
+            f"{path}: no ids / prompt_len ({e}); delete it: it is rebuilt"
+        ) from None
     n = target.args.num_hidden_layers
     return Scored.build(target, data, list(range(n - recipe.dspark_stages, n)))
 
@@ -276,7 +335,7 @@ def stage_drafters(work: Path, recipe: Recipe, *, progress: bool = True) -> dict
         work,
         progress=progress,
     )
-    (work / "dspark_config.json").write_text(json.dumps(config, indent=1))
+    atomic.write_json(work / "dspark_config.json", config, indent=1)
     return results
 
 
@@ -309,37 +368,65 @@ def stage_export(work: Path, recipe: Recipe, out: Path | None = None) -> dict[st
     """The shipped directories: ``dsv4_tiny`` (target + ``mtp.0``, the V4-Flash layout,
     tokenizer.json) and ``dsv4_tiny_dspark`` (the DSpark stages ``mtp.0..2`` with the
     0731 config keys), bf16, plus the model card. ``out``: instead of the package."""
-    import shutil
-
     from xspec.models.deepseek_v4.mtp import OFFICIAL, MtpBlock, mtp_tensors
-    from xspec.models.loading import write_checkpoint
     from xspec.models.presets import ASSETS
 
     out = out or ASSETS
     target = load_target(work, recipe)
     n = target.args.num_hidden_layers
     mtp = MtpBlock(target.args, layer_id=n, embed=target.embed, head=target.head)
-    mtp.load_state_dict(finished(work, "mtp", recipe.mtp.steps)["module"])
+    mtp.load_state_dict(finished(work, "mtp", recipe.mtp.steps))
     config = json.loads((work / TARGET_DIR / "config.json").read_text())
     dspark_cfg = dspark_config(config, recipe)
     draft = build_dspark(target, dspark_cfg, recipe)
-    draft.load_state_dict(finished(work, "dspark", recipe.dspark.steps)["module"])
+    draft.load_state_dict(finished(work, "dspark", recipe.dspark.steps))
     tensors = dict(target.state_dict()) | mtp_tensors(mtp, OFFICIAL)
     paths = {TARGET_ASSET: out / TARGET_ASSET, DSPARK_ASSET: out / DSPARK_ASSET}
-    for path in paths.values():
-        if path.exists():
-            shutil.rmtree(path)
-    write_checkpoint(paths[TARGET_ASSET], bf16(tensors), config)
-    shutil.copy(work_tokenizer(work, recipe), paths[TARGET_ASSET] / TOKENIZER)
-    write_checkpoint(paths[DSPARK_ASSET], bf16(draft.state_dict()), dspark_cfg)
+    tokenizer = work_tokenizer(work, recipe)
+    replace_checkpoint(paths[TARGET_ASSET], bf16(tensors), config, tokenizer)
+    replace_checkpoint(paths[DSPARK_ASSET], bf16(draft.state_dict()), dspark_cfg)
     metrics = {
         "heldout_loss": heldout_loss(work, recipe, target),
         "target": _logged(work, "target"),
         "mtp": _logged(work, "mtp"),
         "dspark": _logged(work, "dspark"),
     }
-    (work / "metrics.json").write_text(json.dumps(metrics, indent=1))
+    atomic.write_json(work / "metrics.json", metrics, indent=1)
     return paths
+
+
+def replace_checkpoint(
+    path: Path, tensors: dict[str, torch.Tensor], config: dict, tokenizer: Path | None = None
+) -> None:
+    """``write_checkpoint`` (+ a copy of ``tokenizer``) into a new directory beside ``path``,
+    then swapped in: a failure on the way (a full disk) leaves the previous one as it was
+    and is one OutputError."""
+    import shutil
+    import uuid
+
+    from safetensors import SafetensorError
+
+    from xspec.models.loading import write_checkpoint
+
+    tag = uuid.uuid4().hex[:8]
+    new, old = path.with_name(f".{path.name}.new-{tag}"), path.with_name(f".{path.name}.old-{tag}")
+    try:
+        write_checkpoint(new, tensors, config)
+        if tokenizer is not None:
+            shutil.copy(tokenizer, new / TOKENIZER)
+        if path.exists():
+            path.rename(old)
+        try:
+            new.rename(path)
+        except OSError:
+            if old.exists():
+                old.rename(path)
+            raise
+    except (OSError, SafetensorError) as e:
+        raise OutputError(f"cannot write {path}: {getattr(e, 'strerror', None) or e}") from None
+    finally:
+        shutil.rmtree(new, ignore_errors=True)
+        shutil.rmtree(old, ignore_errors=True)
 
 
 def _logged(work: Path, name: str) -> dict[str, Any]:
@@ -360,7 +447,7 @@ def stage_calibrate(work: Path, recipe: Recipe, out: Path | None = None) -> dict
     out = out or ASSETS
     prompts = work / "calibration_prompts.jsonl"
     texts = corpus.prompts(corpus.source_files(split="heldout"), 32, seed=recipe.seed + 99)
-    prompts.write_text("".join(json.dumps({"prompt": t}) + "\n" for t in texts))
+    atomic.write_text(prompts, "".join(json.dumps({"prompt": t}) + "\n" for t in texts))
     cal, path = calibrate(
         [
             "model=dsv4_tiny",
@@ -431,7 +518,7 @@ def stage_card(work: Path, recipe: Recipe, out: Path | None = None) -> Path:
     target_dir, dspark_dir = out / TARGET_ASSET, out / DSPARK_ASSET
     metrics = json.loads((work / "metrics.json").read_text())
     evaluation = evaluate(target_dir, dspark_dir)
-    (work / "evaluation.json").write_text(json.dumps(evaluation, indent=1))
+    atomic.write_json(work / "evaluation.json", evaluation, indent=1)
     files = corpus.source_files(split="train")
     held = corpus.source_files(split="heldout")
     size = sum(p.stat().st_size for d in (target_dir, dspark_dir) for p in d.iterdir())
@@ -526,5 +613,5 @@ def stage_card(work: Path, recipe: Recipe, out: Path | None = None) -> Path:
         "",
     ]
     card = target_dir / "README.md"
-    card.write_text("\n".join(lines))
+    atomic.write_text(card, "\n".join(lines))
     return card

@@ -12,21 +12,36 @@ reads it there when present) or anywhere a path points to::
      "num_samples_per_position": [...],
      "ece_before": [...], "ece_after": [...],    # per position, cumulative product vs
      "ece_before_mean": e0, "ece_after_mean": e1,   # realised prefix acceptance
-     "sampling_temperature": t, "source": "..."}
+     "sampling_temperature": t, "sampling_top_k": k, "sampling_top_p": p,
+     "source": "..."}
 
 A file whose number of temperatures differs from the run's gamma is refused (temperatures
 are fitted per position: a gamma-3 table says nothing about position 5).
+
+The ``sampling_*`` keys are the regime the fit ran at: acceptance, hence what a
+calibrated confidence should predict, depends on it (greedy accepts a draft on an argmax
+match, sampling by the ratio of the processed distributions). :class:`RegimeCheck` logs
+a warning, once per regime, for requests that sample otherwise (any greedy request
+matches a greedy fit: top-k and top-p do not change an argmax). A file without
+``sampling_temperature`` (an older xspec) still loads, with a warning that its regime is
+unknown; ``sampling_top_k`` / ``sampling_top_p`` absent: not compared.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import math
+from collections.abc import Iterable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from xspec import atomic
 from xspec.errors import ConfigError
+from xspec.sampling import SamplingParams
+
+log = logging.getLogger(__name__)
 
 CALIBRATION_FILE = "confidence_calibration.json"
 FORMAT = "xspec.confidence_calibration.v1"
@@ -41,14 +56,81 @@ class ConfidenceCalibration:
     ece_after: list[float] = field(default_factory=list)
     ece_before_mean: float | None = None
     ece_after_mean: float | None = None
+    # the sampling regime of the fit; None: not recorded (sampling_temperature: an older file)
     sampling_temperature: float | None = None
+    sampling_top_k: int | None = None
+    sampling_top_p: float | None = None
     source: str = ""
     format: str = FORMAT
 
+    def fitted_regime(self) -> str:
+        """The regime of the fit, in words."""
+        if self.sampling_temperature is None:
+            return "an unknown sampling regime"
+        return _regime(self.sampling_temperature, self.sampling_top_k, self.sampling_top_p)
+
+    def mismatch(self, params: SamplingParams) -> str | None:
+        """Why this calibration does not hold for requests sampling with ``params``, or None."""
+        t = self.sampling_temperature
+        if t is None:
+            return "it does not record the sampling regime it was fitted at (an older xspec)"
+        fitted = SamplingParams(temperature=t)
+        if fitted.greedy and params.greedy:
+            return None
+        k, p = self.sampling_top_k, self.sampling_top_p
+        same = (
+            fitted.greedy == params.greedy
+            and math.isclose(t, params.temperature, rel_tol=1e-6)
+            and (k is None or k == params.top_k)
+            and (p is None or math.isclose(p, params.top_p, rel_tol=1e-6))
+        )
+        if same:
+            return None
+        run = _regime(params.temperature, params.top_k, params.top_p)
+        return f"it was fitted at {self.fitted_regime()}, and requests sample at {run}"
+
+
+def _regime(temperature: float, top_k: int | None, top_p: float | None) -> str:
+    if SamplingParams(temperature=temperature).greedy:
+        return "greedy (temperature 0)"
+    parts = [f"temperature {temperature:g}"]
+    if top_k:
+        parts.append(f"top_k {top_k}")
+    if top_p is not None and top_p < 1.0:
+        parts.append(f"top_p {top_p:g}")
+    return ", ".join(parts)
+
+
+class RegimeCheck:
+    """Logs a warning, once per sampling regime, when requests sample otherwise than
+    ``cal`` (read from ``path``) was fitted: its confidences, and the verify lengths
+    ``spec.adaptive`` picks from them, are then off. Call it with each step's params."""
+
+    def __init__(self, cal: ConfidenceCalibration, path: Path | None = None) -> None:
+        self.cal = cal
+        self.path = path
+        self._seen: set[tuple[float, int, float] | None] = set()
+
+    def __call__(self, params: Iterable[SamplingParams]) -> None:
+        for p in params:
+            key = None if p.greedy else (p.temperature, p.top_k, p.top_p)  # greedy: one regime
+            if key in self._seen:
+                continue
+            self._seen.add(key)
+            if (why := self.cal.mismatch(p)) is not None:
+                log.warning(
+                    "confidence calibration%s: %s; its confidences may be miscalibrated here. "
+                    "Refit it with the sampling.* of these runs (python -m xspec.train "
+                    "calibrate ...), or set spec.adaptive.calibration=off",
+                    "" if self.path is None else f" {self.path}",
+                    why,
+                )
+
 
 def save_calibration(cal: ConfidenceCalibration, path: Path) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(asdict(cal), indent=2) + "\n", encoding="utf-8")
+    """Write ``cal`` to ``path`` atomically: a failed write (a full disk) leaves the
+    previous file as it was and raises OutputError."""
+    atomic.write_json(path, asdict(cal))
 
 
 def load_calibration(path: Path, gamma: int, where: str) -> ConfidenceCalibration:
@@ -74,6 +156,8 @@ def load_calibration(path: Path, gamma: int, where: str) -> ConfidenceCalibratio
         for t in temps
     ):
         raise ConfigError(f"{where}: {path}: temperatures must be a list of numbers > 0; {fix}")
+    if problem := _regime_problem(raw):
+        raise ConfigError(f"{where}: {path}: {problem}; {fix}")
     if len(temps) != gamma:
         raise ConfigError(
             f"{where}: {path} has {len(temps)} temperatures (fitted for gamma={len(temps)}) "
@@ -82,6 +166,22 @@ def load_calibration(path: Path, gamma: int, where: str) -> ConfidenceCalibratio
         )
     known = set(ConfidenceCalibration.__dataclass_fields__)
     return ConfidenceCalibration(**{k: v for k, v in raw.items() if k in known})
+
+
+def _number(x: Any) -> bool:
+    return isinstance(x, int | float) and not isinstance(x, bool) and math.isfinite(x)
+
+
+def _regime_problem(raw: dict[str, Any]) -> str | None:
+    """What is wrong with the file's ``sampling_*`` keys (each may be absent or null)."""
+    t, k, p = (raw.get(f"sampling_{x}") for x in ("temperature", "top_k", "top_p"))
+    if t is not None and not (_number(t) and t >= 0):
+        return f"sampling_temperature must be a number >= 0 or null, got {t!r}"
+    if k is not None and not (isinstance(k, int) and not isinstance(k, bool) and k >= 0):
+        return f"sampling_top_k must be an integer >= 0 or null, got {k!r}"
+    if p is not None and not (_number(p) and 0 < p <= 1):
+        return f"sampling_top_p must be a number in (0, 1] or null, got {p!r}"
+    return None
 
 
 def calibration_path(setting: str, draft_dir: Path | None) -> Path | None:
