@@ -93,6 +93,57 @@ def test_index_naming_missing_shard(tmp_path: Path) -> None:
         Checkpoint(path)
 
 
+def _repoint(path: Path, tensor: str, shard: str) -> Path:
+    """Edit the index of ``path`` so that ``tensor``'s shard entry reads ``shard``."""
+    index_file = path / "model.safetensors.index.json"
+    index = json.loads(index_file.read_text())
+    index["weight_map"][tensor] = shard
+    index_file.write_text(json.dumps(index))
+    return path
+
+
+@pytest.mark.parametrize("how", ["dotdot", "absolute", "symlink"])
+def test_index_shards_outside_the_directory_are_refused(tmp_path: Path, how: str) -> None:
+    """A crafted index must not make the loader read a (valid!) safetensors file elsewhere:
+    the error names the index file and the offending index line (tensor and shard entry)."""
+    outside = _write(tmp_path / "elsewhere", _tensors(1)) / "model.safetensors"
+    path = _write(tmp_path / "ckpt", _tensors(), max_shard_bytes=64)
+    shard = {"dotdot": "../../../" + str(outside).lstrip("/"), "absolute": str(outside)}.get(
+        how, "linked.safetensors"
+    )
+    if how == "symlink":
+        (path / shard).symlink_to(outside)
+    _repoint(path, "b.bias", shard)
+    with pytest.raises(CheckpointError) as e:
+        Checkpoint(path)
+    msg = str(e.value)
+    assert "model.safetensors.index.json names shards outside the checkpoint directory" in msg
+    assert f'"b.bias": {json.dumps(shard)}' in msg, msg  # the index line
+    assert len(e.value.problems) == 1, msg
+
+
+def test_index_symlinks_that_stay_inside_are_loaded(tmp_path: Path) -> None:
+    """Symlinks are fine where they resolve inside the directory, and in a Hugging Face
+    cache snapshot, whose files all link to ``../../blobs/<hash>``."""
+    src = _tensors()
+    path = _write(tmp_path / "ckpt", src, max_shard_bytes=64)
+    shard = json.loads((path / "model.safetensors.index.json").read_text())["weight_map"]["ids"]
+    (path / "alias.safetensors").symlink_to(path / shard)
+    ckpt = Checkpoint(_repoint(path, "ids", "alias.safetensors"))
+    assert torch.equal(ckpt.get("ids"), src["ids"])
+
+    repo = tmp_path / "models--org--name"
+    snapshot = repo / "snapshots" / "0123abc"
+    (repo / "blobs").mkdir(parents=True)
+    snapshot.mkdir(parents=True)
+    for file in _write(tmp_path / "download", src, max_shard_bytes=64).iterdir():
+        (repo / "blobs" / file.name).write_bytes(file.read_bytes())  # blobs are named by hash
+        (snapshot / file.name).symlink_to(Path("../../blobs") / file.name)
+    ckpt = Checkpoint(snapshot)
+    assert ckpt.file_of("ids").is_symlink()
+    assert all(torch.equal(ckpt.get(n), t) for n, t in src.items())
+
+
 def test_missing_dir_config_and_invalid_json(tmp_path: Path) -> None:
     with pytest.raises(CheckpointError, match="does not exist"):
         Checkpoint(tmp_path / "nope")

@@ -4,9 +4,6 @@ the target distribution through the Markov loop (chi-square), acceptance metrics
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -19,8 +16,9 @@ from xspec.models.qwen3 import load_model
 from xspec.models.qwen3.model import Qwen3State
 from xspec.platforms.cpu import CpuPlatform
 from xspec.sampling import SamplingParams, logits_to_probs, make_generator
+from xspec.workers.block import BlockDrafter, BlockLayout
 from xspec.workers.drafter import CommittedRows, DraftRequest
-from xspec.workers.dspark import DSparkDrafter
+from xspec.workers.dspark import DFlashDrafter, DSparkDrafter
 from xspec.workers.verify import rejection_sample
 
 METHODS = ("dspark", "dflash")
@@ -100,15 +98,59 @@ def test_sampled_runs_are_reproducible(method: str) -> None:
 
 
 @pytest.mark.parametrize("spec", ["spec=dspark", "spec=dflash"])
-def test_cli_runs_with_no_other_flags(spec: str, tmp_path: Path) -> None:
-    root = Path(__file__).resolve().parents[2]
-    env = {**os.environ, "PYTHONPATH": str(root)}
-    r = subprocess.run(
-        [sys.executable, "-m", "xspec", "model=qwen3_tiny", spec, "workload.max_new_tokens=8"],
-        capture_output=True, text=True, env=env, cwd=root, timeout=300,
-    )  # fmt: skip
+def test_cli_runs_with_no_other_flags(spec: str, tmp_path: Path, xspec_cache: Path) -> None:
+    from tests.test_cli import run_cli
+
+    r = run_cli(
+        "model=qwen3_tiny", spec, "workload.max_new_tokens=8", cache=xspec_cache, cwd=tmp_path
+    )
     assert r.returncode == 0, r.stderr
     assert "acceptance" in r.stdout.lower()
+
+
+# -- DeepSpec's "dflash" drafts: the DSpark block without heads ----------------------------
+
+
+@torch.no_grad()
+def test_deepspec_dflash_draft_runs_its_own_block_under_spec_dflash(
+    reference: list, tmp_path: Path
+) -> None:
+    """spec=dflash on a DeepSpec DFlash directory drafts exactly what spec=dspark drafts on
+    it (the block it was trained on), with gamma = its block_size, and greedy output equals
+    spec=none. Reading it with z-lab's layout (the old behaviour) drafts other tokens."""
+    from tests.models.qwen3.test_dspark import deepspec_dflash_dir
+
+    path = str(deepspec_dflash_dir(tmp_path / "deepspec_dflash"))
+    outs = build("dflash", **{"spec.draft_path": path}).generate(PROMPTS, NEW, ignore_eos=True)
+    assert [o.token_ids for o in outs] == reference
+
+    model_cfg = ModelConfig(arch="qwen3", preset="tiny")
+    platform = CpuPlatform(PlatformConfig(name="cpu"))
+    target = load_model(model_cfg, device=torch.device("cpu"), max_rollback=8)
+
+    def drafter(cls: type[DSparkDrafter]) -> BlockDrafter:
+        spec = SpecConfig(method=cls.method.value, draft_path=path)
+        return cls(spec, target=target, model_cfg=model_cfg, platform=platform)
+
+    dflash, dspark = drafter(DFlashDrafter), drafter(DSparkDrafter)
+    assert (dflash.layout, dflash.gamma) == (dspark.layout, dspark.gamma) == (BlockLayout.DSPARK, 4)
+    assert dflash.model.markov is None and dflash.model.confidence is None
+    layer_ids = dflash.capture_layer_ids
+    zlab = BlockDrafter(dflash.model, layout=BlockLayout.DFLASH, gamma=4, capture_layer_ids=layer_ids, device=torch.device("cpu"))  # fmt: skip
+    drafts: dict[str, list[list[int]]] = {"dflash": [], "dspark": [], "zlab": []}
+    for prompt, anchor in zip(PROMPTS, (17, 150, 300)):
+        capture = [platform.capture_point(i) for i in layer_ids]
+        batch = ForwardBatch(torch.tensor(prompt), [len(prompt)], [target.new_state()], capture)
+        out = target.forward(batch)
+        nxt = torch.tensor([*prompt[1:], anchor])
+        rows = CommittedRows(torch.tensor(prompt), nxt, out.hidden, out.aux_hidden)
+        for name, d in (("dflash", dflash), ("dspark", dspark), ("zlab", zlab)):
+            state = d.new_state()
+            d.observe([state], [rows])
+            prop = d.propose([state], [DraftRequest(anchor, SamplingParams(), None, 4)], 4)
+            drafts[name].append(prop.tokens[0].tolist())
+    assert drafts["dflash"] == drafts["dspark"]
+    assert drafts["zlab"] != drafts["dspark"]
 
 
 # -- the target distribution through the Markov loop ----------------------------------------

@@ -2,7 +2,9 @@
 
 A checkpoint is a local directory holding ``config.json`` plus either one or more
 ``*.safetensors`` files or a sharded set described by ``*.safetensors.index.json``
-(the index's ``weight_map`` is then the only source of truth). Tensor names, shapes
+(the index's ``weight_map`` is then the only source of truth; every shard it names must
+be a file inside the directory: ``..``, absolute paths and symlinks resolving elsewhere
+are refused, except a Hugging Face cache snapshot's links into its own ``blobs``). Tensor names, shapes
 and dtypes come from the safetensors *headers* (an 8-byte length + a JSON blob at
 the start of each file), so a whole checkpoint can be validated before a single
 tensor is read or a single parameter is allocated.
@@ -119,6 +121,13 @@ def _refetch_hint(file: Path) -> str:
     return f"it belongs to a cached preset: delete {preset} and the next run regenerates it"
 
 
+def _hf_blobs(snapshot: Path) -> list[Path]:
+    """The blob store of a Hugging Face hub cache snapshot (``<repo>/snapshots/<rev>``,
+    whose files are symlinks into ``<repo>/blobs``), where shards may legitimately point."""
+    blobs = snapshot.parent.parent / "blobs"
+    return [blobs] if snapshot.parent.name == "snapshots" and blobs.is_dir() else []
+
+
 class Checkpoint:
     """A local directory with config.json and safetensors (single file or sharded with
     ``*.safetensors.index.json``). Never pickle."""
@@ -182,6 +191,7 @@ class Checkpoint:
         weight_map = _read_json(index_file).get("weight_map")
         if not isinstance(weight_map, dict) or not weight_map:
             raise CheckpointError(f"{index_file} has no 'weight_map' object naming the shards")
+        self._check_shard_paths(index_file, weight_map)  # before any file outside is touched
         problems = []
         for shard in sorted(set(weight_map.values())):
             file = self.path / shard
@@ -201,6 +211,38 @@ class Checkpoint:
             raise CheckpointError(
                 f"checkpoint {self.path} does not match its index {index_file.name}; "
                 "re-download the missing shards",
+                problems=problems,
+            )
+
+    def _check_shard_paths(self, index_file: Path, weight_map: dict) -> None:
+        """Every shard entry must name a file inside the directory: no absolute path, no
+        ``..``, no symlink resolving elsewhere (a crafted index must not make xspec read,
+        or probe, files the checkpoint does not hold). One error lists every bad entry."""
+        root = self.path.resolve()
+        allowed = [root, *_hf_blobs(root)]
+        problems: list[str] = []
+        seen: set[str] = set()
+        for name, shard in weight_map.items():
+            entry = f"{json.dumps(name)}: {json.dumps(shard)}"  # the index line
+            if not isinstance(shard, str):
+                problems.append(f"{entry}: a shard entry must be a file name")
+                continue
+            if shard in seen:
+                continue  # one line per shard: the first tensor that names it
+            seen.add(shard)
+            rel = Path(shard)
+            if rel.is_absolute():
+                problems.append(f"{entry}: the shard path is absolute")
+            elif ".." in rel.parts or not rel.parts:
+                problems.append(f"{entry}: the shard path is not a file inside the directory")
+            elif not any((root / rel).resolve().is_relative_to(a) for a in allowed):
+                problems.append(
+                    f"{entry}: the shard is a symlink resolving to {(root / rel).resolve()}"
+                )
+        if problems:
+            raise CheckpointError(
+                f"{index_file} names shards outside the checkpoint directory {root}; every "
+                "shard must be a file inside it (refused before reading any shard)",
                 problems=problems,
             )
 

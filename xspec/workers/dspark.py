@@ -9,7 +9,9 @@ only when selected) with two functions:
 * ``trained_block_size(layout, spec_cfg, model_cfg) -> int | None``: the default gamma,
   from config.json only;
 * ``load_block_draft(layout, spec_cfg, *, target, model_cfg, platform) -> LoadedDraft``
-  (the platform answers device and SAS-mode questions);
+  (the platform answers device and SAS-mode questions); ``layout`` is the method's, the
+  returned ``LoadedDraft.layout`` the one the checkpoint was trained on, which the
+  drafter runs (a family refuses a checkpoint the method cannot use, naming the other);
 * ``draft_dir(spec_cfg, model_cfg) -> Path`` and ``has_confidence_head(layout, spec_cfg,
   model_cfg) -> bool | None`` (headers only): where the draft is read from (its
   ``confidence_calibration.json`` sits there) and whether it scores its drafts, for
@@ -45,6 +47,7 @@ class LoadedDraft:
     trained_block_size: int  # gamma when spec.num_speculative_tokens is null
     capture_layer_ids: list[int]  # raw checkpoint ids, in the order the draft concatenates
     path: Path  # the draft's directory (a calibration file sits next to its weights)
+    layout: BlockLayout  # the block the draft was trained on (may differ from the method's)
 
 
 def _family(layout: BlockLayout, arch: str) -> ModuleType | str:
@@ -61,14 +64,14 @@ def _family(layout: BlockLayout, arch: str) -> ModuleType | str:
 class DSparkDrafter(BlockDrafter):
     """DSpark: sample from the anchor, Markov head, optional confidence head."""
 
-    layout = BlockLayout.DSPARK
+    method = BlockLayout.DSPARK  # spec.method; ``layout`` (set by __init__) is the draft's
 
     def __init__(self, cfg: Any, *, target: Any, model_cfg: Any, platform: Any) -> None:
-        family = _family(self.layout, model_cfg.arch)
+        family = _family(self.method, model_cfg.arch)
         if isinstance(family, str):
             raise ConfigError(family)
         loaded: LoadedDraft = family.load_block_draft(
-            self.layout, cfg, target=target, model_cfg=model_cfg, platform=platform
+            self.method, cfg, target=target, model_cfg=model_cfg, platform=platform
         )
         gamma = resolve_gamma(cfg.num_speculative_tokens, loaded.trained_block_size, cfg.method)
         path = calibration_path(cfg.adaptive.calibration, loaded.path)
@@ -77,7 +80,7 @@ class DSparkDrafter(BlockDrafter):
             calibration = load_calibration(path, gamma, CALIBRATION_KEY)
         super().__init__(
             loaded.model,
-            layout=self.layout,
+            layout=loaded.layout,  # e.g. DeepSpec's "dflash" drafts: the DSpark block
             gamma=gamma,
             capture_layer_ids=loaded.capture_layer_ids,
             device=platform.device(),
@@ -92,17 +95,17 @@ class DSparkDrafter(BlockDrafter):
         from its config.json (1 when unreadable: preflight reports the checkpoint)."""
         if spec_cfg.num_speculative_tokens is not None:
             return int(spec_cfg.num_speculative_tokens)
-        family = _family(cls.layout, model_cfg.arch)
+        family = _family(cls.method, model_cfg.arch)
         if isinstance(family, str):
             return 1
-        return family.trained_block_size(cls.layout, spec_cfg, model_cfg) or 1
+        return family.trained_block_size(cls.method, spec_cfg, model_cfg) or 1
 
     @classmethod
     def preflight(cls, spec_cfg: Any, model_cfg: Any) -> list[str]:
-        family = _family(cls.layout, model_cfg.arch)
+        family = _family(cls.method, model_cfg.arch)
         if isinstance(family, str):
             return [family]
-        problems = list(family.preflight_block_draft(cls.layout, spec_cfg, model_cfg))
+        problems = list(family.preflight_block_draft(cls.method, spec_cfg, model_cfg))
         if problems:
             return problems
         return _adaptive_problems(cls, family, spec_cfg, model_cfg)
@@ -117,14 +120,14 @@ def _adaptive_problems(
     """``spec.adaptive`` without a confidence head; a calibration file that does not fit."""
     a = spec_cfg.adaptive
     explicit = a.calibration not in (Calibration.auto.value, Calibration.off.value)
-    head = family.has_confidence_head(cls.layout, spec_cfg, model_cfg)
+    head = family.has_confidence_head(cls.method, spec_cfg, model_cfg)
     path = family.draft_dir(spec_cfg, model_cfg)
     if head is False and (a.enabled or explicit):
         setting = (
             "spec.adaptive.enabled=true" if a.enabled else f"{CALIBRATION_KEY}={a.calibration}"
         )
         return [
-            f"{setting} needs a draft with a confidence head; the spec={cls.layout.value} "
+            f"{setting} needs a draft with a confidence head; the spec={cls.method.value} "
             f"draft in {path} has none (DSpark checkpoints store confidence_head.proj.weight; "
             f"DFlash drafts never have one); use spec=dspark with such a draft, or set "
             f"spec.adaptive.enabled=false"
@@ -140,6 +143,8 @@ def _adaptive_problems(
 
 
 class DFlashDrafter(DSparkDrafter):
-    """DFlash: ``[anchor, mask x gamma]``, every mask row sampled on its own."""
+    """DFlash: every block row sampled on its own, no Markov / confidence head. z-lab's
+    drafts use the block ``[anchor, mask x gamma]``; DeepSpec's (``Qwen3DSparkModel`` with
+    ``markov_rank`` 0) the DSpark block, which ``LoadedDraft.layout`` then says."""
 
-    layout = BlockLayout.DFLASH
+    method = BlockLayout.DFLASH

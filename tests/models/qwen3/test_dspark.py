@@ -15,13 +15,18 @@ import torch
 import torch.nn.functional as F
 
 from xspec.config import ModelConfig, PlatformConfig, SpecConfig
-from xspec.errors import ConfigError
+from xspec.errors import CheckpointError, ConfigError
 from xspec.models.base import CaptureSite, ForwardBatch
 from xspec.models.draft_heads import ConfidenceHead, MarkovHead
 from xspec.models.loading import Checkpoint, write_checkpoint
 from xspec.models.qwen3 import load_model
-from xspec.models.qwen3.draft_config import parse_config
-from xspec.models.qwen3.dspark import DraftCache, Qwen3BlockDraft, load_block_draft
+from xspec.models.qwen3.draft_config import parse_config, trained_layout
+from xspec.models.qwen3.dspark import (
+    HEAD_PREFIXES,
+    DraftCache,
+    Qwen3BlockDraft,
+    load_block_draft,
+)
 from xspec.models.qwen3.model import Qwen3Model
 from xspec.models.qwen3.tiny import tiny_draft_dir
 from xspec.platforms.cpu import CpuPlatform
@@ -235,13 +240,61 @@ def test_prefixed_layout_and_target_vocab_draft_the_same(
         assert torch.equal(p.confidence, props[0].confidence)  # type: ignore[arg-type]
 
 
-def test_dflash_skips_the_dspark_heads(target: Qwen3Model) -> None:
-    """A DSpark directory read as DFlash: no Markov / confidence head, gamma = block - 1."""
-    m, _, gamma = load(target, BlockLayout.DFLASH, str(tiny_draft_dir(False, BlockLayout.DSPARK)))
-    assert m.markov is None and m.confidence is None and gamma == 3
-    m, _, gamma = load(target, BlockLayout.DSPARK)
+def test_presets_load_in_their_own_layouts(target: Qwen3Model) -> None:
+    """The DSpark preset (DeepSpec) has both heads and gamma = block; the DFlash preset
+    (z-lab: ``DFlashDraftModel``, ``dflash_config``) none, gamma = block - 1."""
+    spec = {layout: SpecConfig(method=layout.value) for layout in BlockLayout}
+    for layout in BlockLayout:
+        loaded = load_block_draft(
+            layout, spec[layout], target=target, model_cfg=MODEL_CFG, platform=PLATFORM
+        )
+        assert loaded.layout is layout and loaded.trained_block_size == 4
+    m, _, _ = load(target, BlockLayout.DSPARK)
     assert m.markov is not None and m.markov.rank == 32 and m.confidence is not None
-    assert m.confidence.with_markov and m.confidence.proj.bias is not None and gamma == 4
+    assert m.confidence.with_markov and m.confidence.proj.bias is not None
+    m, _, _ = load(target, BlockLayout.DFLASH)
+    assert m.markov is None and m.confidence is None and m.embed_tokens is None
+
+
+@pytest.mark.parametrize(
+    ("config", "want"),
+    [
+        ({"architectures": ["Qwen3DSparkModel"], "dflash_config": {}}, "dspark"),  # arch wins
+        ({"architectures": ["DFlashDraftModel"], "dspark_markov_rank": 8}, "dflash"),
+        ({"dflash_config": {"mask_token_id": 3}}, "dflash"),
+        ({"dspark_target_layer_ids": [1]}, "dspark"),
+        ({"architectures": ["Qwen3ForCausalLM"], "target_layer_ids": [1]}, None),
+    ],
+)
+def test_trained_layout_is_read_from_the_config(config: dict, want: str | None) -> None:
+    assert trained_layout(config)[0] == want
+
+
+def test_method_that_cannot_use_the_draft_is_refused_naming_the_other(target: Qwen3Model) -> None:
+    """A DSpark draft with heads under spec=dflash, a z-lab DFlash draft under spec=dspark:
+    either would read every block row one position off (the old behaviour, silently)."""
+    dspark, dflash = (str(tiny_draft_dir(False, layout)) for layout in BlockLayout)
+    with pytest.raises(CheckpointError, match=r"DSpark draft .*Qwen3DSparkModel.* with a Markov head \(markov_rank=32\) and a confidence head, .* use it with spec=dspark"):  # fmt: skip
+        load(target, BlockLayout.DFLASH, dspark)
+    with pytest.raises(CheckpointError, match=r"DFlash draft .*DFlashDraftModel.*use it with spec=dflash"):  # fmt: skip
+        load(target, BlockLayout.DSPARK, dflash)
+    [problem] = DFlashDrafter.preflight(SpecConfig(method="dflash", draft_path=dspark), MODEL_CFG)
+    assert problem.startswith(f"spec=dflash draft {dspark}: ") and "spec=dspark" in problem
+
+
+@pytest.mark.parametrize("method", ["dspark", "dflash"])
+def test_a_deepseek_v4_dspark_dir_as_qwen3_draft_names_the_real_problem(method: str) -> None:
+    """Regression: the family mismatch was dropped ("invalid ... config (0 problem(s))")."""
+    import xspec
+    from xspec.__main__ import check_jobs
+
+    dsv4 = Path(xspec.__file__).parent / "assets" / "dsv4_tiny_dspark"
+    overrides = ["model=qwen3_tiny", f"spec={method}", f"spec.draft_path={dsv4}"]
+    with pytest.raises(ConfigError) as e:
+        check_jobs([overrides])
+    msg = str(e.value)
+    assert "this is a DeepSeek-V4 DSpark checkpoint ('deepseek_v4'), not a Qwen3" in msg, msg
+    assert "model=dsv4_flash spec=dspark" in msg and "0 problem(s)" not in msg, msg
 
 
 # -- preflight: every problem, before any allocation -------------------------------------
@@ -391,11 +444,15 @@ def deepspec(tmp_path_factory: pytest.TempPathFactory) -> object:
 
 @pytest.mark.slow
 @pytest.mark.filterwarnings("ignore")
+@pytest.mark.parametrize("method", ["dspark", "dflash"])
 @torch.no_grad()
-def test_greedy_proposals_match_deepspec(target: Qwen3Model, deepspec: tuple) -> None:
-    """The preset DSpark draft, loaded by DeepSpec's ``Qwen3DSparkModel`` and by xspec, fed
-    the same target hidden states over four decode steps (batch 1, temperature 0):
-    identical drafts, base logits and confidences."""
+def test_greedy_proposals_match_deepspec(
+    target: Qwen3Model, deepspec: tuple, method: str, tmp_path: Path
+) -> None:
+    """The preset DSpark draft under spec=dspark, and a DeepSpec DFlash draft under
+    spec=dflash, loaded by DeepSpec's ``Qwen3DSparkModel`` and by xspec, fed the same
+    target hidden states over four decode steps (batch 1, temperature 0): identical
+    drafts, base logits and confidences."""
     from transformers import DynamicCache
 
     ops, model_cls = deepspec
@@ -405,10 +462,16 @@ def test_greedy_proposals_match_deepspec(target: Qwen3Model, deepspec: tuple) ->
             if max_length < self.get_seq_length():
                 super().crop(max_length - self.get_seq_length())
 
-    path = tiny_draft_dir(False, BlockLayout.DSPARK)
+    dspark = method == "dspark"
+    path = tiny_draft_dir(False, BlockLayout.DSPARK) if dspark else deepspec_dflash_dir(tmp_path)
     ref = model_cls.from_pretrained(str(path), dtype=torch.float32, attn_implementation="sdpa")
-    m, layer_ids, gamma = load(target, BlockLayout.DSPARK)
-    d = BlockDrafter(m, layout=BlockLayout.DSPARK, gamma=gamma, capture_layer_ids=layer_ids, device=torch.device("cpu"))  # fmt: skip
+    spec = SpecConfig(method=method, draft_path=str(path))
+    loaded = load_block_draft(
+        BlockLayout(method), spec, target=target, model_cfg=MODEL_CFG, platform=PLATFORM
+    )
+    m, layer_ids, gamma = loaded.model, loaded.capture_layer_ids, loaded.trained_block_size
+    assert isinstance(m, Qwen3BlockDraft) and (m.confidence is None) != dspark
+    d = BlockDrafter(m, layout=loaded.layout, gamma=gamma, capture_layer_ids=layer_ids, device=torch.device("cpu"))  # fmt: skip
     toks, anchor, tstate = ids(23, 5), 77, target.new_state()
     aux = target_rows(target, tstate, toks, layer_ids)
     state, cache, start = d.new_state(), Cache(), len(toks)
@@ -432,8 +495,11 @@ def test_greedy_proposals_match_deepspec(target: Qwen3Model, deepspec: tuple) ->
         assert got.tokens.tolist() == want.verify_input_ids[:, 1:].tolist(), f"step {step}"
         diff = (m.forward_block([state], block)[1] - ref.compute_logits(hidden)).abs().max()
         worst = max(worst, diff.item())
-        conf = want.confidence_logits.sigmoid()
-        assert torch.allclose(got.confidence, conf, atol=1e-5), f"step {step}"  # type: ignore[arg-type]
+        if dspark:
+            conf = want.confidence_logits.sigmoid()
+            assert torch.allclose(got.confidence, conf, atol=1e-5), f"step {step}"  # type: ignore[arg-type]
+        else:
+            assert got.confidence is None and want.confidence_logits is None
         committed = [anchor, *got.tokens[0, :2].tolist()]  # accept two drafts
         aux = target_rows(target, tstate, committed, layer_ids)
         anchor = (int(got.tokens[0, 2]) + 5) % 512  # a correction token
@@ -446,21 +512,30 @@ def test_greedy_proposals_match_deepspec(target: Qwen3Model, deepspec: tuple) ->
     assert worst < 1e-4
 
 
+def deepspec_dflash_dir(path: Path) -> Path:
+    """A draft directory as DeepSpec's ``config/dflash/*.py`` trains it: ``Qwen3DSparkModel``
+    with ``markov_rank`` 0 and no confidence head; ``block_size`` = gamma (the DSpark block
+    ``[anchor, noise x (gamma-1)]``, not z-lab's ``[anchor, mask x gamma]``)."""
+    src = tiny_draft_dir(False, BlockLayout.DSPARK)
+    heads = tuple(n for n in Checkpoint(src).names() if n.startswith(HEAD_PREFIXES))
+    config = {
+        "markov_rank": 0,
+        "enable_confidence_head": False,
+        "markov_head_type": None,  # DeepSpec writes neither key without the heads
+        "confidence_head_with_markov": None,
+    }
+    rewrite(src, path, config=config, drop=heads)
+    kept = {k: v for k, v in Checkpoint(path).config.items() if v is not None}
+    (path / "config.json").write_text(json.dumps(kept))
+    return path
+
+
 def test_dspark_layout_without_markov_head(tmp_path: Path) -> None:
     """DeepSpec's DFlash configs: the sample-from-anchor block with markov_rank 0 (no
     Markov or confidence head) runs under spec=dspark, exactly."""
     import xspec
 
-    names = Checkpoint(tiny_draft_dir(False, BlockLayout.DSPARK)).names()
-    heads = [n for n in names if n.startswith(("markov_head.", "confidence_head."))]
-    config = {
-        "markov_rank": 0,
-        "enable_confidence_head": False,
-        "confidence_head_with_markov": False,
-    }
-    path = rewrite(
-        tiny_draft_dir(False, BlockLayout.DSPARK), tmp_path / "d", config=config, drop=tuple(heads)
-    )
+    path = deepspec_dflash_dir(tmp_path / "d")
     base = xspec.LLM(model="qwen3_tiny", spec="none", platform="cpu")
     llm = xspec.LLM(
         model="qwen3_tiny", spec="dspark", platform="cpu", overrides={"spec.draft_path": str(path)}

@@ -146,6 +146,7 @@ def num_routed_experts(cfg: Any) -> int | None:
 # read by xspec.build.check
 load_model.preflight = preflight  # type: ignore[attr-defined]
 load_model.num_routed_experts = num_routed_experts  # type: ignore[attr-defined]
+load_model.checkpoint_path = lambda cfg: checkpoint_path(cfg)  # type: ignore[attr-defined]
 
 
 def checkpoint_path(cfg: Any) -> Path:

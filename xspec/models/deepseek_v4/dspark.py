@@ -674,6 +674,7 @@ def load_block_draft(
     layout: Any, spec_cfg: Any, *, target: Any, model_cfg: Any, platform: Any
 ) -> Any:
     from xspec.models.deepseek_v4.model import DeepseekV4Model
+    from xspec.workers.block import BlockLayout
     from xspec.workers.dspark import LoadedDraft
 
     if not isinstance(target, DeepseekV4Model):
@@ -690,4 +691,6 @@ def load_block_draft(
         device=platform.device(),
         expert_parallel=target.expert_parallel,  # the target's EP share
     )
-    return LoadedDraft(draft, plan.block_size, plan.capture_layer_ids, plan.ckpt.path)
+    return LoadedDraft(
+        draft, plan.block_size, plan.capture_layer_ids, plan.ckpt.path, BlockLayout.DSPARK
+    )

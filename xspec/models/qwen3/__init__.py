@@ -93,6 +93,7 @@ def preflight(cfg: Any) -> list[str]:
 
 
 load_model.preflight = preflight  # type: ignore[attr-defined]  # read by xspec.build.check
+load_model.checkpoint_path = lambda cfg: _checkpoint_path(cfg)  # type: ignore[attr-defined]
 
 
 def checkpoint_key(name: str, args: Qwen3Args) -> str | None:

@@ -13,8 +13,14 @@ of Qwen3 decoder layers conditioned on the target's hidden states captured at
   input, as in DeepSpec), logits through ``lm_head``.
 * Vocabulary: the draft's own ``embed_tokens`` / ``lm_head`` when its directory has them
   (DeepSpec saves and can train them), else the target's.
-* DFlash (``[anchor, mask x gamma]``) uses no Markov / confidence head even when the
-  directory has them (their tensors are then skipped).
+* Layout: the draft's config.json says which block it was trained on
+  (:func:`~xspec.models.qwen3.draft_config.trained_layout`), and that layout is used
+  whatever the method: DeepSpec's "dflash" drafts (``Qwen3DSparkModel`` with
+  ``markov_rank`` 0, no confidence head) run the DSpark block under ``spec=dflash``. A
+  draft that needs the other method is refused naming it (a DSpark draft with a Markov /
+  confidence head under ``spec=dflash``; a z-lab DFlash draft under ``spec=dspark``).
+  Where config.json does not say, the method's layout is used, and DFlash skips any
+  Markov / confidence tensors.
 
 Checkpoint names (an optional leading ``model.`` is stripped) are the DeepSpec
 ``Qwen3DSparkModel.state_dict()`` keys; :data:`NAME_MAP` is the only renaming (the heads
@@ -26,6 +32,7 @@ tables): the draft is Qwen3 math, not a second copy of it. Draft layers are alwa
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -52,6 +59,8 @@ from xspec.workers.block import BlockLayout
 if TYPE_CHECKING:
     from xspec.models.qwen3.model import Qwen3Model
     from xspec.workers.dspark import LoadedDraft
+
+log = logging.getLogger(__name__)
 
 DEFAULT_GAMMA = 4  # drafts per step when config.json has no block_size
 EXAMPLE_DIR = "/dir/of/qwen3/draft (config.json with target_layer_ids, mask_token_id)"
@@ -105,12 +114,42 @@ def plan_for(layout: BlockLayout, cfg: DraftConfig, *, own_vocab: bool) -> Draft
     return DraftPlan(layout, cfg, own_vocab, own_vocab, confidence_bias=True)
 
 
+def block_layout(method: BlockLayout, cfg: DraftConfig, where: Path) -> BlockLayout:
+    """The layout to run a draft with under ``spec=<method>``: the one it was trained on.
+
+    Raises a CheckpointError naming the other method when this one cannot use the draft.
+    """
+    trained = BlockLayout(cfg.layout) if cfg.layout is not None else method
+    if trained is method:
+        return method
+    if trained is BlockLayout.DSPARK:
+        heads = [f"a Markov head (markov_rank={cfg.markov_rank})"] if cfg.markov_rank else []
+        heads += ["a confidence head"] if cfg.confidence else []
+        if not heads:  # DeepSpec's DFlash: the sample-from-anchor block, nothing else
+            log.info(
+                "spec=dflash: %s is a DeepSpec DFlash draft (%s, markov_rank 0): running its "
+                "block [anchor, noise x (gamma-1)], row i predicting p+i+1",
+                where.parent, cfg.layout_source,
+            )  # fmt: skip
+            return trained
+        raise CheckpointError(
+            f"{where}: this is a DSpark draft ({cfg.layout_source}) with "
+            f"{' and '.join(heads)}, which spec=dflash does not use; use it with spec=dspark"
+        )
+    raise CheckpointError(
+        f"{where}: this is a DFlash draft ({cfg.layout_source}: block [anchor, mask x gamma], "
+        "row i predicting p+i); DSpark would read every row one position off; use it with "
+        "spec=dflash"
+    )
+
+
 def plan_draft(
-    layout: BlockLayout, draft_dir: Path, target: Qwen3Args
+    method: BlockLayout, draft_dir: Path, target: Qwen3Args
 ) -> tuple[Checkpoint, DraftPlan]:
     """Read and check the draft directory against the target (headers only)."""
     ckpt = Checkpoint(draft_dir)
     cfg = parse_config(ckpt.config, ckpt.path / CONFIG_NAME)
+    layout = block_layout(method, cfg, ckpt.path / CONFIG_NAME)
     problems = _target_problems(layout, cfg, target)
     if problems:
         raise CheckpointError(
@@ -340,7 +379,7 @@ def draft_dir(spec_cfg: Any, model_cfg: Any) -> Path:
     )
 
 
-def preflight_block_draft(layout: BlockLayout, spec_cfg: Any, model_cfg: Any) -> list[str]:
+def preflight_block_draft(method: BlockLayout, spec_cfg: Any, model_cfg: Any) -> list[str]:
     """Every problem of the draft for this target, from config.json and headers only."""
     from xspec.models.qwen3 import _checkpoint_path
 
@@ -354,46 +393,47 @@ def preflight_block_draft(layout: BlockLayout, spec_cfg: Any, model_cfg: Any) ->
     except UserError as e:
         return [str(e)]
     try:
-        plan_draft(layout, path, target_args)
+        plan_draft(method, path, target_args)
     except UserError as e:
-        where = f"spec={layout.value} draft {path}"
+        where = f"spec={method.value} draft {path}"
         return [f"{where}: {p}" for p in e.problems] or [f"{where}: {e}"]
     return []
 
 
-def _config_plan(layout: BlockLayout, spec_cfg: Any, model_cfg: Any) -> DraftPlan | None:
-    """The plan from the draft's config.json alone (None when it cannot be read:
-    ``preflight_block_draft`` reports why)."""
+def _config_plan(method: BlockLayout, spec_cfg: Any, model_cfg: Any) -> DraftPlan | None:
+    """The plan from the draft's config.json alone (None when it cannot be read or does
+    not suit the method: ``preflight_block_draft`` reports why)."""
     try:
         ckpt = Checkpoint(draft_dir(spec_cfg, model_cfg))
         cfg = parse_config(ckpt.config, ckpt.path / CONFIG_NAME)
+        layout = block_layout(method, cfg, ckpt.path / CONFIG_NAME)
     except UserError:
         return None
     return plan_for(layout, cfg, own_vocab=False)
 
 
-def trained_block_size(layout: BlockLayout, spec_cfg: Any, model_cfg: Any) -> int | None:
+def trained_block_size(method: BlockLayout, spec_cfg: Any, model_cfg: Any) -> int | None:
     """The draft's default gamma from its config.json."""
-    plan = _config_plan(layout, spec_cfg, model_cfg)
+    plan = _config_plan(method, spec_cfg, model_cfg)
     return plan.trained_gamma if plan is not None else None
 
 
-def has_confidence_head(layout: BlockLayout, spec_cfg: Any, model_cfg: Any) -> bool | None:
-    """Whether this layout's draft scores its proposals (DSpark with
-    ``enable_confidence_head``; never DFlash)."""
-    plan = _config_plan(layout, spec_cfg, model_cfg)
+def has_confidence_head(method: BlockLayout, spec_cfg: Any, model_cfg: Any) -> bool | None:
+    """Whether the draft scores its proposals (a DSpark-layout draft with
+    ``enable_confidence_head``; refused under spec=dflash, never in z-lab DFlash)."""
+    plan = _config_plan(method, spec_cfg, model_cfg)
     return plan.use_confidence if plan is not None else None
 
 
 def load_block_draft(
-    layout: BlockLayout, spec_cfg: Any, *, target: Any, model_cfg: Any, platform: Any
+    method: BlockLayout, spec_cfg: Any, *, target: Any, model_cfg: Any, platform: Any
 ) -> LoadedDraft:
     from xspec.models.qwen3.model import Qwen3Model
     from xspec.workers.dspark import LoadedDraft
 
     if not isinstance(target, Qwen3Model):
-        raise CheckpointError(f"a Qwen3 {layout.value} draft needs a Qwen3 target")
-    ckpt, plan = plan_draft(layout, draft_dir(spec_cfg, model_cfg), target.args)
+        raise CheckpointError(f"a Qwen3 {method.value} draft needs a Qwen3 target")
+    ckpt, plan = plan_draft(method, draft_dir(spec_cfg, model_cfg), target.args)
     model = Qwen3BlockDraft(
         plan,
         target=target,
@@ -407,4 +447,5 @@ def load_block_draft(
         trained_block_size=plan.trained_gamma,
         capture_layer_ids=list(plan.cfg.target_layer_ids),
         path=ckpt.path,
+        layout=plan.layout,
     )

@@ -44,9 +44,9 @@ def tiny_dir(moe: bool) -> Path:
     return preset_dir(preset_name(moe), VERSION, lambda dst: generate_tiny(dst, moe=moe))
 
 
-# -- companion DSpark / DFlash drafts (random, in DeepSpec's directory layout) -------------
+# -- companion drafts (random): DSpark in DeepSpec's layout, DFlash in z-lab's -----------
 
-DRAFT_VERSION = "2"
+DRAFT_VERSION = "3"
 DRAFT_LAYERS = 2
 DRAFT_TARGET_LAYER_IDS = [-1, 1, 2]  # -1 = the embedding output (DeepSpec allows it)
 DRAFT_MASK_ID = 258  # first id after bos / eos
@@ -55,33 +55,49 @@ DRAFT_GAMMA = 4
 
 
 def draft_config(moe: bool, layout: BlockLayout) -> dict:
-    """config.json as DeepSpec's ``build_draft_config`` writes it: the target's config
-    plus the draft keys (DSpark: Markov head + confidence head with Markov; DFlash: none)."""
+    """config.json of a companion draft: the target's config plus the draft keys.
+
+    DSpark as DeepSpec's ``build_draft_config`` writes it (``Qwen3DSparkModel``, Markov
+    head + confidence head with Markov); DFlash as z-lab publishes it
+    (``DFlashDraftModel``, a ``dflash_config`` object, no heads, the target's vocabulary).
+    """
     from xspec.workers.block import BlockLayout
 
-    dspark = layout is BlockLayout.DSPARK
-    config = Qwen3Args.tiny(moe).to_config() | {
-        "architectures": ["Qwen3DSparkModel"],
+    common = {
         "num_target_layers": Qwen3Args.tiny(moe).num_hidden_layers,
         "num_hidden_layers": DRAFT_LAYERS,
         "max_window_layers": DRAFT_LAYERS,
         "layer_types": ["full_attention"] * DRAFT_LAYERS,
         "tie_word_embeddings": False,
         "block_size": layout.width(DRAFT_GAMMA),
-        "mask_token_id": DRAFT_MASK_ID,
-        "target_layer_ids": list(DRAFT_TARGET_LAYER_IDS),
-        "num_anchors": 512,
-        "markov_rank": DRAFT_MARKOV_RANK if dspark else 0,
-        "enable_confidence_head": dspark,
     }
-    if dspark:
-        config |= {"markov_head_type": "vanilla", "confidence_head_with_markov": True}
-    return config
+    own = (
+        {
+            "architectures": ["DFlashDraftModel"],
+            "dflash_config": {
+                "mask_token_id": DRAFT_MASK_ID,
+                "target_layer_ids": list(DRAFT_TARGET_LAYER_IDS),
+            },
+        }
+        if layout is BlockLayout.DFLASH
+        else {
+            "architectures": ["Qwen3DSparkModel"],
+            "mask_token_id": DRAFT_MASK_ID,
+            "target_layer_ids": list(DRAFT_TARGET_LAYER_IDS),
+            "num_anchors": 512,
+            "markov_rank": DRAFT_MARKOV_RANK,
+            "markov_head_type": "vanilla",
+            "enable_confidence_head": True,
+            "confidence_head_with_markov": True,
+        }
+    )
+    return Qwen3Args.tiny(moe).to_config() | common | own
 
 
 def generate_draft(path: str | Path, *, moe: bool, layout: BlockLayout, seed: int = 1) -> None:
-    """Write a random draft for the tiny preset into ``path`` in DeepSpec's tensor names,
-    with its own ``embed_tokens`` / ``lm_head`` copied from the target (as DeepSpec does)."""
+    """Write a random draft for the tiny preset into ``path`` in DeepSpec's tensor names;
+    DSpark with its own ``embed_tokens`` / ``lm_head`` copied from the target (as DeepSpec
+    does), DFlash without (z-lab's drafts read the target's)."""
     import math
 
     import torch
@@ -89,9 +105,11 @@ def generate_draft(path: str | Path, *, moe: bool, layout: BlockLayout, seed: in
     from xspec.models.loading import Checkpoint, write_checkpoint
     from xspec.models.qwen3.draft_config import parse_config
     from xspec.models.qwen3.dspark import NAME_MAP, Qwen3BlockDraft, plan_for
+    from xspec.workers.block import BlockLayout
 
     config = draft_config(moe, layout)
-    plan = plan_for(layout, parse_config(config, Path(path) / "config.json"), own_vocab=True)
+    own_vocab = layout is BlockLayout.DSPARK
+    plan = plan_for(layout, parse_config(config, Path(path) / "config.json"), own_vocab=own_vocab)
     model = Qwen3BlockDraft(plan, target=None)
     target = Checkpoint(tiny_dir(moe))
     embed = target.get("model.embed_tokens.weight")
