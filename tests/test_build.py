@@ -91,3 +91,64 @@ def test_every_job_of_a_sweep_is_checked_first() -> None:
     assert "needs a DeepSeek-V4 target" in msg and "limit of 16" in msg
     assert "has no effect with spec=none" in msg
     check_jobs(_override_sets(["-m", "spec=none,oracle", "model=qwen3_tiny"]))  # all fine
+
+
+def _built_for(workload: object) -> object:
+    """Just what plan_summary reads: the workload, a byte tokenizer, a memory plan."""
+    from types import SimpleNamespace
+
+    from xspec.engine.memory import MemoryPlan
+    from xspec.models.base import KvBytes
+    from xspec.tokenizer import ByteTokenizer
+
+    plan = MemoryPlan(
+        budget=2**30, weights=0, target=KvBytes(0, 100.0), draft=KvBytes(), workspace=0,
+        gamma=2, max_context=4096,
+    )  # fmt: skip
+    return SimpleNamespace(
+        cfg=SimpleNamespace(workload=workload),
+        tokenizer=ByteTokenizer(300, None, [1]),
+        engine=SimpleNamespace(plan=plan),
+        parallel=SimpleNamespace(topology=SimpleNamespace(world=1)),
+        expert_bytes=None,
+        profile=None,
+    )
+
+
+def test_plan_summary_uses_the_real_workload(tmp_path: object) -> None:
+    """Synthetic lengths, a prompts file's longest request (its own budget included), text
+    prompts: the plan's per-sequence line is the workload's longest request."""
+    import json
+    from pathlib import Path
+
+    from xspec.build import plan_summary
+    from xspec.config import WorkloadConfig, WorkloadKind
+
+    synthetic = WorkloadConfig(kind=WorkloadKind.synthetic, input_len=300, output_len=20)
+    assert "workload: 300 prompt + 20 new + 2 draft = 322 tokens" in plan_summary(
+        _built_for(synthetic)  # type: ignore[arg-type]
+    )
+    file = Path(str(tmp_path)) / "p.jsonl"
+    lines = [{"prompt": "hello"}, {"prompt_token_ids": [5] * 50, "max_new_tokens": 7}]
+    file.write_text("".join(json.dumps(x) + "\n" for x in lines))
+    from_file = WorkloadConfig(prompts_file=str(file), max_new_tokens=16)
+    assert "workload: 50 prompt + 7 new + 2 draft = 59 tokens" in plan_summary(
+        _built_for(from_file)  # type: ignore[arg-type]
+    )
+    text = WorkloadConfig(prompts=["abc", "a" * 12], max_new_tokens=16)
+    assert "workload: 12 prompt + 16 new" in plan_summary(_built_for(text))  # type: ignore[arg-type]
+
+
+@pytest.mark.usefixtures("no_weights")
+def test_context_fit_reads_the_checkpoint_before_loading() -> None:
+    """The limit (config.json's max_position_embeddings, or model.max_context), the
+    drafter's gamma and the tokenizer, with no weight loaded."""
+    from xspec.build import context_fit
+
+    fit = context_fit(compose_run(["model=qwen3_tiny", "spec=oracle", "platform=cpu"]))
+    assert fit is not None and (fit.max_context, fit.gamma) == (2048, 3)
+    assert fit.encode is not None and len(fit.encode("hello")) == 5  # byte tokenizer
+    assert "max_position_embeddings" in fit.source and fit.raise_to is None
+    fit = context_fit(compose_run(["model=qwen3_tiny", "spec=none", "model.max_context=64"]))
+    assert fit is not None and (fit.max_context, fit.gamma, fit.raise_to) == (64, 0, 2048)
+    assert fit.source == "model.max_context=64"

@@ -83,3 +83,33 @@ def test_validate_lists_every_problem() -> None:
     ):
         assert key in msg
     assert "known: " in msg
+
+
+def float_keys(schema: type, prefix: str = "") -> list[str]:
+    """Every float field of the schema tree (``float`` or ``float | None``), dotted."""
+    from dataclasses import fields, is_dataclass
+    from typing import get_type_hints
+
+    out = []
+    for name, hint in get_type_hints(schema).items():
+        if name not in {f.name for f in fields(schema)}:
+            continue
+        if is_dataclass(hint):
+            out += float_keys(hint, f"{prefix}{name}.")  # type: ignore[arg-type]
+        elif float in getattr(hint, "__args__", (hint,)):
+            out.append(prefix + name)
+    return out
+
+
+def test_every_float_field_refuses_nan_and_infinity() -> None:
+    """Walked generically: a float field added later is covered without a new check."""
+    keys = float_keys(RunConfig)
+    assert {"engine.memory_budget", "parallel.timeout_s", "sampling.top_p"} <= set(keys)
+    for key in keys:
+        for value in ("nan", "inf", "-inf"):
+            with pytest.raises(ConfigError) as e:
+                validate(compose_run([f"{key}={value}"]))
+            assert e.value.problems == [
+                f"{key} must be a finite number (got {float(value)}): NaN and infinity are "
+                "not allowed; give a finite value or leave the key at its default"
+            ], (key, value)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import math
 
 import pytest
 import torch
@@ -171,6 +172,20 @@ def test_confidence_calibration_per_position() -> None:
     assert "confidence[2]" in m.report().format()
     assert "predicted_accepted_tokens_per_pos" in m.exposition()
     assert SpecDecodeMetrics().report().calibration == []
+
+
+def test_a_nan_confidence_is_left_out_of_the_calibration() -> None:
+    """A drafter whose confidence head returns NaN: the row counts as drafted and
+    accepted as usual but not in predicted-vs-realised (results.json is strict JSON)."""
+    m = SpecDecodeMetrics()
+    out = torch.tensor([[5, 6, -1], [8, 9, -1]])  # both accepted 1 of 2
+    conf = torch.tensor([[float("nan"), 0.5], [0.8, 0.5]])
+    m.observe_step(out, torch.tensor([2, 2]), conf)
+    r = m.report()
+    assert r.calibration == [(pytest.approx(0.8), 1.0), (pytest.approx(0.4), 0.0)]
+    assert r.predicted_acceptance_rate is not None
+    assert math.isfinite(r.predicted_acceptance_rate)
+    assert r.num_accepted_tokens == 2
 
 
 def test_target_rows_wasted_rows_and_predicted_acceptance() -> None:

@@ -42,6 +42,22 @@ def test_tpot_leaves_out_one_token_requests() -> None:
     assert "TPOT mean=n/a" in format_timings([gen(1, 0.01, 0.01)])
 
 
+def test_queue_wait_is_its_own_figure() -> None:
+    """Two requests one after the other: the second waits 70 ms for the first; that is
+    its queue time, not part of its TTFT / e2e. The wall time runs to the last token."""
+    first = Generation([1], list(range(5)), 0.030, 0.070, 0, admitted_at=0.0)
+    second = Generation([1], list(range(5)), 0.090, 0.130, 0, admitted_at=0.070)
+    assert second.queue_s == pytest.approx(0.070) and second.ttft_s == pytest.approx(0.020)
+    assert second.latency_s == pytest.approx(0.060) and second.tpot_s == pytest.approx(0.010)
+    t = timings([first, second])
+    assert t.ttft_ms == pytest.approx(25.0) and t.queue_ms == pytest.approx(35.0)
+    assert t.e2e_ms == pytest.approx(65.0) and t.tpot_ms == pytest.approx(10.0)
+    assert t.wall_s == pytest.approx(0.130) and t.throughput == pytest.approx(10 / 0.130)
+    line = format_timings([first, second]).splitlines()[1]
+    assert "TTFT mean=25.0 ms" in line and "queue mean=35.0 ms" in line
+    assert "e2e mean=65.0 ms" in line
+
+
 def test_warmup_is_excluded_and_repeats_are_measured() -> None:
     llm = xspec.LLM(model="qwen3_tiny", spec="oracle", platform="cpu")  # gamma 3
     built = llm._built

@@ -108,6 +108,7 @@ class LLM:
         """Target logits ``[T, vocab]`` (float32) for one sequence (ids, or text through the
         tokenizer), from a fresh state."""
         target = self._built.target
+        _refuse_bytes(token_ids, "score")
         if isinstance(token_ids, torch.Tensor):
             token_ids = token_ids.tolist()
         if not isinstance(token_ids, str) and not _is_id_sequence(token_ids):
@@ -143,6 +144,7 @@ def _as_prompt_list(prompts: Prompt | Sequence[Prompt]) -> list[Prompt]:
     """One prompt (a string or a list of ids) or a list of prompts -> a list of prompts."""
     if isinstance(prompts, str):
         return [prompts]
+    _refuse_bytes(prompts, "prompts")
     if isinstance(prompts, torch.Tensor):
         prompts = prompts.tolist()
     if not isinstance(prompts, Sequence):
@@ -154,6 +156,7 @@ def _as_prompt_list(prompts: Prompt | Sequence[Prompt]) -> list[Prompt]:
         return [cast(Sequence[int], prompts)]  # one token-id prompt (each id checked later)
     out: list[Prompt] = []
     for i, p in enumerate(prompts):
+        _refuse_bytes(p, f"request {i}")
         if isinstance(p, torch.Tensor):
             p = p.tolist()
         if not isinstance(p, str) and not _is_id_sequence(p):
@@ -162,6 +165,17 @@ def _as_prompt_list(prompts: Prompt | Sequence[Prompt]) -> list[Prompt]:
             )
         out.append(cast(Prompt, p))
     return out
+
+
+def _refuse_bytes(x: Any, where: str) -> None:
+    """bytes (and bytearray, memoryview) are sequences of ints: without this check
+    ``b"def f"`` would be taken as five token ids."""
+    if isinstance(x, bytes | bytearray | memoryview):
+        raise RequestError(
+            f"{where}: got {_describe(x)}; a prompt is text (str) or a list of int token "
+            "ids, not bytes: decode it first (e.g. data.decode('utf-8')), or pass "
+            "list(data) if its byte values really are token ids"
+        )
 
 
 def _is_number(x: Any) -> bool:

@@ -14,6 +14,7 @@ heavy (weights, caches, devices) is touched.
 from __future__ import annotations
 
 import enum
+import math
 from dataclasses import dataclass, field, fields, is_dataclass
 from importlib import resources
 from pathlib import Path
@@ -319,6 +320,26 @@ def parallel_problems(p: ParallelConfig) -> list[str]:
     return problems
 
 
+def nonfinite_problems(node: Any, prefix: str = "") -> list[str]:
+    """Every float of the config tree that is NaN or infinite (``engine.memory_budget=inf``,
+    ``parallel.timeout_s=nan``): no range check means anything for them, and results.json
+    (strict JSON) cannot hold them."""
+    if is_dataclass(node):
+        return [
+            p
+            for f in fields(node)
+            for p in nonfinite_problems(getattr(node, f.name), f"{prefix}.{f.name}".lstrip("."))
+        ]
+    if isinstance(node, list | tuple):
+        return [p for i, v in enumerate(node) for p in nonfinite_problems(v, f"{prefix}[{i}]")]
+    if isinstance(node, float) and not math.isfinite(node):
+        return [
+            f"{prefix} must be a finite number (got {node}): NaN and infinity are not allowed; "
+            "give a finite value or leave the key at its default"
+        ]
+    return []
+
+
 def validate(cfg: RunConfig) -> None:
     """Every config-level problem at once (registry names, ranges)."""
     from xspec.registry import models, platforms, spec_methods
@@ -386,5 +407,8 @@ def validate(cfg: RunConfig) -> None:
     problems += SamplingParams(
         temperature=s.temperature, top_k=s.top_k, top_p=s.top_p, seed=s.seed
     ).problems()
+    if nonfinite := nonfinite_problems(cfg):  # one message per key: drop its range message
+        keys = {p.split(" ", 1)[0] for p in nonfinite}
+        problems = nonfinite + [p for p in problems if p.split(" ", 1)[0] not in keys]
     if problems:
         raise ConfigError("invalid configuration:", problems=problems)

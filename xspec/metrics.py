@@ -223,12 +223,13 @@ class SpecDecodeMetrics:
         self._tokens_per_step.set(_ratio(self._num_committed, self._row_steps))
 
     def _observe_confidence(self, confidence: Tensor, accepted: Tensor, drafted: Tensor) -> None:
-        """Predicted survival ``prod_{i<=k} c_i`` vs realised acceptance, per position."""
+        """Predicted survival ``prod_{i<=k} c_i`` vs realised acceptance, per position.
+        A row whose prediction is not finite (a NaN confidence head) is left out of it."""
         conf = confidence.detach().to("cpu", torch.float64)  # [B, G]
         width = min(conf.shape[1], int(drafted.max())) if drafted.numel() else 0
         predicted = conf[:, :width].cumprod(dim=1)  # [B, width]
         for k in range(width):
-            rows = drafted > k  # [B] rows that drafted position k
+            rows = (drafted > k) & predicted[:, k].isfinite()  # [B] drafted position k
             if len(self._calib) <= k:
                 self._calib.append([0.0, 0.0, 0.0])
             entry = self._calib[k]

@@ -59,6 +59,9 @@ def test_scrape_serves_spec_counters_and_request_histograms(exporter: MetricsExp
     ttfts = [r["ttft_ms"] / 1e3 for r in result["requests"]]
     assert m["xspec_request_ttft_seconds_sum"][job] == pytest.approx(sum(ttfts))
     assert m["xspec_request_e2e_seconds_count"][job] == 4
+    queues = [r["queue_ms"] / 1e3 for r in result["requests"]]
+    assert m["xspec_request_queue_seconds_count"][job] == 4
+    assert m["xspec_request_queue_seconds_sum"][job] == pytest.approx(sum(queues))
     assert m["xspec_request_tpot_seconds_count"][job] == 4
     assert m["xspec_request_output_tokens_sum"][job] == 4 * 9
     assert m["xspec_request_prompt_tokens_sum"][job] == 2 * (2 + 3)

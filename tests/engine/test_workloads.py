@@ -99,3 +99,38 @@ def test_synthetic_run_generates_exact_lengths() -> None:
 
     (gens,) = run_workload(built, w, SamplingConfig(), io.StringIO())
     assert [(len(g.prompt_ids), len(g.token_ids)) for g in gens] == [(9, 4)] * 3
+
+
+def test_requests_the_context_cannot_hold_are_refused_at_load(tmp_path: Path) -> None:
+    """After the build, the loaded model's limit, gamma and tokenizer decide: a prompt that
+    cannot get one token, a budget too large for a prompt, a request the memory plan cannot
+    hold are one ConfigError before the run (the engine would drop them one by one)."""
+    from xspec.engine.workloads import ContextFit
+
+    fit = ContextFit(40, 2, TOK.encode, "model.max_context=40", raise_to=100)
+    w = WorkloadConfig(prompts=["x" * 38, "y" * 20, "z" * 5], max_new_tokens=30, num_requests=3)
+    with pytest.raises(ConfigError) as e:
+        load_workload(w, TOK, 300, PARAMS, fit)
+    assert e.value.problems == [
+        "workload.prompts[0] is 38 tokens long: with 1 new token + 2 draft rows it already "
+        "exceeds the model context of 40 tokens (model.max_context=40); shorten it to at most "
+        "37 tokens or raise model.max_context (up to 100)",
+        "workload.max_new_tokens=30 is too large for the model context of 40 tokens "
+        "(model.max_context=40) with workload.prompts[1] (longest: 20 prompt tokens + 30 new + "
+        "2 draft rows = 52); set workload.max_new_tokens <= 18, shorten the prompt or raise "
+        "model.max_context (up to 100)",
+    ]  # prompts[2] fits: 5 + 30 + 2 <= 40
+    w.num_requests = 1  # only the prompts actually sent are checked
+    w.prompts = ["z" * 5, "x" * 38]
+    assert len(load_workload(w, TOK, 300, PARAMS, fit).requests) == 1
+
+    def memory(prompt_len: int, max_new_tokens: int) -> str | None:
+        return "needs 9 bytes but the plan has 8" if prompt_len > 3 else None
+
+    synthetic = WorkloadConfig(kind=WorkloadKind.synthetic, input_len=4, output_len=2)
+    with pytest.raises(ConfigError) as e:
+        load_workload(synthetic, TOK, 300, PARAMS, ContextFit(40, 2, None, memory=memory))
+    assert e.value.problems == [
+        "workload.input_len=4 (4 prompt tokens + workload.output_len=2): needs 9 bytes but "
+        "the plan has 8"
+    ]

@@ -8,6 +8,8 @@ case (:mod:`xspec.engine.memory`), each completion frees it, and waiting request
 admitted between two decode steps as others finish. It runs
 :func:`xspec.workers.step.prefill` / ``decode_step`` and ends a request at a stop id, at
 a stop string, or at ``max_new_tokens``, whichever comes first; nothing after it is kept.
+Every request arrives at the start of the run; its TTFT and latency count from its
+admission, the wait before it is its queue time (:class:`Generation`).
 
 Under expert parallelism (``lockstep``) each iteration first agrees its shape with the
 other ranks and tops up with idle forwards; a rank without work keeps iterating until no
@@ -52,22 +54,42 @@ class Request:
 
 @dataclass
 class Generation:
-    """One request's result. Times are seconds from the start of ``Engine.run``."""
+    """One request's result. The ``*_at`` times are seconds from the start of
+    ``Engine.run``, when every request arrives. Latencies count from admission, as
+    ``vllm bench serve --max-concurrency`` does; the wait before it is ``queue_s``
+    (docs/metrics.md)."""
 
     prompt_ids: list[int]
     token_ids: list[int]  # generated ids only
-    ttft_s: float  # time to first token
-    latency_s: float  # time to the last token
+    first_token_at: float  # its first token committed (after its prefill)
+    finished_at: float  # its last token committed, or the step that failed it
     num_steps: int  # decode steps this request took part in
     text: str = ""
     error: str | None = None  # why the request stopped early (e.g. NaN logits); None = fine
+    # taken into the running batch: a concurrency slot and its memory reservation
+    admitted_at: float = 0.0
+
+    @property
+    def queue_s(self) -> float:
+        """Time waiting for admission (from arrival, the start of the run)."""
+        return self.admitted_at
+
+    @property
+    def ttft_s(self) -> float:
+        """Time to first token, from admission (the queue wait excluded)."""
+        return self.first_token_at - self.admitted_at
+
+    @property
+    def latency_s(self) -> float:
+        """End-to-end latency: admission to the last token."""
+        return self.finished_at - self.admitted_at
 
     @property
     def tpot_s(self) -> float | None:
         """Time per output token after the first; None for a one-token generation (it
         has no such token: serving benchmarks leave it out of TPOT rather than count 0)."""
         n = len(self.token_ids) - 1
-        return (self.latency_s - self.ttft_s) / n if n > 0 else None
+        return (self.finished_at - self.first_token_at) / n if n > 0 else None
 
 
 class Engine:
@@ -86,8 +108,11 @@ class Engine:
         # spec.adaptive: drafts each request verifies, from the proposal's confidences
         schedule: Callable[[Any, list[int]], list[int]] | None = None,
         lockstep: Lockstep | None = None,  # expert parallelism: iterations agreed across ranks
+        # a calibration file's sampling regime against each request's (warns on a mismatch)
+        check_sampling: Callable[[list[SamplingParams]], None] | None = None,
     ) -> None:
         self.schedule = schedule
+        self.check_sampling = check_sampling
         self.target, self.drafter, self.capture = target, drafter, capture
         self.stop_ids = frozenset(stop_ids)  # a request ends at any of these (unless ignore_eos)
         self.synchronize = synchronize
@@ -152,6 +177,7 @@ class Engine:
         lock = self.lockstep
         while waiting or running or lock is not None:
             admitted = self._admit(requests, waiting, concurrency - len(running), bool(running))
+            admitted_at = time.perf_counter() - t0  # the last iteration synchronized
             if lock is not None:  # every rank: the same MoE forwards this iteration
                 if self._agree(lock, requests, admitted, running, bool(waiting)):
                     break
@@ -167,7 +193,9 @@ class Engine:
                     lock.idle_decode()
                 now = elapsed()
                 for i, s in zip(admitted, seqs):
-                    out[i] = Generation(requests[i].prompt_ids, [], now, now, 0)
+                    out[i] = Generation(
+                        requests[i].prompt_ids, [], now, now, 0, admitted_at=admitted_at
+                    )
                     running[i] = s
                 stepped = admitted
             else:
@@ -190,7 +218,7 @@ class Engine:
                 self.peak_allocated = max(self.peak_allocated, self._allocated(running))
             for j, i in enumerate(stepped):  # only these committed tokens in this iteration
                 if (error := running[i].error) is not None:  # fails alone, the rest go on
-                    out[i].error, out[i].latency_s = f"request {i}: {error}", now
+                    out[i].error, out[i].finished_at = f"request {i}: {error}", now
                     self._final_text(requests[i], out[i])
                     self._finish(i, running)
                 elif self._take(requests[i], result.new_tokens[j], out[i], now):
@@ -266,6 +294,8 @@ class Engine:
         )
 
     def _start(self, req: Request) -> RunningSeq:
+        if self.check_sampling is not None:
+            self.check_sampling([req.params])
         # the states may grow up to the reserved length, no further
         tokens = len(req.prompt_ids) + req.max_new_tokens + self.drafter.gamma
         return RunningSeq(
@@ -284,7 +314,7 @@ class Engine:
         strings the engine sets ``gen.text`` (cut before a matched stop string)."""
         for t in new_tokens:
             gen.token_ids.append(t)
-            gen.latency_s = now
+            gen.finished_at = now
             if req.stop and self._reached_stop(req.stop, gen):
                 return True
             if len(gen.token_ids) >= req.max_new_tokens or (

@@ -8,10 +8,11 @@ One exporter per process (a multirun's jobs share it). It serves, at
   :class:`~xspec.metrics.SpecDecodeMetrics` (they restart at each job, like a restarted
   server's: Prometheus' ``rate`` handles counter resets);
 * per-request histograms recorded from each finished :class:`Generation`, labelled
-  with the job's ``model`` and ``spec``: ``xspec_request_ttft_seconds``,
-  ``xspec_request_tpot_seconds`` (requests with >= 2 output tokens),
-  ``xspec_request_e2e_seconds``, ``xspec_request_prompt_tokens``,
-  ``xspec_request_output_tokens``, and the counter ``xspec_request_errors``.
+  with the job's ``model`` and ``spec``: ``xspec_request_queue_seconds`` (arrival to
+  admission), ``xspec_request_ttft_seconds``, ``xspec_request_tpot_seconds`` (requests
+  with >= 2 output tokens), ``xspec_request_e2e_seconds`` (the latencies count from
+  admission), ``xspec_request_prompt_tokens``, ``xspec_request_output_tokens``, and the
+  counter ``xspec_request_errors``.
 
 The exporter binds when created, so a port in use is a clear error before any job runs.
 """
@@ -60,11 +61,18 @@ class MetricsExporter:
         def hist(name: str, doc: str, buckets: Iterable[float]) -> Histogram:
             return Histogram(name, doc, _LABELS, buckets=tuple(buckets), registry=reg)
 
-        self.ttft = hist("xspec_request_ttft_seconds", "Time to first token", _LATENCY_BUCKETS)
+        self.queue = hist(
+            "xspec_request_queue_seconds", "Time from arrival to admission", _LATENCY_BUCKETS
+        )
+        self.ttft = hist(
+            "xspec_request_ttft_seconds", "Time from admission to first token", _LATENCY_BUCKETS
+        )
         self.tpot = hist(
             "xspec_request_tpot_seconds", "Time per output token after the first", _LATENCY_BUCKETS
         )
-        self.e2e = hist("xspec_request_e2e_seconds", "Time to the last token", _LATENCY_BUCKETS)
+        self.e2e = hist(
+            "xspec_request_e2e_seconds", "Time from admission to the last token", _LATENCY_BUCKETS
+        )
         self.prompt_tokens = hist("xspec_request_prompt_tokens", "Prompt tokens", _TOKEN_BUCKETS)
         self.output_tokens = hist("xspec_request_output_tokens", "Output tokens", _TOKEN_BUCKETS)
         self.errors = Counter(
@@ -101,6 +109,7 @@ class MetricsExporter:
         """Record finished requests into the histograms."""
         for g in gens:
             labels = (model, spec)
+            self.queue.labels(*labels).observe(g.queue_s)
             self.ttft.labels(*labels).observe(g.ttft_s)
             if g.tpot_s is not None:
                 self.tpot.labels(*labels).observe(g.tpot_s)

@@ -4,6 +4,8 @@ Timing rules (what the figures mean):
 
 * warm-up: ``workload.warmup_requests`` short requests run first, unmeasured; the
   acceptance metrics are reset after them;
+* TTFT, e2e and TPOT count from a request's admission (a free ``workload.concurrency``
+  slot and its memory), the wait before it is its ``queue`` time (docs/metrics.md);
 * TTFT: mean over requests; TPOT: mean over requests with at least two output tokens
   (the common serving-benchmark rule: a one-token request has no time *per output
   token*, it is left out rather than counted as 0); no such request -> n/a;
@@ -21,7 +23,7 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, TextIO
 
-from xspec.build import Built
+from xspec.build import Built, loaded_fit
 from xspec.config import SamplingConfig, WorkloadConfig
 from xspec.engine.engine import Generation, Request
 from xspec.engine.workloads import load_workload
@@ -58,10 +60,13 @@ class RunTimings:
     wall_s: float
     ttft_ms: float
     tpot_ms: float | None  # None: no request had two or more output tokens
+    e2e_ms: float  # admission to the last token
+    queue_ms: float  # arrival (the start of the run) to admission
 
     @property
-    def throughput(self) -> float:
-        return self.output_tokens / self.wall_s
+    def throughput(self) -> float | None:
+        """Output tokens per second; None (n/a) when no token was generated."""
+        return self.output_tokens / self.wall_s if self.output_tokens and self.wall_s > 0 else None
 
 
 def timings(gens: list[Generation]) -> RunTimings:
@@ -69,9 +74,11 @@ def timings(gens: list[Generation]) -> RunTimings:
     tpots = [g.tpot_s for g in ok if g.tpot_s is not None]
     return RunTimings(
         output_tokens=sum(len(g.token_ids) for g in gens),
-        wall_s=max(g.latency_s for g in gens),
+        wall_s=max(g.finished_at for g in gens),
         ttft_ms=statistics.mean(g.ttft_s for g in ok) * 1e3,
         tpot_ms=statistics.mean(tpots) * 1e3 if tpots else None,
+        e2e_ms=statistics.mean(g.latency_s for g in ok) * 1e3,
+        queue_ms=statistics.mean(g.queue_s for g in ok) * 1e3,
     )
 
 
@@ -85,14 +92,16 @@ def run_workload(
     built: Built,
     w: WorkloadConfig,
     s: SamplingConfig,
-    out: TextIO = sys.stdout,
+    out: TextIO | None = None,  # None: sys.stdout at call time
     model_option: str | None = None,  # the model=<option> the user picked (e.g. dsv4_tiny)
     on_run: Callable[[list[Generation]], None] = lambda gens: None,  # each measured run
 ) -> list[list[Generation]]:
     """Warm up, then run the workload ``w.repeats`` times; the generations of each run.
     Under torchrun only rank 0 prints (the other ranks return their own generations)."""
+    out = out if out is not None else sys.stdout
     params = SamplingParams(temperature=s.temperature, top_k=s.top_k, top_p=s.top_p, seed=s.seed)
-    work = load_workload(w, built.tokenizer, built.target.vocab_size, params)
+    fit = loaded_fit(built)  # a request the context cannot hold is a user error, not a drop
+    work = load_workload(w, built.tokenizer, built.target.vocab_size, params, fit)
     texts, requests = work.texts, work.requests
     warmup(built, requests, w)
     runs = []
@@ -181,9 +190,19 @@ def warmup(built: Built, requests: list[Request], w: WorkloadConfig) -> None:
 
 
 def format_timings(gens: list[Generation]) -> str:
+    if all(g.error is not None for g in gens):  # nothing was served: no latency to average
+        return (
+            f"requests={len(gens)} output_tokens={sum(len(g.token_ids) for g in gens)}\n"
+            "TTFT, TPOT and throughput n/a: every request failed (the errors are above)"
+        )
     t = timings(gens)
     tpot = f"{t.tpot_ms:.2f} ms" if t.tpot_ms is not None else "n/a (no request with 2+ tokens)"
     return (
         f"requests={len(gens)} output_tokens={t.output_tokens} wall={t.wall_s:.3f}s\n"
-        f"TTFT mean={t.ttft_ms:.1f} ms  TPOT mean={tpot}  throughput={t.throughput:.1f} tok/s"
+        f"TTFT mean={t.ttft_ms:.1f} ms  TPOT mean={tpot}  e2e mean={t.e2e_ms:.1f} ms  "
+        f"queue mean={t.queue_ms:.1f} ms  throughput={_per_s(t.throughput)}"
     )
+
+
+def _per_s(throughput: float | None) -> str:
+    return f"{throughput:.1f} tok/s" if throughput is not None else "n/a (no output tokens)"

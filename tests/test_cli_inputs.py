@@ -1,0 +1,156 @@
+"""Bad CLI inputs found before any job runs, in-process: requests the model context
+cannot hold, NaN / infinite floats, an output directory that is a file; and a run whose
+every request failed reports n/a instead of dividing by zero."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+from xspec.__main__ import _override_sets, check_jobs, main
+from xspec.engine.engine import Generation
+from xspec.engine.report import format_timings, timings
+from xspec.errors import ConfigError
+
+# qwen3_tiny: max_position_embeddings 2048, byte tokenizer (one token per byte); spec=none
+QWEN = ["model=qwen3_tiny", "spec=none", "platform=cpu"]
+
+
+def problems_of(*overrides: str) -> list[str]:
+    with pytest.raises(ConfigError) as e:
+        check_jobs([[*QWEN, *overrides]])
+    return e.value.problems or [str(e.value)]
+
+
+def cli(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture, *args: str) -> str:
+    """``python -m xspec ARGS`` in-process, for a user error: exit code 2, the stderr text."""
+    monkeypatch.setattr(sys, "argv", ["xspec", *args])
+    with pytest.raises(SystemExit) as e:
+        main()
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert err.startswith("xspec: error:") and "Traceback" not in err
+    return err
+
+
+# -- 6: every request must fit the model context --------------------------------------
+
+
+def test_synthetic_prompt_longer_than_the_context() -> None:
+    (p,) = problems_of(
+        "workload=synthetic", "workload.input_len=5000", "workload.output_len=4",
+        "workload.num_requests=2",
+    )  # fmt: skip
+    assert "workload.input_len=5000 + workload.output_len=4 = 5004 tokens" in p
+    assert "model context of 2048 tokens (the checkpoint's max_position_embeddings)" in p
+    assert "keep workload.input_len + workload.output_len <= 2048" in p
+
+
+def test_max_new_tokens_that_no_prompt_can_fit() -> None:
+    (p,) = problems_of("workload.prompts=[abc,hello]", "workload.max_new_tokens=1000000000")
+    assert p.startswith("workload.max_new_tokens=1000000000 is too large for the model context")
+    assert "workload.prompts[0], workload.prompts[1]" in p
+    assert "set workload.max_new_tokens <= 2043" in p  # 2048 - the longest prompt's 5 tokens
+
+
+def test_max_context_names_the_long_prompt_and_the_budget() -> None:
+    """model.max_context=100: a 150-token prompt cannot get even one token; a 90-token one
+    fits, but not with max_new_tokens=64 (today both were dropped and the run exited 0)."""
+    problems = problems_of(
+        "model.max_context=100", f"workload.prompts=[{'x' * 150},{'y' * 90}]",
+        "workload.max_new_tokens=64",
+    )  # fmt: skip
+    assert len(problems) == 2, problems
+    assert "workload.prompts[0] is 150 tokens long" in problems[0]
+    assert (
+        "(model.max_context=100)" in problems[0]
+        and "raise model.max_context (up to 2048)" in problems[0]
+    )
+    assert "workload.max_new_tokens=64 is too large" in problems[1]
+    assert "set workload.max_new_tokens <= 10" in problems[1]
+
+
+def test_unused_prompts_and_own_budgets_of_a_prompts_file(tmp_path: Path) -> None:
+    """A file line's own max_new_tokens is named by file and line; lines beyond
+    workload.num_requests are never sent, so they are not checked."""
+    file = tmp_path / "p.jsonl"
+    lines = [
+        {"prompt_token_ids": [5] * 2000, "max_new_tokens": 100},
+        {"prompt": "short"},
+        {"prompt_token_ids": [5] * 3000},  # not sent: num_requests=2
+    ]
+    file.write_text("".join(json.dumps(x) + "\n" for x in lines))
+    (p,) = problems_of(f"workload.prompts_file={file}", "workload.num_requests=2")
+    assert p.startswith(f"{file}:1 max_new_tokens=100 is too large") and "<= 48" in p
+
+
+def test_cli_exits_2_before_the_run(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture
+) -> None:
+    err = cli(
+        monkeypatch, capsys, *QWEN, "model.max_context=100", f"workload.prompts=[{'x' * 150}]"
+    )
+    assert "workload.prompts[0] is 150 tokens long" in err
+
+
+def test_a_run_where_every_request_failed_reports_na() -> None:
+    """No token, zero wall time: no ZeroDivisionError, the figures are n/a."""
+    failed = [
+        Generation([1] * 9, [], 0.0, 0.0, 0, error=f"request {i}: too long") for i in range(2)
+    ]
+    text = format_timings(failed)
+    assert "requests=2 output_tokens=0" in text and "n/a" in text
+    assert timings(failed).throughput is None
+
+
+# -- 7: NaN / infinity in any float field ----------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "override",
+    [
+        "engine.memory_budget=nan",
+        "engine.memory_budget=inf",
+        "parallel.timeout_s=nan",
+        "parallel.timeout_s=-inf",
+        "sampling.temperature=inf",
+        "sampling.top_p=nan",
+    ],
+)
+def test_nonfinite_floats_are_refused(override: str) -> None:
+    key, value = override.split("=")
+    for full in (True, False):  # a run, and --cfg job
+        with pytest.raises(ConfigError) as e:
+            check_jobs([[*QWEN, override]], full=full)
+        assert e.value.problems == [
+            f"{key} must be a finite number (got {float(value)}): NaN and infinity are not "
+            "allowed; give a finite value or leave the key at its default"
+        ]
+
+
+def test_a_nan_job_stops_the_sweep_before_its_first_job() -> None:
+    sets = _override_sets(["-m", *QWEN, "engine.memory_budget=0.5,nan"])
+    with pytest.raises(ConfigError, match=r"1 of 2 jobs cannot run \(no job was started\)") as e:
+        check_jobs(sets)
+    assert "engine.memory_budget must be a finite number (got nan)" in str(e.value)
+
+
+# -- 11: Hydra's output directory ------------------------------------------------------
+
+
+def test_output_dir_that_is_a_file(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture
+) -> None:
+    file = tmp_path / "results.txt"
+    file.write_text("not a directory")
+    with pytest.raises(ConfigError) as e:
+        check_jobs([[*QWEN, f"hydra.run.dir={file}"]])
+    (p,) = e.value.problems or []
+    assert p.startswith(f"hydra.run.dir={file}: {file} is an existing file")
+    assert "pick a directory" in p
+    err = cli(monkeypatch, capsys, "-m", *QWEN, "spec=none,oracle", f"hydra.sweep.dir={file}/sweep")
+    assert f"hydra.sweep.dir={file}/sweep: {file}/sweep is under the file {file}" in err
+    check_jobs([[*QWEN, f"hydra.run.dir={tmp_path}/new/run"]])  # a new directory is fine
