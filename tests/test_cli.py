@@ -7,20 +7,29 @@ import os
 import shutil
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
 
+from tests.clirun import CliResult, run_cli_in_process
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def run_cli(*args: str, cache: Path, cwd: Path | None = None) -> subprocess.CompletedProcess[str]:
-    """``python -m xspec`` in ``cwd`` (default: a fresh temp dir, where Hydra's outputs/
-    and multirun/ directories go)."""
+def run_cli(*args: str, cache: Path, cwd: Path | None = None) -> CliResult:
+    """``python -m xspec`` in this process, in ``cwd`` (default: a fresh temp dir, where
+    Hydra's outputs/ and multirun/ directories go), with ``XSPEC_CACHE_DIR=cache``."""
+    if cwd is None:  # this module's scratch dir; called from elsewhere: the system's
+        cwd = Path(tempfile.mkdtemp(dir=_SCRATCH[0] if _SCRATCH else None, prefix="xspec-cli-"))
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("XSPEC_CACHE_DIR", str(cache))
+        return run_cli_in_process(*args, cwd=cwd)
+
+
+def run_cli_subprocess(*args: str, cache: Path, cwd: Path) -> subprocess.CompletedProcess[str]:
+    """The real entry point in a fresh interpreter (the exit-code contract end to end)."""
     env = {**os.environ, "XSPEC_CACHE_DIR": str(cache), "PYTHONPATH": str(ROOT)}
-    if cwd is None:
-        cwd = cache.parent / "cwd"
-        cwd.mkdir(exist_ok=True)
     return subprocess.run(
         [sys.executable, "-m", "xspec", *args],
         capture_output=True,
@@ -31,9 +40,17 @@ def run_cli(*args: str, cache: Path, cwd: Path | None = None) -> subprocess.Comp
     )
 
 
+_SCRATCH: list[Path] = []  # where run_cli's default working directories go
+
+
+@pytest.fixture(scope="module", autouse=True)
+def scratch(tmp_path_factory: pytest.TempPathFactory) -> None:
+    _SCRATCH[:] = [tmp_path_factory.mktemp("cli")]
+
+
 @pytest.fixture(scope="module")
-def cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return tmp_path_factory.mktemp("xspec_cache")
+def cache(xspec_cache: Path) -> Path:
+    return xspec_cache  # the session's preset cache: presets are built once
 
 
 @pytest.fixture(scope="module")
@@ -103,6 +120,17 @@ def test_user_errors_exit_2(
     assert "Traceback" not in r.stderr
     for n in needles:
         assert n in r.stderr, r.stderr
+
+
+def test_entry_point_exit_codes(tmp_path: Path, cache: Path) -> None:
+    """The real ``python -m xspec`` (the cases above run in-process): a user error is one
+    message and exit 2, with no traceback; ``--help`` exits 0."""
+    r = run_cli_subprocess("model=nope", "workload.num_requests=0", cache=cache, cwd=tmp_path)
+    assert r.returncode == 2, r.stderr + r.stdout
+    assert r.stderr.startswith("xspec: error:") and "Traceback" not in r.stderr
+    assert "model/nope" in r.stderr
+    r = run_cli_subprocess("--help", cache=cache, cwd=tmp_path)
+    assert r.returncode == 0 and "model" in r.stdout, r.stderr
 
 
 def test_help_and_cfg(cache: Path) -> None:
@@ -183,7 +211,7 @@ def test_repeats_report_medians_with_spread(tmp_path: Path, cache: Path) -> None
     assert r.stdout.count("[repeat 3/3]") == 2
     assert "median ±half the min-max range over 3 repeat(s)" in r.stdout
     table = r.stdout.split("speedup tok/s |")[1].splitlines()[2:4]
-    assert all(line.count("±") == 3 for line in table), table  # tok/s TTFT TPOT; ratios plain
+    assert all(line.count("±") == 4 for line in table), table  # tok/s TTFT queue TPOT; ratios plain
     job = json.loads((tmp_path / "1" / "results.json").read_text())
     assert job["num_repeats"] == 3 and len(job["repeats"]) == 3 and len(job["requests"]) == 3
     median = sorted(run["tpot_ms_mean"] for run in job["repeats"])[1]

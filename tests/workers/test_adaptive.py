@@ -11,8 +11,6 @@ from __future__ import annotations
 import itertools
 import json
 import os
-import subprocess
-import sys
 from collections import Counter, defaultdict
 from pathlib import Path
 from typing import Any
@@ -259,34 +257,68 @@ def test_calibration_with_the_wrong_number_of_positions(tmp_path: Path) -> None:
         adaptive("qwen3_tiny", **{"spec.adaptive.calibration": str(path)})
 
 
-def test_cli_shorthand_results_and_bad_input_exit_code(tmp_path: Path) -> None:
+def test_cli_shorthand_results_and_bad_input_exit_code(tmp_path: Path, xspec_cache: Path) -> None:
     """``spec.adaptive=true`` on the command line; results.json carries the adaptive
     figures; a bad input exits 2 with the message, before anything runs."""
-    root = Path(__file__).resolve().parents[2]
-    env = {**os.environ, "PYTHONPATH": str(root)}
-    common = [
-        sys.executable,
-        "-m",
-        "xspec",
-        "model=qwen3_tiny",
-        "spec=dspark",
-        "spec.adaptive=true",
-    ]
+    from tests.test_cli import run_cli
+
+    common = ["model=qwen3_tiny", "spec=dspark", "spec.adaptive=true"]
     common += [
         "spec.adaptive.max_requests=4",
         "spec.adaptive.profile_reps=1",
         "workload.max_new_tokens=12",
     ]
-    r = subprocess.run(
-        [*common, f"hydra.run.dir={tmp_path}"], capture_output=True, text=True, env=env, timeout=300
-    )
+    r = run_cli(*common, f"hydra.run.dir={tmp_path}", cache=xspec_cache)
     assert r.returncode == 0, r.stderr
     assert "step-cost profile" in r.stdout and "target rows per request-step" in r.stdout
     res = json.loads((tmp_path / "results.json").read_text())
     assert res["adaptive"]["calibrated"] is False and res["mean_target_rows_per_step"] >= 1.0
     assert "num_wasted_target_rows" in res["spec_decode"]
-    bad = subprocess.run(
-        [*common[:3], "model=dsv4_tiny_random", "spec=mtp", "spec.adaptive=true"],
-        capture_output=True, text=True, env=env, timeout=300,
-    )  # fmt: skip
+    bad = run_cli("model=dsv4_tiny_random", "spec=mtp", "spec.adaptive=true", cache=xspec_cache)
     assert bad.returncode == 2 and "needs a drafter with a confidence head" in bad.stderr
+
+
+def test_a_full_disk_keeps_the_previous_step_cost_profile(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The profile is written to a temp file beside it, fsynced and renamed: a full disk
+    leaves the previous profile byte-identical (and still readable), no temp file behind."""
+    import errno
+
+    from xspec.engine.step_cost import read_profile, save_profile
+    from xspec.errors import OutputError
+
+    path, key = tmp_path / "profile.json", {"gamma": 5}
+    save_profile(path, key, STEEP, 1.0, 3)
+    before = path.read_bytes()
+
+    def no_space(fd: int) -> None:
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    monkeypatch.setattr(os, "fsync", no_space)
+    faster = StepCost(requests=[1], drafts=[0], seconds=[[0.5]])
+    with pytest.raises(OutputError, match=r"profile.json: No space left on device"):
+        save_profile(path, key, faster, 1.0, 3)
+    assert path.read_bytes() == before and [p.name for p in tmp_path.iterdir()] == [path.name]
+    assert read_profile(path, key) == STEEP
+
+
+def test_a_calibration_applied_at_another_temperature_warns(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A greedy fit: greedy requests are silent; requests at T = 0.8 get one warning naming
+    the file and both regimes, however many steps they take."""
+    import logging
+
+    path = tmp_path / "cal.json"
+    fitted = ConfidenceCalibration(temperatures=[1.0] * 4, sampling_temperature=0.0)
+    save_calibration(fitted, path)
+    llm = adaptive("qwen3_tiny", **{"spec.adaptive.calibration": str(path)})
+    with caplog.at_level(logging.WARNING, logger="xspec.workers.calibration"):
+        llm.generate(qwen_prompts(2), 12, ignore_eos=True)
+        assert caplog.records == []
+        llm.generate(qwen_prompts(2), 12, ignore_eos=True, temperature=0.8, seed=0)
+        llm.generate(qwen_prompts(2), 12, ignore_eos=True, temperature=0.8, seed=1)
+    assert len(caplog.records) == 1
+    msg = caplog.records[0].getMessage()
+    assert str(path) in msg and "greedy" in msg and "temperature 0.8" in msg

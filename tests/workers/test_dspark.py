@@ -7,8 +7,6 @@ from __future__ import annotations
 
 import itertools
 import logging
-import subprocess
-import sys
 from collections import Counter, defaultdict
 from pathlib import Path
 
@@ -165,26 +163,15 @@ def test_npu_runtime_fallback_to_compatibility(
         llm.generate(PROMPTS[2:], 4, ignore_eos=True)
 
 
-def test_cli_headline_on_the_npu_policy(tmp_path: Path) -> None:
-    proc = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "xspec",
-            "model=dsv4_tiny_random",
-            "spec=dspark",
-            "platform=npu_emulated",
-            "workload.max_new_tokens=8",
-            "workload.num_requests=2",
-        ],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        cwd=tmp_path,
-        env={**__import__("os").environ, "PYTHONPATH": str(Path(__file__).parents[2])},
-    )
-    assert proc.returncode == 0, proc.stderr
-    assert "spec=dspark gamma=5" in proc.stdout and "survival[4]" in proc.stdout
+def test_cli_headline_on_the_npu_policy(tmp_path: Path, xspec_cache: Path) -> None:
+    from tests.test_cli import run_cli
+
+    r = run_cli(
+        "model=dsv4_tiny_random", "spec=dspark", "platform=npu_emulated",
+        "workload.max_new_tokens=8", "workload.num_requests=2", cache=xspec_cache, cwd=tmp_path,
+    )  # fmt: skip
+    assert r.returncode == 0, r.stderr
+    assert "spec=dspark gamma=5" in r.stdout and "survival[4]" in r.stdout
 
 
 # -- the Markov loop -------------------------------------------------------------------------
