@@ -29,10 +29,10 @@ from typing import Any
 import torch
 
 import xspec
-from xspec.build import adaptive_summary
 from xspec.engine.step_cost import describe
-from xspec.engine.workloads import load_workload
 from xspec.metrics import SpecDecodeMetrics
+from xspec.run.report import adaptive_summary
+from xspec.run.workloads import load_workload
 from xspec.sampling import SamplingParams
 
 MODES = ("fixed", "adaptive")

@@ -29,9 +29,9 @@ from bench_verify_step import interleaved
 import xspec
 from xspec.models.base import ForwardBatch
 from xspec.sampling import SamplingParams
-from xspec.workers.drafter import CommittedRows, DraftRequest
-from xspec.workers.step import RunningSeq as Running
-from xspec.workers.step import prefill
+from xspec.spec.drafter import CommittedRows, DraftRequest
+from xspec.spec.step import RunningSeq as Running
+from xspec.spec.step import prefill
 
 
 def setup(

@@ -12,8 +12,8 @@ from xspec.compose import compose_run
 from xspec.errors import ConfigError
 from xspec.platforms.base import Capabilities
 from xspec.platforms.cpu import CpuPlatform
-from xspec.workers.mtp import MtpDrafter
-from xspec.workers.testing import OracleDrafter
+from xspec.spec.mtp import MtpDrafter
+from xspec.spec.testing import OracleDrafter
 
 
 class TwoDraftPlatform(CpuPlatform):
@@ -121,8 +121,8 @@ def test_plan_summary_uses_the_real_workload(tmp_path: object) -> None:
     import json
     from pathlib import Path
 
-    from xspec.build import plan_summary
     from xspec.config import WorkloadConfig, WorkloadKind
+    from xspec.run.report import plan_summary
 
     synthetic = WorkloadConfig(kind=WorkloadKind.synthetic, input_len=300, output_len=20)
     assert "workload: 300 prompt + 20 new + 2 draft = 322 tokens" in plan_summary(
@@ -143,7 +143,7 @@ def test_plan_summary_uses_the_real_workload(tmp_path: object) -> None:
 def test_context_fit_reads_the_checkpoint_before_loading() -> None:
     """The limit (config.json's max_position_embeddings, or model.max_context), the
     drafter's gamma and the tokenizer, with no weight loaded."""
-    from xspec.build import context_fit
+    from xspec.run.fit import context_fit
 
     fit = context_fit(compose_run(["model=qwen3_tiny", "spec=oracle", "platform=cpu"]))
     assert fit is not None and (fit.max_context, fit.gamma) == (2048, 3)

@@ -12,8 +12,8 @@ import pytest
 
 from xspec.__main__ import _override_sets, check_jobs, main
 from xspec.engine.engine import Generation
-from xspec.engine.report import format_timings, timings
 from xspec.errors import ConfigError
+from xspec.run.report import format_timings, timings
 
 # qwen3_tiny: max_position_embeddings 2048, byte tokenizer (one token per byte); spec=none
 QWEN = ["model=qwen3_tiny", "spec=none", "platform=cpu"]

@@ -81,7 +81,7 @@ def test_multirun_with_a_crashed_job_writes_the_summary_of_the_others(
 ) -> None:
     """Job 1 (spec=oracle) crashes at run time: job 0 and 2 still run, the summary lists
     them and marks job 1 failed, the traceback is in its directory, exit 1."""
-    import xspec.engine.report as report
+    import xspec.run.report as report
 
     real = report.run_workload
 

@@ -8,8 +8,8 @@ with code 2 before any job runs, never a Python traceback.
 
 Each job writes ``results.json`` into its Hydra directory (``outputs/<date>/<time>/``,
 a multirun ``multirun/<date>/<time>/<job_num>/``); the invocation ends with
-``summary.{md,json,png}`` beside them (xspec/engine/results.py). ``metrics.port``
-serves Prometheus text for the whole invocation (xspec/engine/exporter.py).
+``summary.{md,json,png}`` beside them (xspec/run/results.py). ``metrics.port``
+serves Prometheus text for the whole invocation (xspec/run/exporter.py).
 
 Under ``torchrun`` (docs/parallel.md) every rank runs this entry point; rank 0 alone
 prints the report and writes the files. A rank whose peer died or hangs exits with
@@ -98,8 +98,9 @@ def check_jobs(
     fit) before the first one runs; one ConfigError lists the problems of every job.
     ``full=False`` (``--cfg``: only printing the config) checks the values alone;
     ``search``: the user's ``--config-dir`` directories. Returns every job's config."""
-    from xspec.build import check, context_fit
-    from xspec.engine.workloads import workload_problems
+    from xspec.build import check
+    from xspec.run.fit import context_fit
+    from xspec.run.workloads import workload_problems
 
     if missing := [d for d in search or [] if not Path(d).is_dir()]:
         raise ConfigError(f"--config-dir {missing[0]}: not a directory")
@@ -189,9 +190,9 @@ _FAILED: list[dict[str, Any]] = []  # the multirun jobs that failed at run time
 def run(cfg: RunConfig, choices: dict[str, str] | None = None, out_dir: Path | None = None) -> None:
     """The main job: generate for the workload's requests, report timings and acceptance,
     and write ``results.json`` into ``out_dir`` (Hydra's job directory)."""
-    from xspec.build import build, plan_summary
-    from xspec.engine.report import run_workload
-    from xspec.engine.results import RESULTS_FILE, job_results, write_json
+    from xspec.build import build
+    from xspec.run.report import plan_summary, run_workload
+    from xspec.run.results import RESULTS_FILE, job_results, write_json
 
     built = build(cfg)
     main = built.parallel.topology.is_main  # rank 0 reports; the other ranks only compute
@@ -324,7 +325,7 @@ def main() -> None:
 
 def _start_exporter(cfg: RunConfig) -> None:
     """One Prometheus exporter for the whole process (every job of a multirun)."""
-    from xspec.engine.exporter import MetricsExporter
+    from xspec.run.exporter import MetricsExporter
 
     if cfg.metrics.port is None:
         return
@@ -335,7 +336,7 @@ def _start_exporter(cfg: RunConfig) -> None:
 
 def _summarize(directory: Path) -> None:
     """The combined table (printed for a multirun or repeats) and summary files + plot."""
-    from xspec.engine.results import SUMMARY_PNG, plot, write_summary
+    from xspec.run.results import SUMMARY_PNG, plot, write_summary
 
     table = write_summary(_RESULTS, directory, failed=_FAILED)
     if len(_RESULTS) + len(_FAILED) > 1 or any(r["num_repeats"] > 1 for r in _RESULTS):

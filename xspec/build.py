@@ -10,7 +10,8 @@ Optional hooks, found by attribute (plugins may provide them too):
 
 * a model loader's ``preflight(model_cfg) -> list[str]``: the checkpoint from headers;
 * a model loader's ``checkpoint_path(model_cfg) -> Path``: the directory whose
-  config.json (``max_position_embeddings``) and tokenizer :func:`context_fit` reads;
+  config.json (``max_position_embeddings``) and tokenizer
+  :func:`xspec.run.fit.context_fit` reads;
 * a drafter class's ``preflight(spec_cfg, model_cfg) -> list[str]`` and
   ``default_gamma(spec_cfg, model_cfg) -> int`` (the gamma it will draft when
   ``spec.num_speculative_tokens`` is null; without the hook: the configured value or 1).
@@ -18,9 +19,7 @@ Optional hooks, found by attribute (plugins may provide them too):
 
 from __future__ import annotations
 
-import functools
-import json
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -30,10 +29,9 @@ import torch
 from xspec.config import RunConfig, validate
 from xspec.engine.engine import Engine
 from xspec.engine.memory import MemoryPlan, plan_memory, resolve_budget, weight_bytes
-from xspec.engine.workloads import ContextFit, shapes
+from xspec.engine.parallel import ParallelEngine
 from xspec.errors import CheckpointError, ConfigError, UserError
 from xspec.models.base import CapturePoint, TargetModel, configure_steps, modules_of
-from xspec.parallel.engine import ParallelEngine
 from xspec.parallel.expert import ExpertParallel, routed_expert_bytes
 from xspec.parallel.lockstep import Lockstep
 from xspec.parallel.runtime import SINGLE, Parallel, init_parallel
@@ -41,10 +39,10 @@ from xspec.parallel.topology import launch
 from xspec.platforms import get_platform
 from xspec.platforms.base import Platform
 from xspec.registry import models, spec_methods
+from xspec.spec.calibration import RegimeCheck
+from xspec.spec.drafter import Drafter
+from xspec.spec.schedule import AdaptiveVerify
 from xspec.tokenizer import Tokenizer, load_tokenizer, missing_tokenizer
-from xspec.workers.calibration import RegimeCheck
-from xspec.workers.drafter import Drafter
-from xspec.workers.schedule import AdaptiveVerify
 
 if TYPE_CHECKING:
     from xspec.engine.step_cost import Profile
@@ -280,114 +278,6 @@ def _plan(cfg: RunConfig, platform: Platform, target: TargetModel, drafter: Draf
     plan = plan_memory(target, drafter, budget, weights)
     plan.check_one_sequence()
     return plan
-
-
-def context_fit(cfg: RunConfig) -> ContextFit | None:
-    """The context every request of the CLI's workload must fit, before anything is
-    loaded: ``model.max_context``, else the checkpoint's ``max_position_embeddings``
-    (config.json, through the loader's ``checkpoint_path`` hook); the drafter's gamma;
-    the checkpoint's tokenizer to count text prompts (loaded on first use). None when
-    the limit is unknown (a plugin loader without the hook): :func:`loaded_fit` checks
-    after the build. Call it on a config :func:`check` passed."""
-    loader = models.get(cfg.model.arch)
-    ckpt_dir, config = _checkpoint_config(loader, cfg.model)
-    checkpoint_limit = config.get("max_position_embeddings")
-    if not (isinstance(checkpoint_limit, int) and checkpoint_limit > 0):
-        checkpoint_limit = None
-    limit = cfg.model.max_context or checkpoint_limit
-    if limit is None:
-        return None
-    gamma = effective_gamma(spec_methods.get(cfg.spec.method), cfg.spec, cfg.model)
-    encode = None
-    if ckpt_dir is not None and isinstance(config.get("vocab_size"), int):
-        ids = json.dumps([config.get("bos_token_id"), config.get("eos_token_id")])
-        encode = _lazy_encode(
-            ckpt_dir,
-            config["vocab_size"],
-            ids,
-            cfg.model.tokenizer.value,
-            cfg.model.path is not None,
-        )
-    if cfg.model.max_context is not None:
-        source = f"model.max_context={cfg.model.max_context}"
-        return ContextFit(limit, gamma, encode, source, raise_to=checkpoint_limit)
-    return ContextFit(limit, gamma, encode, "the checkpoint's max_position_embeddings")
-
-
-def loaded_fit(built: Built) -> ContextFit:
-    """:func:`context_fit` of a built run: the target's own limit, the run's tokenizer and
-    the memory plan (a request it can never hold is refused before the run too)."""
-    m = built.cfg.model.max_context
-    source = f"model.max_context={m}" if m is not None else "the model's max_position_embeddings"
-    plan = built.engine.plan
-    memory = plan.problem if plan is not None else None
-    target, gamma = built.target, built.drafter.gamma
-    return ContextFit(target.max_context, gamma, built.tokenizer.encode, source, memory=memory)
-
-
-def _checkpoint_config(loader: Any, model_cfg: Any) -> tuple[Path | None, dict[str, Any]]:
-    """The target checkpoint's directory and config.json, when the loader names its
-    directory (``checkpoint_path`` hook) and the file reads as a JSON object."""
-    checkpoint_path = getattr(loader, "checkpoint_path", None)
-    if checkpoint_path is None:
-        return None, {}
-    try:
-        path = Path(checkpoint_path(model_cfg))
-        config = json.loads((path / "config.json").read_text(encoding="utf-8"))
-    except (UserError, OSError, ValueError):  # preflight reports an unreadable checkpoint
-        return None, {}
-    return (path, config) if isinstance(config, dict) else (None, {})
-
-
-def _lazy_encode(
-    path: Path, vocab: int, special_ids: str, kind: str, required: bool
-) -> Callable[[str], list[int]]:
-    """``encode`` of the checkpoint's tokenizer, loaded at the first call (a workload
-    without text prompts never loads it). ``special_ids``: JSON ``[bos, eos]``."""
-
-    def encode(text: str) -> list[int]:
-        return _tokenizer_at(path, vocab, special_ids, kind, required).encode(text)
-
-    return encode
-
-
-@functools.lru_cache(maxsize=4)  # the jobs of a sweep share their model's tokenizer
-def _tokenizer_at(path: Path, vocab: int, special_ids: str, kind: str, required: bool) -> Tokenizer:
-    bos, eos = json.loads(special_ids)
-    return load_tokenizer(path, vocab, bos, eos, kind=kind, required=required)
-
-
-def plan_summary(built: Built) -> str:
-    """The start-up memory block, at the workload's longest request (prompt +
-    max_new_tokens): text prompts, the prompts file's lines, or synthetic lengths."""
-    w = built.cfg.workload
-    lengths = [(r.prompt_len or 1, r.max_new_tokens) for r in shapes(w, built.tokenizer.encode)]
-    prompt_len, max_new_tokens = max(lengths, key=lambda n: (sum(n), n[0]), default=(1, 1))
-    assert built.engine.plan is not None
-    text = built.engine.plan.describe(prompt_len, max_new_tokens, w.concurrency)
-    topo = built.parallel.topology
-    if topo.world > 1 and built.expert_bytes:
-        mib = [f"{b / 2**20:.1f}" for b in built.expert_bytes]
-        text += (
-            f"\nparallel: {topo.world} ranks, dp={topo.dp} ep={topo.ep}; routed experts per "
-            f"rank {', '.join(mib)} MiB (the plan above is rank 0's)"
-        )
-    if built.profile is not None:
-        from xspec.engine.step_cost import describe
-
-        text += "\n" + describe(built.profile) + "\n" + adaptive_summary(built)
-    return text
-
-
-def adaptive_summary(built: Built) -> str:
-    """One line: which confidences the adaptive scheduler reads."""
-    path = getattr(built.drafter, "calibration_file", None)
-    if path is None:
-        return (
-            "adaptive verification: confidences are UNCALIBRATED (no calibration file; fit "
-            "one with python -m xspec.train calibrate)"
-        )
-    return f"adaptive verification: confidences calibrated by {path}"
 
 
 def stop_ids_of(*sources: object) -> frozenset[int]:

@@ -133,7 +133,7 @@ class SamplingConfig:
 
 
 class WorkloadKind(str, enum.Enum):
-    """``workload.kind``: where the requests come from (see xspec/engine/workloads.py)."""
+    """``workload.kind``: where the requests come from (see xspec/run/workloads.py)."""
 
     prompts = "prompts"  # workload.prompts, or the JSONL workload.prompts_file
     synthetic = "synthetic"  # random token ids: input_len in, output_len out

@@ -21,7 +21,7 @@ from xspec.engine.memory import (
 from xspec.errors import ConfigError, MemoryBudgetError
 from xspec.models.base import KvBytes
 from xspec.sampling import SamplingParams
-from xspec.workers.step import decode_step, prefill
+from xspec.spec.step import decode_step, prefill
 
 
 @cache

@@ -198,7 +198,7 @@ from xspec import registry
 listed = [r.names() for r in (registry.platforms, registry.models, registry.spec_methods)]
 after_list = sorted(m for m in sys.modules if m.startswith("xspec") or m in ("torch", "torch_npu"))
 registry.platforms.get("cpu")
-after_get = sorted(m for m in sys.modules if m.startswith(("xspec.platforms", "xspec.workers"))
+after_get = sorted(m for m in sys.modules if m.startswith(("xspec.platforms", "xspec.spec"))
                    or m == "torch_npu")
 print(json.dumps({"listed": listed, "after_list": after_list, "after_get": after_get}))
 """
@@ -217,7 +217,7 @@ def test_listing_imports_nothing_in_a_fresh_interpreter() -> None:
     implementations = [
         m
         for m in result["after_list"]
-        if m.startswith(("xspec.platforms", "xspec.models", "xspec.workers"))
+        if m.startswith(("xspec.platforms", "xspec.models", "xspec.spec"))
     ]
     assert heavy == [] and implementations == [], result["after_list"]
     assert {"xspec.registry", "xspec.registry.builtins"} <= set(result["after_list"])

@@ -6,7 +6,7 @@ context or the memory plan: ``Generation.error``), and admits the others in orde
 ``concurrency`` and the memory pool allow: each admission reserves the request's worst
 case (:mod:`xspec.engine.memory`), each completion frees it, and waiting requests are
 admitted between two decode steps as others finish. It runs
-:func:`xspec.workers.step.prefill` / ``decode_step`` and ends a request at a stop id, at
+:func:`xspec.spec.step.prefill` / ``decode_step`` and ends a request at a stop id, at
 a stop string, or at ``max_new_tokens``, whichever comes first; nothing after it is kept.
 Every request arrives at the start of the run; its TTFT and latency count from its
 admission, the wait before it is its queue time (:class:`Generation`).
@@ -30,8 +30,8 @@ from xspec.errors import RequestError
 from xspec.metrics import SpecDecodeMetrics
 from xspec.models.base import CapturePoint, TargetModel
 from xspec.sampling import SamplingParams, make_generator
-from xspec.workers.drafter import Drafter
-from xspec.workers.step import RunningSeq, decode_step, prefill, prefill_forwards, step_gamma
+from xspec.spec.drafter import Drafter
+from xspec.spec.step import RunningSeq, decode_step, prefill, prefill_forwards, step_gamma
 
 if TYPE_CHECKING:
     from xspec.parallel.lockstep import Lockstep

@@ -31,7 +31,7 @@ from typing import Any
 
 from xspec.errors import ConfigError, MemoryBudgetError
 from xspec.models.base import KvBytes, TargetModel, modules_of
-from xspec.workers.drafter import Drafter
+from xspec.spec.drafter import Drafter
 
 # Verify-step activations kept per scored row besides the vocabulary-wide rows: fp32
 # hidden-size vectors (DeepSeek-V4 keeps hc_mult=4 residual streams, plus attention and

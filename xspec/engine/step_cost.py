@@ -1,5 +1,5 @@
 """The step-cost profile ``spec.adaptive`` schedules with: seconds per decode step against
-verify rows, measured on this platform (:class:`~xspec.workers.schedule.StepCost`).
+verify rows, measured on this platform (:class:`~xspec.spec.schedule.StepCost`).
 
 **What is timed**, per point (R requests, x drafts each, ``B = R (x + 1)`` rows), on
 dummy sequences of :data:`CONTEXT` random committed tokens: the drafter's ``propose``
@@ -39,8 +39,8 @@ from xspec import atomic
 from xspec.errors import ConfigError
 from xspec.models.base import CapturePoint, ForwardBatch, TargetModel
 from xspec.sampling import SamplingParams, logits_to_probs
-from xspec.workers.drafter import CommittedRows, Drafter, DraftRequest
-from xspec.workers.schedule import StepCost
+from xspec.spec.drafter import CommittedRows, Drafter, DraftRequest
+from xspec.spec.schedule import StepCost
 
 FORMAT = "xspec.step_cost.v1"
 CONTEXT = 16  # committed tokens of each dummy sequence

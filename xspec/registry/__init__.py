@@ -91,7 +91,7 @@ spec_methods: Registry[Callable[..., Any]] = Registry(
     "spec method",
     "xspec.spec_methods",
     """Speculative methods (``spec=<name>``). A plugin provides a drafter factory (a class
-    or function) following the drafter protocol in ``xspec.workers``; its module is
+    or function) following the drafter protocol in ``xspec.spec``; its module is
     imported only when the method is selected.""",
     check=_check_callable("spec method"),
 )

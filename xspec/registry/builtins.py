@@ -28,19 +28,19 @@ BUILTINS: dict[str, dict[str, tuple[str, str]]] = {
         ),
     },
     "spec method": {
-        "none": ("xspec.workers.baseline:NoDrafter", "no drafting: plain decoding baseline"),
-        "mtp": ("xspec.workers.mtp:MtpDrafter", "DeepSeek multi-token prediction head"),
+        "none": ("xspec.spec.baseline:NoDrafter", "no drafting: plain decoding baseline"),
+        "mtp": ("xspec.spec.mtp:MtpDrafter", "DeepSeek multi-token prediction head"),
         "dspark": (
-            "xspec.workers.dspark:DSparkDrafter",
+            "xspec.spec.dspark:DSparkDrafter",
             "DSpark block drafter (DeepSeek-V4 0731 stages, Qwen3 draft directories)",
         ),
-        "dflash": ("xspec.workers.dspark:DFlashDrafter", "DFlash block drafter (Qwen3)"),
+        "dflash": ("xspec.spec.dspark:DFlashDrafter", "DFlash block drafter (Qwen3)"),
         "oracle": (
-            "xspec.workers.testing:OracleDrafter",
+            "xspec.spec.testing:OracleDrafter",
             "test drafter: proposes the target's tokens",
         ),
         "wrong": (
-            "xspec.workers.testing:WrongDrafter",
+            "xspec.spec.testing:WrongDrafter",
             "test drafter: always proposes wrong tokens",
         ),
     },

@@ -18,7 +18,7 @@ The table is written next to the draft weights (``confidence_calibration.json``,
 by ``spec.adaptive.calibration=auto``) or to ``--out``. Acceptance depends on the
 sampling settings: calibrate with the ``sampling.*`` the runs will use. The file records
 them (``sampling_temperature``, ``sampling_top_k``, ``sampling_top_p``); runs that sample
-otherwise get a warning (:class:`xspec.workers.calibration.RegimeCheck`).
+otherwise get a warning (:class:`xspec.spec.calibration.RegimeCheck`).
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ import torch
 from torch import Tensor
 
 from xspec.metrics import SpecDecodeMetrics
-from xspec.workers.calibration import (
+from xspec.spec.calibration import (
     CALIBRATION_FILE,
     ConfidenceCalibration,
     save_calibration,
@@ -167,8 +167,8 @@ def calibrate(overrides: list[str], out: Path | None) -> tuple[ConfidenceCalibra
     """Run the workload of ``overrides`` with raw confidences, fit, write; returns both."""
     from xspec.build import build, check
     from xspec.compose import compose_run
-    from xspec.engine.workloads import load_workload
     from xspec.errors import ConfigError
+    from xspec.run.workloads import load_workload
     from xspec.sampling import SamplingParams
 
     # checked as an adaptive run (a draft with a confidence head), before anything loads;

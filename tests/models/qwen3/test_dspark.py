@@ -17,6 +17,7 @@ import torch.nn.functional as F
 from xspec.config import ModelConfig, PlatformConfig, SpecConfig
 from xspec.errors import CheckpointError, ConfigError
 from xspec.models.base import CaptureSite, ForwardBatch
+from xspec.models.block_draft import BlockLayout
 from xspec.models.draft_heads import ConfidenceHead, MarkovHead
 from xspec.models.loading import Checkpoint, write_checkpoint
 from xspec.models.qwen3 import load_model
@@ -31,9 +32,9 @@ from xspec.models.qwen3.model import Qwen3Model
 from xspec.models.qwen3.tiny import tiny_draft_dir
 from xspec.platforms.cpu import CpuPlatform
 from xspec.sampling import SamplingParams
-from xspec.workers.block import BlockDrafter, BlockLayout, sample_block
-from xspec.workers.drafter import CommittedRows, DraftRequest
-from xspec.workers.dspark import DFlashDrafter, DSparkDrafter
+from xspec.spec.block import BlockDrafter, sample_block
+from xspec.spec.drafter import CommittedRows, DraftRequest
+from xspec.spec.dspark import DFlashDrafter, DSparkDrafter
 
 MODEL_CFG = ModelConfig(arch="qwen3", preset="tiny")
 PLATFORM = CpuPlatform(PlatformConfig(name="cpu"))

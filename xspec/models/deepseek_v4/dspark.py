@@ -47,6 +47,7 @@ from torch import nn
 
 from xspec.errors import CheckpointError, UserError
 from xspec.models.base import KvBytes
+from xspec.models.block_draft import BlockLayout, LoadedDraft
 from xspec.models.deepseek_v4.args import DeepseekV4Args
 from xspec.models.deepseek_v4.draft_plan import crossover_problems, plan_tensors
 from xspec.models.deepseek_v4.layout import BatchLayout
@@ -240,7 +241,7 @@ class DSparkCache:
 
 class DSparkDraft(nn.Module):
     """The S stages (state_dict keys = the official ``mtp.{i}.*`` names) as a
-    :class:`~xspec.workers.block.BlockDraftModel`. ``embed`` / ``head``: the target's, used
+    :class:`~xspec.spec.block.BlockDraftModel`. ``embed`` / ``head``: the target's, used
     where the checkpoint has no dedicated tensor."""
 
     def __init__(
@@ -616,7 +617,7 @@ def load_dspark(
     return load_drafter(draft, plan.ckpt, plan.names, plan.dequant, plan.args, expert_parallel)
 
 
-# -- the family hooks of xspec.workers.dspark ------------------------------------------------
+# -- the family hooks of xspec.spec.dspark ------------------------------------------------
 
 
 def draft_dir(spec_cfg: Any, model_cfg: Any) -> Path:
@@ -674,8 +675,6 @@ def load_block_draft(
     layout: Any, spec_cfg: Any, *, target: Any, model_cfg: Any, platform: Any
 ) -> Any:
     from xspec.models.deepseek_v4.model import DeepseekV4Model
-    from xspec.workers.block import BlockLayout
-    from xspec.workers.dspark import LoadedDraft
 
     if not isinstance(target, DeepseekV4Model):
         raise CheckpointError(

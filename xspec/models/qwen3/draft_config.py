@@ -27,7 +27,7 @@ LAYER_ID_KEYS = ("dspark_target_layer_ids", "target_layer_ids", "dflash_config.t
 FILL_ID_KEYS = ("dflash_config.mask_token_id", "mask_token_id", "dspark_noise_token_id")
 RANK_KEYS = ("markov_rank", "dspark_markov_rank")
 BLOCK_KEYS = ("block_size", "dflash_config.block_size")
-# block layouts (the values of xspec.workers.block.BlockLayout), recognised by
+# block layouts (the values of xspec.spec.block.BlockLayout), recognised by
 # architectures first, then by the key spellings
 DSPARK_ARCHITECTURES = ("Qwen3DSparkModel",)  # DeepSpec: DSpark and its "dflash" configs
 DFLASH_ARCHITECTURES = ("DFlashDraftModel",)  # z-lab DFlash

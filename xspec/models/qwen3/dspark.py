@@ -43,6 +43,7 @@ from torch import nn
 
 from xspec.errors import CheckpointError, UserError
 from xspec.models.base import KvBytes
+from xspec.models.block_draft import BlockLayout, LoadedDraft
 from xspec.models.draft_heads import ConfidenceHead, MarkovHead
 from xspec.models.loading import CONFIG_NAME, Checkpoint, check_params, load_params
 from xspec.models.qwen3.args import Qwen3Args
@@ -54,11 +55,9 @@ from xspec.models.qwen3.model import (
     rope_inv_freq,
     rope_tables,
 )
-from xspec.workers.block import BlockLayout
 
 if TYPE_CHECKING:
     from xspec.models.qwen3.model import Qwen3Model
-    from xspec.workers.dspark import LoadedDraft
 
 log = logging.getLogger(__name__)
 
@@ -196,7 +195,7 @@ DraftCache = Qwen3State
 
 
 class Qwen3BlockDraft(nn.Module):
-    """A :class:`~xspec.workers.block.BlockDraftModel` over Qwen3 decoder layers.
+    """A :class:`~xspec.spec.block.BlockDraftModel` over Qwen3 decoder layers.
 
     Built uninitialised (``device="meta"``: shapes only, for header checks); fill it with
     ``load_params(model, ckpt, plan.rename)`` or random values.
@@ -353,7 +352,7 @@ class Qwen3BlockDraft(nn.Module):
         return hidden.view(B, W, -1), logits.view(B, W, -1)
 
 
-# -- entry points for xspec.workers.dspark -------------------------------------------------
+# -- entry points for xspec.spec.dspark -------------------------------------------------
 
 
 def draft_dir(spec_cfg: Any, model_cfg: Any) -> Path:
@@ -429,7 +428,6 @@ def load_block_draft(
     method: BlockLayout, spec_cfg: Any, *, target: Any, model_cfg: Any, platform: Any
 ) -> LoadedDraft:
     from xspec.models.qwen3.model import Qwen3Model
-    from xspec.workers.dspark import LoadedDraft
 
     if not isinstance(target, Qwen3Model):
         raise CheckpointError(f"a Qwen3 {method.value} draft needs a Qwen3 target")

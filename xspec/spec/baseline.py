@@ -8,7 +8,7 @@ import torch
 
 from xspec.errors import ConfigError
 from xspec.models.base import KvBytes
-from xspec.workers.drafter import CommittedRows, DraftProposal, DraftRequest
+from xspec.spec.drafter import CommittedRows, DraftProposal, DraftRequest
 
 
 class NoDrafter:

@@ -23,76 +23,27 @@ layers. With the anchor ``a`` (last committed token) at position ``p``:
   sampler needs is exactly what each draft was drawn from. DFlash samples each row on
   its own. The confidence head, where the checkpoint has one, scores every position
   after the loop, in one batched call; a calibration file (per-position temperatures,
-  :mod:`xspec.workers.calibration`) divides its logits before the sigmoid.
+  :mod:`xspec.spec.calibration`) divides its logits before the sigmoid.
 
 The model-specific half (DeepSeek-V4 DSpark stages, Qwen3 DSpark / DFlash layers)
-implements :class:`BlockDraftModel`.
+implements :class:`~xspec.models.block_draft.BlockDraftModel`.
 """
 
 from __future__ import annotations
 
-import enum
 import logging
-from typing import Any, Protocol, runtime_checkable
+from typing import Any
 
 import torch
 
 from xspec.models.base import KvBytes
-from xspec.models.draft_heads import ConfidenceHead, MarkovHead
+from xspec.models.block_draft import BlockDraftModel, BlockLayout
+from xspec.models.draft_heads import MarkovHead
 from xspec.sampling import SamplingParams, logits_to_probs, sample
-from xspec.workers.calibration import ConfidenceCalibration
-from xspec.workers.drafter import CommittedRows, DraftProposal, DraftRequest
+from xspec.spec.calibration import ConfidenceCalibration
+from xspec.spec.drafter import CommittedRows, DraftProposal, DraftRequest
 
 log = logging.getLogger(__name__)
-
-
-class BlockLayout(str, enum.Enum):
-    DSPARK = "dspark"  # sample from the anchor row
-    DFLASH = "dflash"  # the anchor row only conditions; mask rows are sampled
-
-    def width(self, gamma: int) -> int:
-        """Rows of the draft block for ``gamma`` drafts."""
-        return gamma if self is BlockLayout.DSPARK else gamma + 1
-
-    @property
-    def first_row(self) -> int:
-        """The block row that predicts the first draft (position ``p + 1``)."""
-        return 0 if self is BlockLayout.DSPARK else 1
-
-
-@runtime_checkable
-class BlockDraftModel(Protocol):
-    """What a block drafter's model provides. Caches count the context rows written:
-    ``cache.num_tokens`` is the anchor's position ``p`` when ``propose`` runs."""
-
-    fill_token_id: int  # noise (DSpark) / mask (DFlash) id of the rows after the anchor
-
-    @property
-    def markov(self) -> MarkovHead | None: ...
-
-    @property
-    def confidence(self) -> ConfidenceHead | None: ...
-
-    def new_cache(self, gamma: int, max_tokens: int | None = None) -> Any:
-        """One sequence's empty context cache (``max_tokens`` caps growing buffers);
-        it exposes ``nbytes_allocated()``."""
-        ...
-
-    def kv_bytes(self, gamma: int) -> KvBytes:
-        """Analytic per-sequence bytes of :meth:`new_cache`."""
-        ...
-
-    def write_context(self, caches: list[Any], aux: torch.Tensor, seq_lens: list[int]) -> None:
-        """Context K/V of ``seq_lens[b]`` new committed positions per sequence from the
-        target's captured hidden ``aux [sum seq_lens, K*d]`` (rows in sequence order)."""
-        ...
-
-    def forward_block(
-        self, caches: list[Any], tokens: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """``tokens [B, W]`` at positions ``p_b .. p_b+W-1`` -> (``hidden [B, W, d]``, the
-        confidence head's input; raw ``logits [B, W, V]`` fp32). Writes no cache."""
-        ...
 
 
 def resolve_gamma(requested: int | None, trained: int, method: str) -> int:

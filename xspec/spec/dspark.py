@@ -1,6 +1,6 @@
 """``spec=dspark`` and ``spec=dflash``: block drafters for every target family that has them.
 
-The algorithm lives in :mod:`xspec.workers.block`; each target family provides its draft
+The algorithm lives in :mod:`xspec.spec.block`; each target family provides its draft
 model in a module listed in :data:`FAMILIES` (registry-style ``"module"`` strings, imported
 only when selected) with two functions:
 
@@ -21,15 +21,14 @@ only when selected) with two functions:
 from __future__ import annotations
 
 import importlib
-from dataclasses import dataclass
-from pathlib import Path
 from types import ModuleType
 from typing import Any
 
 from xspec.config import Calibration
 from xspec.errors import ConfigError
-from xspec.workers.block import BlockDrafter, BlockDraftModel, BlockLayout, resolve_gamma
-from xspec.workers.calibration import calibration_path, load_calibration
+from xspec.models.block_draft import BlockLayout, LoadedDraft
+from xspec.spec.block import BlockDrafter, resolve_gamma
+from xspec.spec.calibration import calibration_path, load_calibration
 
 # model.arch -> the module implementing its block drafts
 FAMILIES = {
@@ -39,15 +38,6 @@ FAMILIES = {
 CALIBRATION_KEY = "spec.adaptive.calibration"
 # DFlash drafts exist for these families only (DeepSeek-V4 ships DSpark stages)
 DFLASH_FAMILIES = ("qwen3",)
-
-
-@dataclass
-class LoadedDraft:
-    model: BlockDraftModel
-    trained_block_size: int  # gamma when spec.num_speculative_tokens is null
-    capture_layer_ids: list[int]  # raw checkpoint ids, in the order the draft concatenates
-    path: Path  # the draft's directory (a calibration file sits next to its weights)
-    layout: BlockLayout  # the block the draft was trained on (may differ from the method's)
 
 
 def _family(layout: BlockLayout, arch: str) -> ModuleType | str:

@@ -23,11 +23,12 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, TextIO
 
-from xspec.build import Built, loaded_fit
+from xspec.build import Built
 from xspec.config import SamplingConfig, WorkloadConfig
 from xspec.engine.engine import Generation, Request
-from xspec.engine.workloads import load_workload
 from xspec.metrics import SpecDecodeMetrics
+from xspec.run.fit import loaded_fit
+from xspec.run.workloads import load_workload, shapes
 from xspec.sampling import SamplingParams
 
 WARMUP_MAX_NEW_TOKENS = 8  # enough for a few speculative steps, short enough to be cheap
@@ -206,3 +207,36 @@ def format_timings(gens: list[Generation]) -> str:
 
 def _per_s(throughput: float | None) -> str:
     return f"{throughput:.1f} tok/s" if throughput is not None else "n/a (no output tokens)"
+
+
+def plan_summary(built: Built) -> str:
+    """The start-up memory block, at the workload's longest request (prompt +
+    max_new_tokens): text prompts, the prompts file's lines, or synthetic lengths."""
+    w = built.cfg.workload
+    lengths = [(r.prompt_len or 1, r.max_new_tokens) for r in shapes(w, built.tokenizer.encode)]
+    prompt_len, max_new_tokens = max(lengths, key=lambda n: (sum(n), n[0]), default=(1, 1))
+    assert built.engine.plan is not None
+    text = built.engine.plan.describe(prompt_len, max_new_tokens, w.concurrency)
+    topo = built.parallel.topology
+    if topo.world > 1 and built.expert_bytes:
+        mib = [f"{b / 2**20:.1f}" for b in built.expert_bytes]
+        text += (
+            f"\nparallel: {topo.world} ranks, dp={topo.dp} ep={topo.ep}; routed experts per "
+            f"rank {', '.join(mib)} MiB (the plan above is rank 0's)"
+        )
+    if built.profile is not None:
+        from xspec.engine.step_cost import describe
+
+        text += "\n" + describe(built.profile) + "\n" + adaptive_summary(built)
+    return text
+
+
+def adaptive_summary(built: Built) -> str:
+    """One line: which confidences the adaptive scheduler reads."""
+    path = getattr(built.drafter, "calibration_file", None)
+    if path is None:
+        return (
+            "adaptive verification: confidences are UNCALIBRATED (no calibration file; fit "
+            "one with python -m xspec.train calibrate)"
+        )
+    return f"adaptive verification: confidences calibrated by {path}"

@@ -26,8 +26,8 @@ import torch
 from xspec.metrics import SpecDecodeMetrics
 from xspec.models.base import CapturePoint, DecodeState, ForwardBatch, ModelOutput, TargetModel
 from xspec.sampling import SamplingParams, logits_to_probs, nonfinite_rows, sample
-from xspec.workers.drafter import CommittedRows, Drafter, DraftRequest
-from xspec.workers.verify import rejection_sample
+from xspec.spec.drafter import CommittedRows, Drafter, DraftRequest
+from xspec.spec.verify import rejection_sample
 
 if TYPE_CHECKING:
     from xspec.parallel.lockstep import Lockstep
@@ -177,7 +177,7 @@ def decode_step(
 ) -> StepResult:
     """One speculative step for every sequence in ``seqs`` (each with ``remaining >= 1``).
 
-    ``schedule`` (``spec.adaptive``, :class:`xspec.workers.schedule.AdaptiveVerify`):
+    ``schedule`` (``spec.adaptive``, :class:`xspec.spec.schedule.AdaptiveVerify`):
     from the proposal's confidences ``[B, gamma]`` and the drafts each sequence may verify,
     how many it does verify; the rest of its drafts are dropped before the target sees
     them. It reads the confidences on the host: one more small sync."""

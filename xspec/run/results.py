@@ -9,7 +9,7 @@ Layout (Hydra's conventions; ``hydra.run.dir=`` / ``hydra.sweep.dir=`` move them
     multirun/<date>/<time>/summary.png         TPOT per job and the acceptance profile
 
 Figures of a job are medians over its ``workload.repeats`` measured runs (each run's
-own figures are under ``repeats``); see xspec/engine/report.py for the timing rules.
+own figures are under ``repeats``); see xspec/run/report.py for the timing rules.
 Speedups compare a job with the ``spec=none`` job of the same model, platform and
 concurrency in the same invocation (null when there is none).
 """
@@ -25,7 +25,7 @@ from xspec import atomic
 from xspec.build import Built
 from xspec.config import WorkloadConfig
 from xspec.engine.engine import Generation
-from xspec.engine.report import served, spread
+from xspec.run.report import served, spread
 
 RESULTS_FILE = "results.json"
 SUMMARY_JSON = "summary.json"

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from xspec.workers.schedule import StepCost, schedule_verify, survivals
+from xspec.spec.schedule import StepCost, schedule_verify, survivals
 
 
 def table(values: dict[int, float]):

@@ -13,7 +13,7 @@ from typing import Any
 import torch
 
 from xspec.models.base import DecodeState, ForwardBatch, KvBytes, TargetModel
-from xspec.workers.drafter import CommittedRows, DraftProposal, DraftRequest
+from xspec.spec.drafter import CommittedRows, DraftProposal, DraftRequest
 
 DEFAULT_GAMMA = 3
 

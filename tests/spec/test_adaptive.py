@@ -19,18 +19,18 @@ import pytest
 import torch
 
 import xspec
-from tests.workers.test_dspark import NEW, PROMPTS, bigram_draft
-from tests.workers.test_verify_stats import CHI2_CRIT_0001, assert_follows, chi_square
+from tests.spec.test_dspark import NEW, PROMPTS, bigram_draft
+from tests.spec.test_verify_stats import CHI2_CRIT_0001, assert_follows, chi_square
 from xspec.errors import ConfigError
 from xspec.models.deepseek_v4.args import DeepseekV4Args
 from xspec.models.deepseek_v4.tiny import dspark_config, dspark_tensors
 from xspec.models.draft_heads import ConfidenceHead, MarkovHead
 from xspec.models.loading import write_checkpoint
 from xspec.sampling import SamplingParams
-from xspec.workers.block import sample_block
-from xspec.workers.calibration import ConfidenceCalibration, save_calibration
-from xspec.workers.schedule import AdaptiveVerify, StepCost, schedule_verify
-from xspec.workers.verify import rejection_sample
+from xspec.spec.block import sample_block
+from xspec.spec.calibration import ConfidenceCalibration, save_calibration
+from xspec.spec.schedule import AdaptiveVerify, StepCost, schedule_verify
+from xspec.spec.verify import rejection_sample
 
 # a steep step cost: each draft per request costs 20 % of a step, so the scheduler keeps
 # the likely drafts and drops the rest (ragged prefixes at the tiny drafts' confidences)
@@ -144,7 +144,7 @@ def test_qwen3_measured_profile_then_cached(qwen_baseline: list[list[int]]) -> N
 def test_calibrated_confidences_are_scaled_logits(tmp_path: Path) -> None:
     """With a calibration file the proposal's confidence is sigmoid(z / T_k), raw
     otherwise; the metrics and the plan say which."""
-    from xspec.build import adaptive_summary
+    from xspec.run.report import adaptive_summary
 
     temps = [0.5, 2.0, 3.0, 4.0]
     path = tmp_path / "cal.json"
@@ -314,7 +314,7 @@ def test_a_calibration_applied_at_another_temperature_warns(
     fitted = ConfidenceCalibration(temperatures=[1.0] * 4, sampling_temperature=0.0)
     save_calibration(fitted, path)
     llm = adaptive("qwen3_tiny", **{"spec.adaptive.calibration": str(path)})
-    with caplog.at_level(logging.WARNING, logger="xspec.workers.calibration"):
+    with caplog.at_level(logging.WARNING, logger="xspec.spec.calibration"):
         llm.generate(qwen_prompts(2), 12, ignore_eos=True)
         assert caplog.records == []
         llm.generate(qwen_prompts(2), 12, ignore_eos=True, temperature=0.8, seed=0)

@@ -12,10 +12,10 @@ from prometheus_client.parser import text_string_to_metric_families
 
 import xspec
 from xspec.config import SamplingConfig, WorkloadConfig
-from xspec.engine.exporter import MetricsExporter
-from xspec.engine.report import run_workload
-from xspec.engine.results import job_results
 from xspec.errors import ConfigError
+from xspec.run.exporter import MetricsExporter
+from xspec.run.report import run_workload
+from xspec.run.results import job_results
 
 
 @pytest.fixture

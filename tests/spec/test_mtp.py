@@ -21,8 +21,8 @@ from xspec.models.deepseek_v4.tiny import tiny_dir
 from xspec.models.loading import Checkpoint, write_checkpoint
 from xspec.platforms.cpu import CpuPlatform
 from xspec.sampling import SamplingParams, logits_to_probs, make_generator
-from xspec.workers.drafter import CommittedRows, DraftRequest
-from xspec.workers.mtp import MtpDrafter
+from xspec.spec.drafter import CommittedRows, DraftRequest
+from xspec.spec.mtp import MtpDrafter
 
 
 def ids(n: int, seed: int) -> list[int]:

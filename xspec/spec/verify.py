@@ -11,7 +11,7 @@ the FULL draft distribution d_k was drawn from, both processed by
 ``xspec.sampling.logits_to_probs`` with the request's own parameters. With the full q
 the emitted tokens follow p exactly (Leviathan et al. 2023, Chen et al. 2023). Engines
 that keep only q_k(d_k) and resample from p with d_k zeroed are not exact (see
-``tests/workers/test_verify_stats.py``). Deterministic drafts (draft_probs=None) have a
+``tests/spec/test_verify_stats.py``). Deterministic drafts (draft_probs=None) have a
 one-hot q_k at d_k: accept with probability p_k(d_k), else y ~ p_k with d_k removed.
 
 Greedy requests (generator None) accept d_k iff it is the target's argmax; the

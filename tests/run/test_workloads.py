@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 
 from xspec.config import WorkloadConfig, WorkloadKind
-from xspec.engine.workloads import load_workload, read_prompts_file, workload_problems
 from xspec.errors import ConfigError
+from xspec.run.workloads import load_workload, read_prompts_file, workload_problems
 from xspec.sampling import SamplingParams
 from xspec.tokenizer import ByteTokenizer, plain_token_ids
 
@@ -88,7 +88,7 @@ def test_synthetic_lengths_seeding_and_id_range() -> None:
 def test_synthetic_run_generates_exact_lengths() -> None:
     import xspec
     from xspec.config import SamplingConfig
-    from xspec.engine.report import run_workload
+    from xspec.run.report import run_workload
 
     built = xspec.LLM(model="qwen3_tiny", spec="none", platform="cpu")._built
     w = WorkloadConfig(
@@ -105,7 +105,7 @@ def test_requests_the_context_cannot_hold_are_refused_at_load(tmp_path: Path) ->
     """After the build, the loaded model's limit, gamma and tokenizer decide: a prompt that
     cannot get one token, a budget too large for a prompt, a request the memory plan cannot
     hold are one ConfigError before the run (the engine would drop them one by one)."""
-    from xspec.engine.workloads import ContextFit
+    from xspec.run.workloads import ContextFit
 
     fit = ContextFit(40, 2, TOK.encode, "model.max_context=40", raise_to=100)
     w = WorkloadConfig(prompts=["x" * 38, "y" * 20, "z" * 5], max_new_tokens=30, num_requests=3)

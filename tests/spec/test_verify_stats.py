@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from xspec.sampling import SamplingParams, logits_to_probs
-from xspec.workers.verify import rejection_sample
+from xspec.spec.verify import rejection_sample
 
 N = 100_000
 

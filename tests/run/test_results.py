@@ -12,8 +12,8 @@ import pytest
 import xspec
 from xspec.config import SamplingConfig, WorkloadConfig
 from xspec.engine.engine import Generation
-from xspec.engine.report import run_workload
-from xspec.engine.results import (
+from xspec.run.report import run_workload
+from xspec.run.results import (
     job_results,
     plot,
     run_figures,

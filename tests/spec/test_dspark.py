@@ -24,8 +24,8 @@ from xspec.models.loading import Checkpoint, write_checkpoint
 from xspec.platforms.base import SasMode
 from xspec.platforms.npu.emulated import NpuPolicyCpuPlatform
 from xspec.sampling import SamplingParams, logits_to_probs
-from xspec.workers.block import sample_block
-from xspec.workers.verify import rejection_sample
+from xspec.spec.block import sample_block
+from xspec.spec.verify import rejection_sample
 
 
 def ids(n: int, seed: int) -> list[int]:
@@ -391,7 +391,7 @@ def test_block_drafters_on_an_unsupported_target_family() -> None:
     """A target family without block drafts (e.g. a model plugin) is a preflight problem,
     before anything is loaded; so is DFlash on DeepSeek-V4."""
     from xspec.config import ModelConfig, SpecConfig
-    from xspec.workers.dspark import DFlashDrafter, DSparkDrafter
+    from xspec.spec.dspark import DFlashDrafter, DSparkDrafter
 
     plugin = ModelConfig(arch="toy_lm", path="/nowhere")
     [problem] = DSparkDrafter.preflight(SpecConfig(method="dspark"), plugin)

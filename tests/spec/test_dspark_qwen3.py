@@ -12,14 +12,15 @@ import torch
 import xspec
 from xspec.config import ModelConfig, PlatformConfig, SpecConfig
 from xspec.models.base import ForwardBatch
+from xspec.models.block_draft import BlockLayout
 from xspec.models.qwen3 import load_model
 from xspec.models.qwen3.model import Qwen3State
 from xspec.platforms.cpu import CpuPlatform
 from xspec.sampling import SamplingParams, logits_to_probs, make_generator
-from xspec.workers.block import BlockDrafter, BlockLayout
-from xspec.workers.drafter import CommittedRows, DraftRequest
-from xspec.workers.dspark import DFlashDrafter, DSparkDrafter
-from xspec.workers.verify import rejection_sample
+from xspec.spec.block import BlockDrafter
+from xspec.spec.drafter import CommittedRows, DraftRequest
+from xspec.spec.dspark import DFlashDrafter, DSparkDrafter
+from xspec.spec.verify import rejection_sample
 
 METHODS = ("dspark", "dflash")
 NEW = 24
@@ -174,7 +175,7 @@ def test_committed_tokens_follow_the_target_through_the_markov_loop() -> None:
     same context: the first committed token ~ p(. | context, anchor), and the second,
     given the first was the accepted draft t, ~ p(. | context, anchor, t). The negative
     control verifies the same drafts against q without the Markov bias: it must fail."""
-    from tests.workers.test_verify_stats import CHI2_CRIT_0001, assert_follows, chi_square
+    from tests.spec.test_verify_stats import CHI2_CRIT_0001, assert_follows, chi_square
 
     model_cfg = ModelConfig(arch="qwen3", preset="tiny")
     platform = CpuPlatform(PlatformConfig(name="cpu"))

@@ -1,4 +1,4 @@
-"""Rejection sampler unit tests on hand-built inputs (xspec/workers/verify.py)."""
+"""Rejection sampler unit tests on hand-built inputs (xspec/spec/verify.py)."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from xspec.sampling import inverse_cdf
-from xspec.workers.verify import rejection_sample
+from xspec.spec.verify import rejection_sample
 
 
 def _one_hot(ids: list[list[int]], vocab: int) -> torch.Tensor:

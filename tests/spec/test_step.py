@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import xspec
-from tests.workers.simdevice import DEVICE, SimModule, SimTarget, SimulatedDevice
+from tests.spec.simdevice import DEVICE, SimModule, SimTarget, SimulatedDevice
 from xspec.config import ModelConfig, PlatformConfig, SpecConfig
 from xspec.engine.engine import Engine, Generation, Request
 from xspec.metrics import SpecDecodeMetrics
@@ -16,10 +16,10 @@ from xspec.models.deepseek_v4 import load_model as load_dsv4
 from xspec.models.qwen3 import load_model as load_qwen3
 from xspec.platforms.cpu import CpuPlatform
 from xspec.sampling import SamplingParams, make_generator
-from xspec.workers.baseline import NoDrafter
-from xspec.workers.mtp import MtpDrafter
-from xspec.workers.step import RunningSeq, StepResult, decode_step, prefill
-from xspec.workers.testing import OracleDrafter
+from xspec.spec.baseline import NoDrafter
+from xspec.spec.mtp import MtpDrafter
+from xspec.spec.step import RunningSeq, StepResult, decode_step, prefill
+from xspec.spec.testing import OracleDrafter
 
 PROMPTS = [[5, 17, 42, 99, 3], list(range(60, 100)), [300, 7]]
 

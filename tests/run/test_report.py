@@ -9,7 +9,7 @@ import pytest
 import xspec
 from xspec.config import SamplingConfig, WorkloadConfig
 from xspec.engine.engine import Generation
-from xspec.engine.report import (
+from xspec.run.report import (
     Spread,
     format_timings,
     run_workload,
@@ -82,7 +82,7 @@ def test_progress_bar_counts_decoded_tokens_only_on_a_terminal(
 ) -> None:
     import tqdm
 
-    from xspec.engine import report
+    from xspec.run import report
 
     updates: list[int] = []
 
@@ -116,7 +116,7 @@ def test_progress_bar_counts_decoded_tokens_only_on_a_terminal(
 
 def test_latency_means_leave_out_failed_requests() -> None:
     """A request rejected at admission (no tokens, TTFT 0) must not pull the means down."""
-    from xspec.engine.results import run_figures
+    from xspec.run.results import run_figures
 
     good = gen(5, ttft=0.2, latency=0.6)
     rejected = Generation([1], [], 0.0, 0.0, 0, error="request 1: can never fit")

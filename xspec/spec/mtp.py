@@ -33,7 +33,7 @@ import torch
 from xspec.errors import ConfigError, UserError
 from xspec.models.base import KvBytes, TargetModel
 from xspec.sampling import logits_to_probs, sample
-from xspec.workers.drafter import CommittedRows, DraftProposal, DraftRequest
+from xspec.spec.drafter import CommittedRows, DraftProposal, DraftRequest
 
 if TYPE_CHECKING:
     from xspec.models.deepseek_v4.model import DeepseekV4Model

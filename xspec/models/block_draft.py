@@ -1,0 +1,74 @@
+"""What a block drafter (``spec=dspark`` / ``spec=dflash``, :mod:`xspec.spec.block`) needs
+from a model family: the block layouts, the draft model's interface, and a loaded draft.
+A family's draft module (``models/<family>/dspark.py``) returns a :class:`LoadedDraft`.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Protocol, runtime_checkable
+
+import torch
+
+from xspec.models.base import KvBytes
+from xspec.models.draft_heads import ConfidenceHead, MarkovHead
+
+
+class BlockLayout(str, enum.Enum):
+    DSPARK = "dspark"  # sample from the anchor row
+    DFLASH = "dflash"  # the anchor row only conditions; mask rows are sampled
+
+    def width(self, gamma: int) -> int:
+        """Rows of the draft block for ``gamma`` drafts."""
+        return gamma if self is BlockLayout.DSPARK else gamma + 1
+
+    @property
+    def first_row(self) -> int:
+        """The block row that predicts the first draft (position ``p + 1``)."""
+        return 0 if self is BlockLayout.DSPARK else 1
+
+
+@runtime_checkable
+class BlockDraftModel(Protocol):
+    """What a block drafter's model provides. Caches count the context rows written:
+    ``cache.num_tokens`` is the anchor's position ``p`` when ``propose`` runs."""
+
+    fill_token_id: int  # noise (DSpark) / mask (DFlash) id of the rows after the anchor
+
+    @property
+    def markov(self) -> MarkovHead | None: ...
+
+    @property
+    def confidence(self) -> ConfidenceHead | None: ...
+
+    def new_cache(self, gamma: int, max_tokens: int | None = None) -> Any:
+        """One sequence's empty context cache (``max_tokens`` caps growing buffers);
+        it exposes ``nbytes_allocated()``."""
+        ...
+
+    def kv_bytes(self, gamma: int) -> KvBytes:
+        """Analytic per-sequence bytes of :meth:`new_cache`."""
+        ...
+
+    def write_context(self, caches: list[Any], aux: torch.Tensor, seq_lens: list[int]) -> None:
+        """Context K/V of ``seq_lens[b]`` new committed positions per sequence from the
+        target's captured hidden ``aux [sum seq_lens, K*d]`` (rows in sequence order)."""
+        ...
+
+    def forward_block(
+        self, caches: list[Any], tokens: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``tokens [B, W]`` at positions ``p_b .. p_b+W-1`` -> (``hidden [B, W, d]``, the
+        confidence head's input; raw ``logits [B, W, V]`` fp32). Writes no cache."""
+        ...
+
+
+@dataclass
+class LoadedDraft:
+    model: BlockDraftModel
+    trained_block_size: int  # gamma when spec.num_speculative_tokens is null
+    capture_layer_ids: list[int]  # raw checkpoint ids, in the order the draft concatenates
+    path: Path  # the draft's directory (a calibration file sits next to its weights)
+    layout: BlockLayout  # the block the draft was trained on (may differ from the method's)

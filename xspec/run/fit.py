@@ -1,0 +1,93 @@
+"""Does every request of the CLI's workload fit the model's context (and the memory
+plan)? :func:`context_fit` answers before anything is loaded, :func:`loaded_fit` after
+the build; :func:`xspec.run.workloads.workload_problems` / ``load_workload`` apply them."""
+
+from __future__ import annotations
+
+import functools
+import json
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from xspec.build import Built, effective_gamma
+from xspec.config import RunConfig
+from xspec.errors import UserError
+from xspec.registry import models, spec_methods
+from xspec.run.workloads import ContextFit
+from xspec.tokenizer import Tokenizer, load_tokenizer
+
+
+def context_fit(cfg: RunConfig) -> ContextFit | None:
+    """The context every request of the CLI's workload must fit, before anything is
+    loaded: ``model.max_context``, else the checkpoint's ``max_position_embeddings``
+    (config.json, through the loader's ``checkpoint_path`` hook); the drafter's gamma;
+    the checkpoint's tokenizer to count text prompts (loaded on first use). None when
+    the limit is unknown (a plugin loader without the hook): :func:`loaded_fit` checks
+    after the build. Call it on a config :func:`check` passed."""
+    loader = models.get(cfg.model.arch)
+    ckpt_dir, config = _checkpoint_config(loader, cfg.model)
+    checkpoint_limit = config.get("max_position_embeddings")
+    if not (isinstance(checkpoint_limit, int) and checkpoint_limit > 0):
+        checkpoint_limit = None
+    limit = cfg.model.max_context or checkpoint_limit
+    if limit is None:
+        return None
+    gamma = effective_gamma(spec_methods.get(cfg.spec.method), cfg.spec, cfg.model)
+    encode = None
+    if ckpt_dir is not None and isinstance(config.get("vocab_size"), int):
+        ids = json.dumps([config.get("bos_token_id"), config.get("eos_token_id")])
+        encode = _lazy_encode(
+            ckpt_dir,
+            config["vocab_size"],
+            ids,
+            cfg.model.tokenizer.value,
+            cfg.model.path is not None,
+        )
+    if cfg.model.max_context is not None:
+        source = f"model.max_context={cfg.model.max_context}"
+        return ContextFit(limit, gamma, encode, source, raise_to=checkpoint_limit)
+    return ContextFit(limit, gamma, encode, "the checkpoint's max_position_embeddings")
+
+
+def loaded_fit(built: Built) -> ContextFit:
+    """:func:`context_fit` of a built run: the target's own limit, the run's tokenizer and
+    the memory plan (a request it can never hold is refused before the run too)."""
+    m = built.cfg.model.max_context
+    source = f"model.max_context={m}" if m is not None else "the model's max_position_embeddings"
+    plan = built.engine.plan
+    memory = plan.problem if plan is not None else None
+    target, gamma = built.target, built.drafter.gamma
+    return ContextFit(target.max_context, gamma, built.tokenizer.encode, source, memory=memory)
+
+
+def _checkpoint_config(loader: Any, model_cfg: Any) -> tuple[Path | None, dict[str, Any]]:
+    """The target checkpoint's directory and config.json, when the loader names its
+    directory (``checkpoint_path`` hook) and the file reads as a JSON object."""
+    checkpoint_path = getattr(loader, "checkpoint_path", None)
+    if checkpoint_path is None:
+        return None, {}
+    try:
+        path = Path(checkpoint_path(model_cfg))
+        config = json.loads((path / "config.json").read_text(encoding="utf-8"))
+    except (UserError, OSError, ValueError):  # preflight reports an unreadable checkpoint
+        return None, {}
+    return (path, config) if isinstance(config, dict) else (None, {})
+
+
+def _lazy_encode(
+    path: Path, vocab: int, special_ids: str, kind: str, required: bool
+) -> Callable[[str], list[int]]:
+    """``encode`` of the checkpoint's tokenizer, loaded at the first call (a workload
+    without text prompts never loads it). ``special_ids``: JSON ``[bos, eos]``."""
+
+    def encode(text: str) -> list[int]:
+        return _tokenizer_at(path, vocab, special_ids, kind, required).encode(text)
+
+    return encode
+
+
+@functools.lru_cache(maxsize=4)  # the jobs of a sweep share their model's tokenizer
+def _tokenizer_at(path: Path, vocab: int, special_ids: str, kind: str, required: bool) -> Tokenizer:
+    bos, eos = json.loads(special_ids)
+    return load_tokenizer(path, vocab, bos, eos, kind=kind, required=required)
