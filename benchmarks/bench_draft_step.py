@@ -70,15 +70,7 @@ def timers(llm: xspec.LLM, seqs: list, name: str) -> dict[str, Callable[[], None
     )
     for s, n in zip(seqs, n0):
         target.truncate(s.target_state, n)
-    rows = [
-        CommittedRows(
-            anchors[i : i + 1],
-            anchors[i : i + 1],
-            out.hidden[i : i + 1],
-            None if out.aux_hidden is None else out.aux_hidden[i : i + 1],
-        )
-        for i in range(len(seqs))
-    ]
+    rows = CommittedRows(anchors, anchors, out.hidden, out.aux_hidden, [1] * len(seqs), n0)
     states = [s.draft_state for s in seqs]
 
     def target_step() -> None:

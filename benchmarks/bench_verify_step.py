@@ -23,7 +23,7 @@ from collections.abc import Callable
 import torch
 
 from xspec.config import DType, ModelConfig, PlatformConfig, StepCompile, StepKernels
-from xspec.models.base import ForwardBatch, configure_steps
+from xspec.models.base import ForwardBatch
 from xspec.models.deepseek_v4 import load_model
 from xspec.models.deepseek_v4.model import DeepseekV4Model
 from xspec.models.deepseek_v4.state import DeepseekV4State
@@ -110,14 +110,13 @@ def main() -> None:
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     torch.set_grad_enabled(False)
     cfg = ModelConfig(arch="deepseek_v4", preset="tiny", dtype=DType(a.dtype))
-    model = load_model(cfg, device=device, max_rollback=max(a.rows, 8))
     platform = get_platform(
         PlatformConfig(
             name=a.device, kernels=StepKernels(a.kernels), compile=StepCompile(a.compile)
         )
     )
     options = platform.step_options()
-    configure_steps([model], options)
+    model = load_model(cfg, device=device, max_rollback=max(a.rows, 8), steps=options)
     gen = torch.Generator().manual_seed(0)
     print(
         f"dsv4_tiny {a.dtype} on {device} ({torch.get_num_threads()} CPU threads), batch {a.batch}, "

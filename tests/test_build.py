@@ -12,6 +12,7 @@ from xspec.compose import compose_run
 from xspec.errors import ConfigError
 from xspec.platforms.base import Capabilities
 from xspec.platforms.cpu import CpuPlatform
+from xspec.spec.drafter import Drafter
 from xspec.spec.mtp import MtpDrafter
 from xspec.spec.testing import OracleDrafter
 
@@ -54,7 +55,10 @@ def test_effective_gamma_of_each_method() -> None:
     assert effective_gamma(MtpDrafter, cfg.spec, cfg.model) == 1
     cfg.spec.num_speculative_tokens = 5
     assert effective_gamma(MtpDrafter, cfg.spec, cfg.model) == 5
-    assert effective_gamma(object(), cfg.spec, cfg.model) == 5  # no hook: the config's value
+    # the Drafter default: the config's value, else 1
+    assert effective_gamma(Drafter, cfg.spec, cfg.model) == 5
+    cfg.spec.num_speculative_tokens = None
+    assert effective_gamma(Drafter, cfg.spec, cfg.model) == 1
 
 
 @pytest.mark.usefixtures("no_weights")

@@ -6,15 +6,20 @@ effective gamma, the drafter's checkpoint) without allocating weights or caches,
 returns them as a list; the CLI runs it on every job of a sweep before the first job
 starts. :func:`build` raises them together, then loads and wires the objects.
 
-Optional hooks, found by attribute (plugins may provide them too):
+What it asks, it asks through two typed interfaces (plugins implement the same ones):
 
-* a model loader's ``preflight(model_cfg) -> list[str]``: the checkpoint from headers;
-* a model loader's ``checkpoint_path(model_cfg) -> Path``: the directory whose
-  config.json (``max_position_embeddings``) and tokenizer
-  :func:`xspec.run.fit.context_fit` reads;
-* a drafter class's ``preflight(spec_cfg, model_cfg) -> list[str]`` and
-  ``default_gamma(spec_cfg, model_cfg) -> int`` (the gamma it will draft when
-  ``spec.num_speculative_tokens`` is null; without the hook: the configured value or 1).
+* the target's :class:`~xspec.models.family.ModelFamily` (``models.get(model.arch)``):
+  ``preflight`` (the checkpoint from headers), ``num_routed_experts`` and
+  ``supports_expert_parallel`` (``parallel.ep``), ``checkpoint_path`` (the directory
+  whose config.json and tokenizer :func:`xspec.run.fit.context_fit` reads), and
+  ``load(..., steps=...)``;
+* the method's :class:`~xspec.spec.drafter.Drafter` subclass
+  (``spec_methods.get(spec.method)``): ``preflight``, ``default_gamma`` (the gamma it
+  will draft when ``spec.num_speculative_tokens`` is null), ``supports_adaptive``,
+  ``supports_expert_parallel``, then ``cls(spec_cfg, *, target, model_cfg, platform,
+  steps)`` and the instance's ``calibration`` / ``calibration_file``.
+
+The platform's step options are computed once and handed to both constructors.
 """
 
 from __future__ import annotations
@@ -31,14 +36,15 @@ from xspec.engine.engine import Engine
 from xspec.engine.memory import MemoryPlan, plan_memory, resolve_budget, weight_bytes
 from xspec.engine.parallel import ParallelEngine
 from xspec.errors import CheckpointError, ConfigError, UserError
-from xspec.models.base import CapturePoint, TargetModel, configure_steps, modules_of
+from xspec.models.base import CapturePoint, TargetModel, modules_of
+from xspec.models.family import ModelFamily
 from xspec.parallel.expert import ExpertParallel, routed_expert_bytes
 from xspec.parallel.lockstep import Lockstep
 from xspec.parallel.runtime import SINGLE, Parallel, init_parallel
 from xspec.parallel.topology import launch
 from xspec.platforms import get_platform
 from xspec.platforms.base import Platform
-from xspec.registry import models, spec_methods
+from xspec.registry import families_where, models, spec_methods
 from xspec.spec.calibration import RegimeCheck
 from xspec.spec.drafter import Drafter
 from xspec.spec.schedule import AdaptiveVerify
@@ -65,12 +71,9 @@ class Built:
     expert_bytes: list[int] | None = None  # routed-expert bytes held by each rank
 
 
-def effective_gamma(make_drafter: Any, spec_cfg: Any, model_cfg: Any) -> int:
+def effective_gamma(drafter_cls: type[Drafter], spec_cfg: Any, model_cfg: Any) -> int:
     """The gamma the drafter will really use (its default when the config leaves it null)."""
-    default_gamma = getattr(make_drafter, "default_gamma", None)
-    if default_gamma is not None:
-        return int(default_gamma(spec_cfg, model_cfg))
-    return spec_cfg.num_speculative_tokens or 1
+    return int(drafter_cls.default_gamma(spec_cfg, model_cfg))
 
 
 def check(cfg: RunConfig) -> list[str]:
@@ -84,24 +87,27 @@ def _checks(cfg: RunConfig) -> list[tuple[type[UserError], str]]:
         validate(cfg)
     except ConfigError as e:  # unknown names or bad values: nothing more to check
         return [(ConfigError, p) for p in e.problems or [str(e)]]
-    problems: list[tuple[type[UserError], str]] = []
-    preflight_model = getattr(models.get(cfg.model.arch), "preflight", None)
-    if preflight_model is not None:  # target checkpoint headers
-        problems += [(CheckpointError, p) for p in preflight_model(cfg.model)]
+    try:
+        family = models.get(cfg.model.arch)
+    except UserError as e:  # a broken model plugin
+        return [(type(e), str(e))]
+    # target checkpoint headers
+    problems: list[tuple[type[UserError], str]] = [
+        (CheckpointError, p) for p in family.preflight(cfg.model)
+    ]
     try:
         platform = get_platform(cfg.platform)
-        make_drafter: Any = spec_methods.get(cfg.spec.method)
+        drafter_cls = spec_methods.get(cfg.spec.method)
     except UserError as e:  # a platform that cannot run here, a broken plugin
         return [*problems, (type(e), str(e))]
-    gamma = effective_gamma(make_drafter, cfg.spec, cfg.model)
+    gamma = effective_gamma(drafter_cls, cfg.spec, cfg.model)
     limits = platform.validate(dtype=cfg.model.dtype.value, num_speculative_tokens=gamma)
     problems += [(ConfigError, p) for p in limits]
-    preflight = getattr(make_drafter, "preflight", None)
-    if preflight is not None:  # drafter checkpoint checks, before the target is loaded
-        problems += [(ConfigError, p) for p in preflight(cfg.spec, cfg.model)]
+    # drafter checkpoint checks, before the target is loaded
+    problems += [(ConfigError, p) for p in drafter_cls.preflight(cfg.spec, cfg.model)]
     if cfg.spec.adaptive.enabled:
         problems += [
-            (ConfigError, p) for p in _adaptive_problems(cfg, make_drafter, platform, gamma)
+            (ConfigError, p) for p in _adaptive_problems(cfg, drafter_cls, platform, gamma)
         ]
     if cfg.spec.adaptive.enabled and (cfg.parallel.dp > 1 or cfg.parallel.ep > 1):
         problems.append(
@@ -113,27 +119,29 @@ def _checks(cfg: RunConfig) -> list[tuple[type[UserError], str]]:
             )
         )
     if cfg.parallel.ep > 1:
-        problems += [(ConfigError, p) for p in _expert_parallel_problems(cfg, make_drafter)]
+        problems += [(ConfigError, p) for p in _expert_parallel_problems(cfg, family, drafter_cls)]
     return problems
 
 
-def _expert_parallel_problems(cfg: RunConfig, make_drafter: Any) -> list[str]:
+def _expert_parallel_problems(
+    cfg: RunConfig, family: ModelFamily, drafter_cls: type[Drafter]
+) -> list[str]:
     """``parallel.ep > 1``: the target loader and the drafter must support it, and ``ep``
     must divide the expert count (checked from config.json, before anything is loaded)."""
     ep = cfg.parallel.ep
-    count = getattr(models.get(cfg.model.arch), "num_routed_experts", None)
     problems = []
-    if count is None:
+    if not family.supports_expert_parallel:
+        supported = ", ".join(f.arch for f in families_where(lambda f: f.supports_expert_parallel))
         problems.append(
             f"parallel.ep={ep}: model.arch={cfg.model.arch} has no expert-parallel loader "
-            "(supported: deepseek_v4); use parallel.ep=1 (parallel.dp still applies)"
+            f"(supported: {supported}); use parallel.ep=1 (parallel.dp still applies)"
         )
-    elif (experts := count(cfg.model)) is not None and experts % ep:
+    elif (experts := family.num_routed_experts(cfg.model)) is not None and experts % ep:
         problems.append(
             f"parallel.ep={ep} does not divide the model's {experts} routed experts per layer "
             f"(config.json n_routed_experts); use a divisor of {experts}"
         )
-    if not hasattr(make_drafter, "propose_forwards"):
+    if not drafter_cls.supports_expert_parallel:
         problems.append(
             f"parallel.ep={ep}: spec={cfg.spec.method} does not support expert parallelism "
             "(it does not declare its MoE forwards); use spec=none, mtp or dspark, or parallel.ep=1"
@@ -142,12 +150,12 @@ def _expert_parallel_problems(cfg: RunConfig, make_drafter: Any) -> list[str]:
 
 
 def _adaptive_problems(
-    cfg: RunConfig, make_drafter: Any, platform: Platform, gamma: int
+    cfg: RunConfig, drafter_cls: type[Drafter], platform: Platform, gamma: int
 ) -> list[str]:
     """``spec.adaptive`` with a method that cannot score its drafts; a profile file that
     was measured for another setup (the drafter's preflight checks its confidence head
     and calibration file)."""
-    if not getattr(make_drafter, "supports_adaptive", False):
+    if not drafter_cls.supports_adaptive:
         return [
             f"spec.adaptive.enabled=true needs a drafter with a confidence head (spec=dspark "
             f"with a checkpoint that stores one); spec={cfg.spec.method} has none; set "
@@ -176,22 +184,22 @@ def build(cfg: RunConfig) -> Built:
     if parallel.distributed:  # one device per process
         index = platform.rank_device_index(launch().local_rank)
         platform = get_platform(replace(cfg.platform, device_index=index))
-    make_drafter: Any = spec_methods.get(cfg.spec.method)
-    gamma = effective_gamma(make_drafter, cfg.spec, cfg.model)
+    drafter_cls = spec_methods.get(cfg.spec.method)
+    gamma = effective_gamma(drafter_cls, cfg.spec, cfg.model)
 
     max_rollback = max(gamma, DEFAULT_MAX_ROLLBACK)
     shard: dict[str, Any] = {}  # this rank's experts only (the drafters follow the target)
     if parallel.topology.ep > 1:
         shard["expert_parallel"] = ExpertParallel(parallel)
+    steps = platform.step_options()  # once: the target and the drafter share it
     with torch.no_grad():  # not a global switch: training code may share the process
-        target: TargetModel = models.get(cfg.model.arch)(
-            cfg.model, device=platform.device(), max_rollback=max_rollback, **shard
+        target = models.get(cfg.model.arch).load(
+            cfg.model, device=platform.device(), max_rollback=max_rollback, steps=steps, **shard
         )
-        drafter: Drafter = make_drafter(
-            cfg.spec, target=target, model_cfg=cfg.model, platform=platform
+        drafter = drafter_cls(
+            cfg.spec, target=target, model_cfg=cfg.model, platform=platform, steps=steps
         )
     _freeze(target, drafter)
-    configure_steps([target, drafter], platform.step_options())
     if drafter.gamma > max_rollback:
         raise ConfigError(
             f"spec.num_speculative_tokens: the drafter proposes {drafter.gamma} tokens but the caches "
@@ -200,8 +208,8 @@ def build(cfg: RunConfig) -> Built:
     capture = [platform.capture_point(layer_id) for layer_id in drafter.capture_layer_ids]
     tokenizer = _tokenizer(target, cfg.model)
     stop_ids = stop_ids_of(
-        getattr(tokenizer, "stop_ids", None),
-        getattr(tokenizer, "eos_id", None),
+        tokenizer.stop_ids,
+        tokenizer.eos_id,
         getattr(getattr(target, "args", None), "eos_token_id", None),
     )
     plan = _plan(cfg, platform, target, drafter)
@@ -240,10 +248,9 @@ def build(cfg: RunConfig) -> Built:
 
 def _regime_check(drafter: Drafter) -> RegimeCheck | None:
     """Warns when requests sample otherwise than the drafter's calibration was fitted."""
-    cal = getattr(drafter, "calibration", None)
-    if cal is None:
+    if drafter.calibration is None:
         return None
-    return RegimeCheck(cal, getattr(drafter, "calibration_file", None))
+    return RegimeCheck(drafter.calibration, drafter.calibration_file)
 
 
 def _profile(

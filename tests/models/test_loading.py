@@ -10,8 +10,8 @@ import pytest
 import torch
 from torch import nn
 
+from xspec.cache import cache_root
 from xspec.errors import CheckpointError
-from xspec.models import loading
 from xspec.models.loading import (
     Checkpoint,
     load_params,
@@ -339,7 +339,7 @@ def test_preset_dir_failing_generate_leaves_nothing(tmp_path: Path, monkeypatch)
 def test_preset_dir_lost_race_reuses_winner(tmp_path: Path, monkeypatch) -> None:
     """Another process installs the preset while this one generates: ours is discarded."""
     monkeypatch.setenv("XSPEC_CACHE_DIR", str(tmp_path / "cache"))
-    final = loading.cache_root() / "presets" / "toy-v1"
+    final = cache_root() / "presets" / "toy-v1"
 
     def racing(dst: Path) -> None:
         _write(final, _tensors(seed=1))  # the "other process" wins

@@ -32,7 +32,7 @@ import torch
 from xspec import registry
 from xspec.config import ModelConfig, SpecConfig
 from xspec.errors import ConfigError
-from xspec.models.base import CapturePoint, CaptureSite
+from xspec.models.base import EAGER_STEPS, CapturePoint, CaptureSite
 from xspec.platforms.base import Capabilities, Platform, SasMode
 
 KNOWN_DTYPES = {"float32", "bfloat16", "float16"}
@@ -98,7 +98,9 @@ GENERATION_TOKENS = 6
 def _tiny_dsv4(device: str) -> Any:
     """dsv4_tiny_random loaded on ``device`` once per test session (read-only: states are per run)."""
     cfg = ModelConfig(arch="deepseek_v4", preset="tiny_random")
-    return registry.models.get("deepseek_v4")(cfg, device=torch.device(device), max_rollback=8)
+    return registry.models.get("deepseek_v4").load(
+        cfg, device=torch.device(device), max_rollback=8, steps=EAGER_STEPS
+    )
 
 
 def generate_on(platform: Platform, method: str, gamma: int | None) -> list[list[int]]:
@@ -112,6 +114,7 @@ def generate_on(platform: Platform, method: str, gamma: int | None) -> list[list
         target=target,
         model_cfg=ModelConfig(arch="deepseek_v4", preset="tiny_random"),
         platform=platform,
+        steps=EAGER_STEPS,
     )
     engine = Engine(target, drafter, [], stop_ids=frozenset(), synchronize=platform.synchronize)
     requests = [Request(p, GENERATION_TOKENS, SamplingParams()) for p in GENERATION_PROMPTS]
@@ -163,7 +166,7 @@ class PlatformConformance:
         assert isinstance(caps, Capabilities)
         assert platform.capabilities is caps, "capabilities must be computed once"
         with pytest.raises(dataclasses.FrozenInstanceError):
-            caps.graph_capture = not caps.graph_capture  # type: ignore[misc]
+            caps.all_to_all = not caps.all_to_all  # type: ignore[misc]
         assert isinstance(caps.dtypes, frozenset) and caps.dtypes
         assert caps.dtypes <= KNOWN_DTYPES, f"unknown dtype names {caps.dtypes - KNOWN_DTYPES}"
         assert caps.max_speculative_tokens >= 1

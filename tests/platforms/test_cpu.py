@@ -44,10 +44,11 @@ def test_cpu_answers() -> None:
 def test_step_options_follow_platform_compile_and_kernels() -> None:
     default = CpuPlatform(PlatformCfg(name="cpu")).step_options()
     assert default.compile is None  # auto: eager on the host
-    assert "mhc_pre" in default.kernels and "rope" in default.kernels  # (a C compiler here)
-    assert default.kernels["grouped_mm_eager"] is False
+    ops = default.ops
+    assert ops.mhc_pre is not None and ops.rope is not None  # (a C compiler here)
+    assert ops.grouped_mm_eager is False
     reference = CpuPlatform(PlatformCfg(name="cpu", kernels="reference")).step_options()
-    assert "mhc_pre" not in reference.kernels and "reference torch ops" in reference.describe
+    assert reference.ops.mhc_pre is None and "reference torch ops" in reference.describe
     compiled = CpuPlatform(PlatformCfg(name="cpu", compile="on")).step_options()
     assert isinstance(compiled.compile, StepCompiler) and compiled.compile.backend == "inductor"
     assert "compiled (inductor)" in compiled.summary() and "0 graphs" in compiled.summary()

@@ -86,3 +86,25 @@ def test_selected_from_the_command_line_group(installed: Path) -> None:
 
     cfg = compose_run(["platform=example_cpu", "model=qwen3_tiny"])
     assert cfg.platform.name == "example_cpu"
+
+
+def test_its_one_op_is_called_and_the_rest_is_the_reference(installed: Path) -> None:
+    """The plugin runs ``rms_norm`` only: the model calls it (its counter moves), every
+    other op is the model's reference, and greedy output equals the reference ops'."""
+    import xspec
+
+    fp32 = {"model.dtype": "float32"}
+    reference = xspec.LLM(
+        model="dsv4_tiny", spec="mtp", platform="cpu",
+        overrides={**fp32, "platform.kernels": "reference"},
+    )  # fmt: skip
+    plugin = xspec.LLM(model="dsv4_tiny", spec="mtp", platform="example_cpu", overrides=fp32)
+    ops = plugin._built.platform.step_options().ops
+    others = ("rope", "mhc_pre", "sparse_attention", "moe", "index_topk", "compress_pool")
+    assert all(getattr(ops, name) is None for name in (*others, "linear"))
+    assert ops.rms_norm is not None and ops.rms_norm.calls == 0  # type: ignore[attr-defined]
+    prompts = ["The quick brown fox", "Speculative decoding"]
+    want = [g.token_ids for g in reference.generate(prompts, 12, ignore_eos=True)]
+    got = [g.token_ids for g in plugin.generate(prompts, 12, ignore_eos=True)]
+    assert got == want
+    assert ops.rms_norm.calls > 0  # type: ignore[attr-defined]

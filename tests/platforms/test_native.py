@@ -15,6 +15,7 @@ import torch.nn.functional as F
 from xspec.models.deepseek_v4 import mhc
 from xspec.models.deepseek_v4.args import DeepseekV4Args
 from xspec.models.deepseek_v4.rope import rotate
+from xspec.models.ops import REFERENCE_OPS, ModelOps, StepOptions
 from xspec.platforms import native
 
 
@@ -64,7 +65,7 @@ def test_mhc_pre_matches_the_reference_path(kernels, hc, iters):
     base, scale = torch.randn((2 + hc) * hc, generator=gen), torch.rand(3, generator=gen) + 0.5
     with torch.no_grad():
         ref = mhc.hc_pre(x, fn, base, scale, args)
-        fused = mhc.hc_pre(x, fn, base, scale, args, kernels.by_name())
+        fused = mhc.hc_pre(x, fn, base, scale, args, kernels.ops())
     for name, a, b in zip(("u", "post", "comb"), fused, ref):
         torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6, msg=name)
     comb = fused[2]  # doubly stochastic: columns sum to 1 after the last normalisation
@@ -115,15 +116,14 @@ def test_the_build_is_cached():
 def test_index_topk_is_the_reference_selection(kernels, seed):
     """Ragged sequences (decode, verify and a prefill chunk), exact ties (repeated keys:
     the lower index wins), a NaN key (never picked), fewer causal entries than k."""
-    from xspec.models.base import StepOptions
     from xspec.models.deepseek_v4.compressor import Indexer
     from xspec.models.deepseek_v4.layout import BatchLayout
     from xspec.models.deepseek_v4.rope import Rope, rope_inv_freq
 
     args = DeepseekV4Args.tiny()
-    indexer = Indexer(
-        args, Rope(rope_inv_freq(args, compressed=True)), dtype=torch.float32, device="cpu"
-    )
+    rope = Rope(rope_inv_freq(args, compressed=True))
+    indexer = Indexer(args, rope, dtype=torch.float32, device="cpu")
+    fused_indexer = Indexer(args, rope, dtype=torch.float32, device="cpu", ops=kernels.ops())
     gen = torch.Generator().manual_seed(seed)
     starts, lens = [40, 97, 3], [1, 6, 30]
     positions = torch.cat([torch.arange(s, s + n) for s, n in zip(starts, lens)])
@@ -136,8 +136,7 @@ def test_index_topk_is_the_reference_selection(kernels, seed):
     w = torch.randn(positions.numel(), args.index_n_heads, generator=gen)
     with torch.no_grad():
         reference = indexer.select(q, w, keys, layout)
-        indexer.configure_steps(StepOptions(kernels=kernels.by_name()))
-        fused = indexer.select(q, w, keys, layout)
+        fused = fused_indexer.select(q, w, keys, layout)
     assert torch.equal(fused, reference)
     assert (fused == -1).any()  # the 3-token sequence has no complete entry yet
 
@@ -180,16 +179,23 @@ def test_a_query_s_attention_does_not_depend_on_its_batch(kernels):
         assert torch.equal(kernels.sparse_attention(q[lo:hi], sub, sink, 0.125), whole[lo:hi])
 
 
-def _moe(**changes):
+def _moe(ops=REFERENCE_OPS, **changes):
+    """A seeded MoE layer (the same weights whatever ``ops`` it is built with)."""
     from xspec.models.deepseek_v4.moe import MoE
 
     args = dataclasses.replace(DeepseekV4Args.tiny(), **changes)
     gen = torch.Generator().manual_seed(4)
-    moe = MoE(args, hash_routed=False, dtype=torch.float32, device="cpu")
+    steps = StepOptions(ops=ops)
+    moe = MoE(args, hash_routed=False, dtype=torch.float32, device="cpu", steps=steps)
     with torch.no_grad():
         for p in moe.parameters():
             p.copy_(torch.randn(p.shape, generator=gen) / p.shape[-1] ** 0.5)
     return moe, args
+
+
+def _moe_args(moe):
+    """The native ``moe`` op's arguments after ``x, input_ids`` for the layer ``moe``."""
+    return moe.gate.routing(), moe._stacked(), moe.shared_in_stack, moe.limit
 
 
 @pytest.mark.parametrize(
@@ -202,41 +208,40 @@ def _moe(**changes):
 )
 @pytest.mark.parametrize("rows", [1, 6, 13])
 def test_moe_matches_the_reference(kernels, changes, rows):
-    from xspec.models.base import StepOptions
-
     moe, args = _moe(**changes)
+    fused_moe, _ = _moe(ModelOps(moe=kernels.moe), **changes)
     gen = torch.Generator().manual_seed(rows)
     x = torch.randn(rows, args.hidden_size, generator=gen)
     ids = torch.randint(0, args.vocab_size, (rows,), generator=gen)
     with torch.no_grad():
         reference = moe(x, ids)
-        moe.configure_steps(StepOptions(kernels={"moe": kernels.moe}))
-        fused = moe(x, ids)
-        direct = kernels.moe(x, ids, moe.gate, moe._stacked(), moe.shared_in_stack, moe.limit)
-        alone = moe(x[-1:], ids[-1:])
+        fused = fused_moe(x, ids)
+        direct = kernels.moe(x, ids, *_moe_args(moe))
+        alone = fused_moe(x[-1:], ids[-1:])
     assert direct is not None and torch.equal(direct, fused)  # the kernel ran
     torch.testing.assert_close(fused, reference, rtol=1e-5, atol=1e-5)
     assert torch.equal(alone, fused[-1:])  # one row alone gets the same bits as in the batch
 
 
 def test_moe_hash_routing_matches_the_reference(kernels):
-    from xspec.models.base import StepOptions
     from xspec.models.deepseek_v4.moe import MoE
 
     args = DeepseekV4Args.tiny()
     moe = MoE(args, hash_routed=True, dtype=torch.float32, device="cpu")
+    steps = StepOptions(ops=ModelOps(moe=kernels.moe))
+    fused_moe = MoE(args, hash_routed=True, dtype=torch.float32, device="cpu", steps=steps)
     gen = torch.Generator().manual_seed(5)
     with torch.no_grad():
         for p in moe.parameters():
             p.copy_(torch.randn(p.shape, generator=gen) / p.shape[-1] ** 0.5)
         table = torch.randint(0, args.n_routed_experts, moe.gate.tid2eid.shape, generator=gen)
         moe.gate.tid2eid.copy_(table)
+        fused_moe.load_state_dict(moe.state_dict())
         x = torch.randn(9, args.hidden_size, generator=gen)
         ids = torch.randint(0, args.vocab_size, (9,), generator=gen)
         reference = moe(x, ids)
-        moe.configure_steps(StepOptions(kernels={"moe": kernels.moe}))
-        fused = moe(x, ids)
-        direct = kernels.moe(x, ids, moe.gate, moe._stacked(), moe.shared_in_stack, moe.limit)
+        fused = fused_moe(x, ids)
+        direct = kernels.moe(x, ids, *_moe_args(moe))
     assert direct is not None and torch.equal(direct, fused)  # the kernel ran
     torch.testing.assert_close(fused, reference, rtol=1e-5, atol=1e-5)
 
@@ -248,7 +253,7 @@ def test_prefill_sized_moe_calls_go_to_the_grouped_gemms(kernels):
     per_row = k * 3 * inter * args.hidden_size
     fits = native.MOE_MAX_MACS // per_row
     with torch.no_grad():
-        run = (moe.gate, moe._stacked(), moe.shared_in_stack, moe.limit)
+        run = _moe_args(moe)
         for rows, taken in ((fits, True), (fits + 1, False)):
             x = torch.randn(rows, args.hidden_size)
             out = kernels.moe(x, torch.zeros(rows, dtype=torch.long), *run)
@@ -257,17 +262,16 @@ def test_prefill_sized_moe_calls_go_to_the_grouped_gemms(kernels):
 
 def test_moe_layers_the_kernel_does_not_take_run_the_reference(kernels):
     """Two shared experts do not fit the stack (the kernel says no); bf16 neither."""
-    from xspec.models.base import StepOptions
-
     moe, args = _moe(n_shared_experts=2)
+    fused_moe, _ = _moe(ModelOps(moe=kernels.moe), n_shared_experts=2)
     x = torch.randn(3, args.hidden_size)
     ids = torch.arange(3)
     with torch.no_grad():
         reference = moe(x, ids)
-        assert kernels.moe(x, ids, moe.gate, moe._stacked(), True, moe.limit) is None
-        assert kernels.moe(x.bfloat16(), ids, moe.gate, moe._stacked(), False, 1.0) is None
-        moe.configure_steps(StepOptions(kernels={"moe": kernels.moe}))
-        assert torch.equal(moe(x, ids), reference)
+        routing, stacks = moe.gate.routing(), moe._stacked()
+        assert kernels.moe(x, ids, routing, stacks, True, moe.limit) is None
+        assert kernels.moe(x.bfloat16(), ids, routing, stacks, False, 1.0) is None
+        assert torch.equal(fused_moe(x, ids), reference)
 
 
 @pytest.mark.parametrize(("ratio", "width"), [(4, 32), (8, 24)])
@@ -336,7 +340,7 @@ def test_indices_out_of_range_are_refused_not_read(kernels):
     moe = MoE(args, hash_routed=True, dtype=torch.float32, device="cpu")
     x = torch.randn(2, args.hidden_size)
     with torch.no_grad():
-        run = (moe.gate, moe._stacked(), moe.shared_in_stack, moe.limit)
+        run = _moe_args(moe)
         assert kernels.moe(x, torch.tensor([0, args.vocab_size]), *run) is None
         moe.gate.tid2eid[3, 0] = args.n_routed_experts
         assert kernels.moe(x, torch.tensor([3, 1]), *run) is None
@@ -416,21 +420,18 @@ def test_shapes_that_do_not_fit_are_refused_not_read(kernels):
 
 
 def test_moe_shapes_that_do_not_fit_are_refused_not_read(kernels):
-    from types import SimpleNamespace
-
     moe, args = _moe()
     x, ids = torch.randn(3, args.hidden_size), torch.arange(3)
     with torch.no_grad():
         w1, w2, w3 = moe._stacked()
-    gate, shared = moe.gate, moe.shared_in_stack
+    gate, shared = moe.gate.routing(), moe.shared_in_stack
 
     def run(gate=gate, stacks=(w1, w2, w3), ids=ids):
         with torch.no_grad():
             return kernels.moe(x, ids, gate, stacks, shared, moe.limit)
 
     def gate_with(**changes):
-        fields = dict(weight=gate.weight, bias=gate.bias, tid2eid=None, hash_routed=False)
-        return SimpleNamespace(**{**fields, "args": args, **changes})
+        return dataclasses.replace(gate, **changes)
 
     assert run() is not None and run(gate=gate_with()) is not None
     narrow = w2[:, :, :-1].contiguous()
@@ -441,13 +442,12 @@ def test_moe_shapes_that_do_not_fit_are_refused_not_read(kernels):
     wide = torch.randn(gate.weight.shape[0], args.hidden_size + 1)
     assert run(gate=gate_with(weight=wide)) is None
     assert run(gate=gate_with(bias=torch.zeros(gate.weight.shape[0] - 1))) is None
-    too_many = dataclasses.replace(args, num_experts_per_tok=gate.weight.shape[0] + 1)
-    assert run(gate=gate_with(args=too_many)) is None
+    assert run(gate=gate_with(top_k=gate.weight.shape[0] + 1)) is None
     k = args.num_experts_per_tok
     table = torch.zeros(args.vocab_size, k + 1, dtype=torch.int64)  # a row of k per token
-    assert run(gate=gate_with(tid2eid=table, hash_routed=True, bias=None)) is None
+    assert run(gate=gate_with(tid2eid=table, bias=None)) is None
     table = torch.zeros(args.vocab_size, k, dtype=torch.int64)
-    assert run(gate=gate_with(tid2eid=table, hash_routed=True, bias=None)) is not None
+    assert run(gate=gate_with(tid2eid=table, bias=None)) is not None
 
 
 @pytest.mark.parametrize("heads", [8, 4, 6])

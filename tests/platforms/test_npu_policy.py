@@ -168,13 +168,13 @@ def test_real_npu_policy_capabilities() -> None:
             return SasOperatorProbe("npu::npu_sparse_attn_sharedkv", True)
 
     caps = PolicyOnly(PlatformCfg(name="npu")).capabilities
-    assert caps.distributed_backend == "hccl" and caps.int8_matmul and caps.native_sparse_attention
+    assert caps.distributed_backend == "hccl" and caps.native_sparse_attention
     assert not PolicyOnly(
         PlatformCfg(name="npu", native_sas=NativeSas.off)
     ).capabilities.native_sparse_attention
     # The emulation keeps the policy but reports the CPU it runs on.
     emu = emulated().capabilities
-    assert emu.distributed_backend == "gloo" and not emu.int8_matmul and emu.native_sparse_attention
+    assert emu.distributed_backend == "gloo" and emu.native_sparse_attention
 
 
 def test_native_sas_on_validates_only_where_supported() -> None:

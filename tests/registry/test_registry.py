@@ -237,8 +237,14 @@ def test_model_plugin_selected_by_name(plugin_dir: Path) -> None:
     from xspec.compose import compose_run
     from xspec.models.qwen3.tiny import tiny_dir
 
-    module = write_module(plugin_dir, "from xspec.models.qwen3 import load_model\n")
-    write_dist(plugin_dir, "toy-model", "xspec.models", {"toy_lm": f"{module}:load_model"})
+    body = (
+        "from xspec.models.qwen3 import Qwen3Family\n"
+        "class ToyFamily(Qwen3Family):\n"
+        "    arch = 'toy_lm'\n"
+        "FAMILY = ToyFamily()\n"
+    )
+    module = write_module(plugin_dir, body)
+    write_dist(plugin_dir, "toy-model", "xspec.models", {"toy_lm": f"{module}:FAMILY"})
     assert "toy_lm" in registry.models.names()
     cfg = compose_run(["model=toy_lm", "model.path=/somewhere", "spec=none"])
     assert (cfg.model.arch, cfg.model.path, cfg.model.preset) == ("toy_lm", "/somewhere", None)
@@ -253,3 +259,50 @@ def test_model_plugin_selected_by_name(plugin_dir: Path) -> None:
     )
     assert module in sys.modules
     assert len(llm.generate([[5, 6, 7]], max_new_tokens=3, ignore_eos=True)[0].token_ids) == 3
+
+
+def test_plugins_that_are_not_a_model_family_or_a_drafter_are_refused(plugin_dir: Path) -> None:
+    """A model entry point must name a ModelFamily instance whose ``arch`` is its name; a
+    spec method must name a Drafter subclass. Anything else is refused when selected,
+    with a message naming the fix."""
+    body = (
+        "from xspec.models.qwen3 import Qwen3Family, load_model\n"
+        "class Fam(Qwen3Family):\n"
+        "    arch = 'fam_cls'\n"
+        "class Misnamed(Qwen3Family):\n"
+        "    arch = 'something_else'\n"
+        "MISNAMED = Misnamed()\n"
+        "class NotADrafter:\n"
+        "    def __init__(self, cfg, **kw): pass\n"
+    )
+    module = write_module(plugin_dir, body)
+    models = {
+        "old_loader": f"{module}:load_model",
+        "fam_cls": f"{module}:Fam",
+        "misnamed_fam": f"{module}:MISNAMED",
+    }
+    write_dist(plugin_dir, "odd-models", "xspec.models", models)
+    write_dist(
+        plugin_dir, "odd-methods", "xspec.spec_methods", {"nodraft": f"{module}:NotADrafter"}
+    )
+    with pytest.raises(
+        ConfigError, match=r"not an instance of a subclass of xspec\.models\.family\.ModelFamily"
+    ):
+        registry.models.get("old_loader")
+    with pytest.raises(ConfigError, match=r"resolves to the class Fam; register an instance"):
+        registry.models.get("fam_cls")
+    with pytest.raises(ConfigError, match=r"set Misnamed\.arch = 'misnamed_fam'"):
+        registry.models.get("misnamed_fam")
+    with pytest.raises(ConfigError, match=r"not a subclass of xspec\.spec\.drafter\.Drafter"):
+        registry.spec_methods.get("nodraft")
+
+
+def test_builtins_are_model_families_and_drafters() -> None:
+    from xspec.models.family import ModelFamily
+    from xspec.spec.drafter import Drafter
+
+    for name in BUILTINS["model"]:
+        family = registry.models.get(name)
+        assert isinstance(family, ModelFamily) and family.arch == name
+    for name in BUILTINS["spec method"]:
+        assert issubclass(registry.spec_methods.get(name), Drafter)

@@ -11,7 +11,7 @@ import torch
 
 import xspec
 from xspec.config import ModelConfig, PlatformConfig, SpecConfig
-from xspec.models.base import ForwardBatch
+from xspec.models.base import EAGER_STEPS, ForwardBatch
 from xspec.models.block_draft import BlockLayout
 from xspec.models.qwen3 import load_model
 from xspec.models.qwen3.model import Qwen3State
@@ -131,7 +131,7 @@ def test_deepspec_dflash_draft_runs_its_own_block_under_spec_dflash(
 
     def drafter(cls: type[DSparkDrafter]) -> BlockDrafter:
         spec = SpecConfig(method=cls.method.value, draft_path=path)
-        return cls(spec, target=target, model_cfg=model_cfg, platform=platform)
+        return cls(spec, target=target, model_cfg=model_cfg, platform=platform, steps=EAGER_STEPS)
 
     dflash, dspark = drafter(DFlashDrafter), drafter(DSparkDrafter)
     assert (dflash.layout, dflash.gamma) == (dspark.layout, dspark.gamma) == (BlockLayout.DSPARK, 4)
@@ -144,10 +144,12 @@ def test_deepspec_dflash_draft_runs_its_own_block_under_spec_dflash(
         batch = ForwardBatch(torch.tensor(prompt), [len(prompt)], [target.new_state()], capture)
         out = target.forward(batch)
         nxt = torch.tensor([*prompt[1:], anchor])
-        rows = CommittedRows(torch.tensor(prompt), nxt, out.hidden, out.aux_hidden)
+        rows = CommittedRows(
+            torch.tensor(prompt), nxt, out.hidden, out.aux_hidden, [len(prompt)], [0]
+        )
         for name, d in (("dflash", dflash), ("dspark", dspark), ("zlab", zlab)):
             state = d.new_state()
-            d.observe([state], [rows])
+            d.observe([state], rows)
             prop = d.propose([state], [DraftRequest(anchor, SamplingParams(), None, 4)], 4)
             drafts[name].append(prop.tokens[0].tolist())
     assert drafts["dflash"] == drafts["dspark"]
@@ -182,7 +184,9 @@ def test_committed_tokens_follow_the_target_through_the_markov_loop() -> None:
     target = load_model(model_cfg, device=torch.device("cpu"), max_rollback=8)
     gamma = 2
     spec = SpecConfig(method="dspark", num_speculative_tokens=gamma)
-    drafter = DSparkDrafter(spec, target=target, model_cfg=model_cfg, platform=platform)
+    drafter = DSparkDrafter(
+        spec, target=target, model_cfg=model_cfg, platform=platform, steps=EAGER_STEPS
+    )
     capture = [platform.capture_point(i) for i in drafter.capture_layer_ids]
     prompt, anchor = (
         torch.tensor([*ids(8, 5), 150, 150, 150, 150]),
@@ -192,7 +196,8 @@ def test_committed_tokens_follow_the_target_through_the_markov_loop() -> None:
     out = target.forward(ForwardBatch(prompt, [len(prompt)], [tstate], capture))
     state = drafter.new_state()
     nxt = torch.cat([prompt[1:], torch.tensor([anchor])])
-    drafter.observe([state], [CommittedRows(prompt, nxt, out.hidden, out.aux_hidden)])
+    rows = CommittedRows(prompt, nxt, out.hidden, out.aux_hidden, [len(prompt)], [0])
+    drafter.observe([state], rows)
 
     params = SamplingParams(temperature=0.9, seed=21)
     gen = make_generator(params)  # one stream shared by every copy

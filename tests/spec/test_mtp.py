@@ -12,7 +12,7 @@ import torch
 import xspec
 from xspec.config import ModelConfig, PlatformConfig, SpecConfig
 from xspec.errors import ConfigError
-from xspec.models.base import ForwardBatch
+from xspec.models.base import EAGER_STEPS, ForwardBatch
 from xspec.models.deepseek_v4 import load_model
 from xspec.models.deepseek_v4.model import DeepseekV4Model
 from xspec.models.deepseek_v4.mtp import EXPORTED_MODEL_TYPE
@@ -115,7 +115,11 @@ def target() -> DeepseekV4Model:
 def drafter(target: DeepseekV4Model, gamma: int, draft_path: str | None = None) -> MtpDrafter:
     spec = SpecConfig(method="mtp", num_speculative_tokens=gamma, draft_path=draft_path)
     return MtpDrafter(
-        spec, target=target, model_cfg=MODEL_CFG, platform=CpuPlatform(PlatformConfig(name="cpu"))
+        spec,
+        target=target,
+        model_cfg=MODEL_CFG,
+        platform=CpuPlatform(PlatformConfig(name="cpu")),
+        steps=EAGER_STEPS,
     )
 
 
@@ -150,7 +154,10 @@ def test_drafter_matches_reference_across_steps(target: DeepseekV4Model) -> None
     out = target.forward(ForwardBatch(torch.cat(prompts), [len(p) for p in prompts], tstates))
     hidden = list(out.hidden.split([len(p) for p in prompts]))
     nxt = [torch.cat([p[1:], torch.tensor([f])]) for p, f in zip(prompts, firsts)]
-    d.observe(states, [CommittedRows(p, x, h, None) for p, x, h in zip(prompts, nxt, hidden)])
+    lens = [len(p) for p in prompts]
+    d.observe(
+        states, CommittedRows(torch.cat(prompts), torch.cat(nxt), out.hidden, None, lens, [0, 0])
+    )
 
     greedy = [DraftRequest(f, SamplingParams(), None, max_drafts=gamma) for f in firsts]
     prop = d.propose(states, greedy, gamma)
@@ -172,9 +179,10 @@ def test_drafter_matches_reference_across_steps(target: DeepseekV4Model) -> None
         c = (int(prop.tokens[b, 2]) + 1) % 512
         new_next = torch.cat([prop.tokens[b, :2], torch.tensor([c])])
         h = verify.hidden[b * (gamma + 1) : b * (gamma + 1) + 3]
-        committed.append(CommittedRows(rows[b, :3], new_next, h, None))
+        committed.append((rows[b, :3], new_next, h))
         hidden[b], nxt[b] = torch.cat([hidden[b], h]), torch.cat([nxt[b], new_next])
-    d.observe(states, committed)
+    ins, outs, hs = (torch.cat(t) for t in zip(*committed))
+    d.observe(states, CommittedRows(ins, outs, hs, None, [3, 3], lens))
 
     params = [SamplingParams(temperature=0.8, top_k=50, seed=s) for s in (1, 2)]
     sampled = [
@@ -225,11 +233,11 @@ def test_exported_layout_drafts_like_the_official(
     assert exported.module.owns_vocab == (vocab, vocab)
     prompt = torch.tensor(ids(30, 10))
     h = target.forward(ForwardBatch(prompt, [30], [target.new_state()])).hidden
-    rows = CommittedRows(prompt, torch.cat([prompt[1:], torch.tensor([5])]), h, None)
+    rows = CommittedRows(prompt, torch.cat([prompt[1:], torch.tensor([5])]), h, None, [30], [0])
     props = []
     for d in (official, exported):
         state = d.new_state()
-        d.observe([state], [rows])
+        d.observe([state], rows)
         p = SamplingParams(temperature=0.8, seed=3)
         props.append(d.propose([state], [DraftRequest(5, p, make_generator(p), max_drafts=3)], 3))
     assert torch.equal(props[0].tokens, props[1].tokens)
@@ -261,9 +269,8 @@ def test_quarot_target_drafts_like_the_original(target: DeepseekV4Model, tmp_pat
         d = drafter(model, 3)
         h = model.forward(ForwardBatch(prompt, [150], [model.new_state()])).hidden
         state = d.new_state()
-        d.observe(
-            [state], [CommittedRows(prompt, torch.cat([prompt[1:], torch.tensor([9])]), h, None)]
-        )
+        nxt = torch.cat([prompt[1:], torch.tensor([9])])
+        d.observe([state], CommittedRows(prompt, nxt, h, None, [150], [0]))
         p = SamplingParams(temperature=0.8, seed=4)
         props.append(d.propose([state], [DraftRequest(9, p, make_generator(p), max_drafts=3)], 3))
     assert d.module.rot is not None and d.module.owns_vocab == (True, True)

@@ -12,6 +12,7 @@ from tests.spec.simdevice import DEVICE, SimModule, SimTarget, SimulatedDevice
 from xspec.config import ModelConfig, PlatformConfig, SpecConfig
 from xspec.engine.engine import Engine, Generation, Request
 from xspec.metrics import SpecDecodeMetrics
+from xspec.models.base import EAGER_STEPS
 from xspec.models.deepseek_v4 import load_model as load_dsv4
 from xspec.models.qwen3 import load_model as load_qwen3
 from xspec.platforms.cpu import CpuPlatform
@@ -147,13 +148,14 @@ def test_step_keeps_everything_on_the_target_device(
     )
     spec = SpecConfig(method=method, num_speculative_tokens=3 if method == "oracle" else None)
     make: Any = OracleDrafter if method == "oracle" else NoDrafter
-    want = _run(qwen, make(spec, target=qwen), SamplingParams())
+    kw = dict(model_cfg=ModelConfig(arch="qwen3", preset="tiny"), platform=None, steps=EAGER_STEPS)
+    want = _run(qwen, make(spec, target=qwen, **kw), SamplingParams())
     mode = SimulatedDevice()
     recorder = Recorder(mode, monkeypatch)
     with mode:
         target = SimTarget(qwen, mode)
         assert target.device == DEVICE
-        got = _run(target, make(spec, target=target), SamplingParams())
+        got = _run(target, make(spec, target=target, **kw), SamplingParams())
     assert got == want
     recorder.check_one_read_per_call()
 
@@ -165,13 +167,17 @@ def test_mtp_drafts_on_the_target_device(monkeypatch: pytest.MonkeyPatch) -> Non
     spec = SpecConfig(method="mtp", num_speculative_tokens=2)
     platform = CpuPlatform(PlatformConfig(name="cpu"))
     want = _run(
-        dsv4, MtpDrafter(spec, target=dsv4, model_cfg=cfg, platform=platform), SamplingParams()
+        dsv4,
+        MtpDrafter(spec, target=dsv4, model_cfg=cfg, platform=platform, steps=EAGER_STEPS),
+        SamplingParams(),
     )
     mode = SimulatedDevice()
     recorder = Recorder(mode, monkeypatch)
     with mode:
         target = SimTarget(dsv4, mode)
-        drafter: Any = MtpDrafter(spec, target=dsv4, model_cfg=cfg, platform=platform)
+        drafter: Any = MtpDrafter(
+            spec, target=dsv4, model_cfg=cfg, platform=platform, steps=EAGER_STEPS
+        )
         drafter.target = target
         drafter.module = SimModule(drafter.module, mode, ("draft_hidden", "draft_logits"))
         assert _run(target, drafter, SamplingParams()) == want

@@ -83,7 +83,7 @@ def profile_key(cfg: Any, platform: Any, gamma: int) -> dict[str, Any]:
 
 
 def cached_profile_path(key: dict[str, Any]) -> Path:
-    from xspec.models.loading import cache_root
+    from xspec.cache import cache_root
 
     digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
     return cache_root() / "step_cost" / f"{digest}.json"
@@ -187,11 +187,14 @@ def measure_step_cost(
         out = target.forward(
             ForwardBatch(ids[:, :CONTEXT].reshape(-1), [CONTEXT] * R, states, capture)
         )
-        rows = []
-        for b in range(R):
-            lo, hi = b * CONTEXT, (b + 1) * CONTEXT
-            aux = out.aux_hidden[lo:hi] if out.aux_hidden is not None else None
-            rows.append(CommittedRows(ids[b, :CONTEXT], ids[b, 1:], out.hidden[lo:hi], aux))
+        rows = CommittedRows(
+            ids[:, :CONTEXT].reshape(-1),  # [R*CONTEXT]
+            ids[:, 1:].reshape(-1),
+            out.hidden,
+            out.aux_hidden,
+            seq_lens=[CONTEXT] * R,
+            starts=[0] * R,
+        )
         drafter.observe(dstates, rows)
         anchors = ids[:, CONTEXT].tolist()
         requests = [DraftRequest(a, greedy, None, max_drafts=gamma) for a in anchors]

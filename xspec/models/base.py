@@ -19,7 +19,6 @@ returns the hidden state at each point, concatenated in list order, as
 
 from __future__ import annotations
 
-import enum
 import math
 from collections.abc import Iterable
 from dataclasses import dataclass, field
@@ -27,24 +26,10 @@ from typing import Any, Protocol, runtime_checkable
 
 import torch
 
-
-class CaptureSite(str, enum.Enum):
-    """Where, relative to a decoder layer, a hidden state is read."""
-
-    INPUT = "input"  # the residual entering layer ``layer`` (== output of layer-1)
-    OUTPUT = "output"  # the residual leaving layer ``layer``
-
-
-@dataclass(frozen=True)
-class CapturePoint:
-    """A runtime capture location: decoder layer index + site.
-
-    ``layer`` may equal ``num_layers`` with site INPUT: the final residual before
-    the head (the output of the last layer).
-    """
-
-    layer: int
-    site: CaptureSite
+from xspec.capture import CapturePoint
+from xspec.capture import CaptureSite as CaptureSite  # re-exported
+from xspec.models.ops import EAGER_STEPS as EAGER_STEPS  # re-exported
+from xspec.models.ops import StepOptions as StepOptions
 
 
 @dataclass
@@ -133,37 +118,9 @@ class TargetModel(Protocol):
 
     def forward(self, batch: ForwardBatch) -> ModelOutput: ...
 
-    def truncate(self, state: DecodeState, num_tokens: int) -> None: ...
-
-
-@dataclass(frozen=True, eq=False)
-class StepOptions:
-    """How models run their stateless step functions, decided by the platform at build
-    (``Platform.step_options``) and handed to every module by :func:`configure_steps`.
-
-    ``kernels``: what the platform's devices offer the step functions, by name: fused
-    kernels (``"mhc_pre"``, ``"rms_norm"``, ``"rope"``, ``"index_topk"``,
-    ``"sparse_attention"``, ``"moe"``, ``"compress_pool"``: see the CPU platform's
-    ``native``) and kernel facts (``"grouped_mm"``: the dtypes
-    ``torch._grouped_mm`` serves; ``"grouped_mm_eager"``: use it in eager steps always).
-    A model uses those it knows and runs its reference torch ops for the rest.
-    ``compile``: wraps a pure step function into its compiled form (memoised per
-    function, so every layer shares the graphs), or None to run eagerly. ``describe``:
-    one line for the run report.
-    """
-
-    kernels: dict[str, Any] = field(default_factory=dict)
-    compile: Any = None
-    describe: str = "eager, reference torch ops"
-
-    def summary(self) -> str:
-        """``describe``, plus what compiling has cost so far (graphs, seconds)."""
-        if self.compile is None:
-            return self.describe
-        return f"{self.describe}; {self.compile.describe()}"
-
-
-EAGER_STEPS = StepOptions()
+    def truncate(self, state: Any, num_tokens: int) -> None:
+        """Roll ``state`` (one this model made) back to its first ``num_tokens`` tokens."""
+        ...
 
 
 def modules_of(parts: Iterable[Any]) -> list[torch.nn.Module]:
@@ -176,13 +133,3 @@ def modules_of(parts: Iterable[Any]) -> list[torch.nn.Module]:
         elif part is not None and hasattr(part, "__dict__"):
             out += [v for v in vars(part).values() if isinstance(v, torch.nn.Module)]
     return out
-
-
-def configure_steps(parts: Iterable[Any], options: StepOptions) -> None:
-    """Give ``options`` to every submodule of ``parts`` (see :func:`modules_of`) that
-    runs step functions (a ``configure_steps(options)`` method)."""
-    for module in modules_of(parts):
-        for sub in module.modules():
-            configure = getattr(sub, "configure_steps", None)
-            if callable(configure):
-                configure(options)

@@ -1,6 +1,7 @@
 """What a block drafter (``spec=dspark`` / ``spec=dflash``, :mod:`xspec.spec.block`) needs
 from a model family: the block layouts, the draft model's interface, and a loaded draft.
-A family's draft module (``models/<family>/dspark.py``) returns a :class:`LoadedDraft`.
+A family's draft module (``models/<family>/dspark.py``) implements :class:`BlockDrafts`
+(``ModelFamily.block_drafts`` returns it) and loads a :class:`LoadedDraft`.
 """
 
 from __future__ import annotations
@@ -72,3 +73,37 @@ class LoadedDraft:
     capture_layer_ids: list[int]  # raw checkpoint ids, in the order the draft concatenates
     path: Path  # the draft's directory (a calibration file sits next to its weights)
     layout: BlockLayout  # the block the draft was trained on (may differ from the method's)
+
+
+class BlockDrafts(Protocol):
+    """A family's block-draft functions (its ``dspark.py`` module satisfies this).
+    ``layout`` is the method's; headers / config.json only, except ``load_block_draft``."""
+
+    def preflight_block_draft(
+        self, layout: BlockLayout, spec_cfg: Any, model_cfg: Any, /
+    ) -> list[str]:
+        """Every problem of the draft checkpoint (nothing allocated)."""
+        ...
+
+    def trained_block_size(
+        self, layout: BlockLayout, spec_cfg: Any, model_cfg: Any, /
+    ) -> int | None:
+        """The default gamma (None when unreadable: preflight says why)."""
+        ...
+
+    def has_confidence_head(
+        self, layout: BlockLayout, spec_cfg: Any, model_cfg: Any, /
+    ) -> bool | None:
+        """Whether the draft scores its drafts (for ``spec.adaptive``)."""
+        ...
+
+    def draft_dir(self, spec_cfg: Any, model_cfg: Any, /) -> Path:
+        """Where the draft is read from (its ``confidence_calibration.json`` sits there)."""
+        ...
+
+    def load_block_draft(
+        self, layout: BlockLayout, spec_cfg: Any, /, *, target: Any, model_cfg: Any, platform: Any
+    ) -> LoadedDraft:
+        """The loaded draft; ``LoadedDraft.layout`` is the one it was trained on (a family
+        refuses a checkpoint the method cannot use, naming the other method)."""
+        ...

@@ -38,6 +38,7 @@ from typing import Any
 
 import torch
 
+from xspec.cache import cache_root
 from xspec.errors import CheckpointError
 
 CONFIG_NAME = "config.json"
@@ -497,11 +498,6 @@ def write_checkpoint(
             total = sum(t.numel() * t.element_size() for t in tensors.values())
             index = {"metadata": {"total_size": total}, "weight_map": weight_map}
             (tmp / INDEX_NAME).write_text(json.dumps(index, indent=2) + "\n", encoding="utf-8")
-
-
-def cache_root() -> Path:
-    """$XSPEC_CACHE_DIR, default ~/.cache/xspec."""
-    return Path(os.environ.get("XSPEC_CACHE_DIR") or "~/.cache/xspec").expanduser()
 
 
 def preset_dir(name: str, version: str, generate: Callable[[Path], None]) -> Path:

@@ -24,20 +24,23 @@ decode          the drafter's propose forwards for ``g`` drafts (MTP: g - 1 chai
 verifies only its own requests' share (``decode_step`` keeps its per-request widths, so
 greedy outputs equal a single process's). The loop ends when no rank is busy.
 
-A drafter takes part through three members (absent: it has no MoE forwards):
-``moe_module`` (the module whose MoE layers its forwards run), ``observe_forwards`` and
-``propose_forwards(num_tokens)``. A MoE layer takes part by having ``expert_parallel``
+A drafter takes part through three members that :class:`~xspec.spec.drafter.Drafter`
+declares (defaults: no MoE forwards): ``moe_module`` (the module whose MoE layers its
+forwards run), ``observe_forwards`` and ``propose_forwards(num_tokens)``. A MoE layer takes part by having ``expert_parallel``
 set and an ``idle()`` method (:class:`xspec.models.deepseek_v4.moe.MoE`).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from torch import nn
 
 from xspec.parallel.runtime import Parallel
+
+if TYPE_CHECKING:
+    from xspec.spec.drafter import Drafter
 
 
 @dataclass(frozen=True)
@@ -63,11 +66,11 @@ def moe_layers(module: nn.Module | None) -> list[Any]:
 class Lockstep:
     """One rank's side of the per-iteration agreement (see the module docstring)."""
 
-    def __init__(self, parallel: Parallel, target: nn.Module, drafter: Any) -> None:
+    def __init__(self, parallel: Parallel, target: nn.Module, drafter: Drafter) -> None:
         self.parallel = parallel
         self.drafter = drafter
         self.target_layers = moe_layers(target)
-        self.draft_layers = moe_layers(getattr(drafter, "moe_module", None))
+        self.draft_layers = moe_layers(drafter.moe_module)
         self.plan = StepPlan(0, -1, False)
 
     def sync(self, *, prefill_forwards: int, draft_tokens: int, busy: bool) -> StepPlan:
@@ -91,7 +94,7 @@ class Lockstep:
                 layer.idle()
 
     def _observe_forwards(self) -> int:
-        return int(getattr(self.drafter, "observe_forwards", 0)) if self.draft_layers else 0
+        return self.drafter.observe_forwards if self.draft_layers else 0
 
     def idle_prefill(self) -> None:
         """The prefill phase on a rank that prefills nothing this iteration."""

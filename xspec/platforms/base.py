@@ -7,7 +7,9 @@ A platform plugin answers questions instead of being asked to honour decisions:
 - ``capture_point(L)``: where the runtime reads the hidden state a checkpoint means by
   "output of layer L" (core code parses layer ids raw; only the platform maps them);
 - ``validate(...)``: every limit it cannot serve, as a list of messages naming the key;
-- ``sas_mode()``: which sparse-attention window layout the draft uses (native/compat);
+- ``sas_mode()``: which sparse-attention window layout the draft uses (native/compat), and
+  ``draft_window_attention()``: the operator it runs on (None: the model's reference);
+- ``step_options()``: the ops the models delegate (``model_ops()``) and the compiler;
 - small device services: ``device()``, ``distributed_backend()``, ``memory_available()``,
   ``synchronize()``, ``manual_seed()``.
 
@@ -19,15 +21,37 @@ packages (``torch_npu``): detection happens in :meth:`Platform.unavailable_reaso
 from __future__ import annotations
 
 import abc
-import enum
 import inspect
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, ClassVar, Protocol
 
 import torch
 
+from xspec.capture import CapturePoint, CaptureSite
 from xspec.errors import ConfigError, PlatformError
-from xspec.models.base import CapturePoint, CaptureSite, StepOptions
+
+# the only models/ module a platform imports: the ops a model lets it run (and their
+# types, re-exported here for platform plugins)
+from xspec.models.ops import (
+    REFERENCE_OPS,
+    DraftAttentionOp,
+    ModelOps,
+    SasIndicesRejected,
+    SasMode,
+    StepOptions,
+)
+
+__all__ = [
+    "Capabilities",
+    "DraftAttentionOp",
+    "ModelOps",
+    "Platform",
+    "PlatformSettings",
+    "SasIndicesRejected",
+    "SasMode",
+    "StepOptions",
+    "check_layer_id",
+]
 
 NATIVE_SAS_VALUES = ("auto", "on", "off")
 COMPILE_VALUES = ("auto", "on", "off")
@@ -51,51 +75,6 @@ class PlatformSettings(Protocol):
     def native_sas(self) -> Any: ...
 
 
-class SasMode(str, enum.Enum):
-    """Which key window the DSv4 draft's sliding-window attention sees (docs/npu.md).
-
-    NATIVE: context positions ``[p - window, p)`` plus the whole draft block, given to the
-    kernel as explicit ``ori_sparse_indices``. COMPAT: the last ``window`` positions ending
-    at the block end (loses gamma context positions; every kernel supports it).
-    """
-
-    NATIVE = "native"
-    COMPAT = "compat"
-
-    def ori_win_left(self, window: int, gamma: int) -> int:
-        """Left extent of the sparse-attention window the kernel is tiled for.
-
-        native: ``window + gamma - 1`` (the block's keys sit beyond the window);
-        compat, or a native block of width 0: ``window - 1``.
-        """
-        if window < 1 or gamma < 0:
-            raise ValueError(
-                f"ori_win_left needs window >= 1 and gamma >= 0, got {window}, {gamma}"
-            )
-        if self is SasMode.NATIVE and gamma > 0:
-            return window + gamma - 1
-        return window - 1
-
-
-class SasIndicesRejected(RuntimeError):
-    """The installed sparse attention operator refused explicit (native) window indices."""
-
-
-class DraftAttentionOp(Protocol):
-    """``q [S, H, D]``, ``parts`` of ``(kv [N, D], index [S, K])`` (-1 = none), ``sink [H]``
-    -> ``[S, H, D]`` fp32 (see ``xspec.models.deepseek_v4.attention.sparse_attention``)."""
-
-    def __call__(
-        self,
-        q: torch.Tensor,
-        parts: list[tuple[torch.Tensor, torch.Tensor]],
-        sink: torch.Tensor,
-        scale: float,
-        *,
-        explicit_indices: bool,
-    ) -> torch.Tensor: ...
-
-
 @dataclass(frozen=True)
 class Capabilities:
     """What a platform can serve. Defaults are the conservative answer.
@@ -105,10 +84,6 @@ class Capabilities:
 
     # SAS kernel with explicit ori_sparse_indices (native DSpark window layout).
     native_sparse_attention: bool = False
-    # Non-causal attention inside a draft block; the reference torch attention has it everywhere.
-    non_causal_block_attention: bool = True
-    graph_capture: bool = False
-    int8_matmul: bool = False
     dtypes: frozenset[str] = field(
         default_factory=lambda: frozenset({"float32", "bfloat16", "float16"})
     )
@@ -232,58 +207,46 @@ class Platform(abc.ABC):
         return SasMode.COMPAT
 
     def reference_attention_capabilities(self, **kw: Any) -> Capabilities:
-        """Capabilities of a platform whose draft window runs :meth:`draft_attention_op`'s
-        reference torch attention: it serves explicit index sets, so the native layout
-        (the checkpoint's trained semantics) under ``platform.native_sas=auto``;
-        ``off`` asks for compatibility, and ``on`` (an NPU operator setting) is refused by
-        :meth:`validate`."""
+        """Capabilities of a platform whose draft window runs the model's reference
+        attention (:meth:`draft_window_attention` None): it serves explicit index sets, so
+        the native layout (the checkpoint's trained semantics) under
+        ``platform.native_sas=auto``; ``off`` asks for compatibility, and ``on`` (an NPU
+        operator setting) is refused by :meth:`validate`."""
         return Capabilities(native_sparse_attention=self.native_sas == "auto", **kw)
 
-    def draft_attention_op(self) -> DraftAttentionOp:
-        """The sparse attention the DSpark draft window runs on (``explicit_indices``:
-        the native layout's explicit index set). Default: the reference torch attention,
-        or this platform's fused ``sparse_attention`` kernel where :meth:`step_options`
-        has one. An operator that cannot take explicit indices raises
-        :class:`SasIndicesRejected`, and the caller falls back to the compatibility layout
-        (see ``sas_mode``)."""
-        from xspec.models.deepseek_v4.attention import sparse_attention
-        from xspec.models.deepseek_v4.mhc import fused
+    def draft_window_attention(self) -> DraftAttentionOp | None:
+        """The operator the DSpark draft window's sparse attention runs on (see
+        ``models.ops.DraftAttentionOp``), or None: the model's reference attention (with
+        this platform's ``sparse_attention`` op where :meth:`model_ops` has one). An
+        operator that cannot take explicit indices raises ``SasIndicesRejected``, and the
+        draft falls back to the compatibility layout (see :meth:`sas_mode`)."""
+        return None
 
-        def reference(
-            q: torch.Tensor,
-            parts: list[tuple[torch.Tensor, torch.Tensor]],
-            sink: torch.Tensor,
-            scale: float,
-            *,
-            explicit_indices: bool,
-        ) -> torch.Tensor:
-            kernel = fused(self.step_options().kernels, "sparse_attention")
-            return sparse_attention(q, parts, sink, scale, kernel)
-
-        return reference
-
-    def fused_kernels(self) -> tuple[dict[str, Any], str]:
-        """The fused kernels this platform gives the models (``StepOptions.kernels``) and
-        a line saying what they are; called once, at build, under ``platform.kernels=auto``.
-        Default: none beyond the capabilities' grouped GEMMs."""
-        return {}, "reference torch ops"
+    def model_ops(self) -> tuple[ModelOps, str]:
+        """The ops this platform runs for the models (``models.ops.ModelOps``; None
+        fields: the model's reference op) and a line saying what they are; called once,
+        at build, under ``platform.kernels=auto``. Default: none; :meth:`step_options`
+        adds the capabilities' grouped GEMMs."""
+        return REFERENCE_OPS, "reference torch ops"
 
     def step_options(self) -> StepOptions:
         """How the models run their stateless steps on this platform (built once): the
-        fused kernels (``platform.kernels``) and the compiler (``platform.compile``)."""
+        ops (``platform.kernels``) and the compiler (``platform.compile``). The model
+        receives them at construction."""
         if self._step_options is None:
             caps = self.capabilities
-            kernels: dict[str, Any] = {}
-            kernels_line = "reference torch ops"
+            ops, ops_line = REFERENCE_OPS, "reference torch ops"
             compiling = caps.compile_backend is not None and (
                 self.compile == "on" or (self.compile == "auto" and caps.compile_by_default)
             )
             if self.kernels == "auto":
-                kernels, kernels_line = self.fused_kernels()
-                kernels = dict(kernels)
+                ops, ops_line = self.model_ops()
             if self.kernels == "auto" or compiling:  # compiled MoE needs grouped GEMMs
-                kernels["grouped_mm"] = caps.grouped_mm_dtypes
-                kernels["grouped_mm_eager"] = caps.grouped_mm_eager
+                ops = replace(
+                    ops,
+                    grouped_mm_dtypes=caps.grouped_mm_dtypes,
+                    grouped_mm_eager=caps.grouped_mm_eager,
+                )
             compiler = None
             how = "eager"
             if compiling:
@@ -292,7 +255,7 @@ class Platform(abc.ABC):
                 compiler = StepCompiler(str(caps.compile_backend))
                 how = f"compiled ({caps.compile_backend})"
             self._step_options = StepOptions(
-                kernels=kernels, compile=compiler, describe=f"steps: {how}, {kernels_line}"
+                ops=ops, compile=compiler, describe=f"steps: {how}, {ops_line}"
             )
         return self._step_options
 
@@ -366,12 +329,12 @@ _HOOKS = (
     "synchronize",
     "capture_point",
     "sas_mode",
-    "draft_attention_op",
+    "draft_window_attention",
     "validate",
     "distributed_backend",
     "rank_device_index",
     "manual_seed",
-    "fused_kernels",
+    "model_ops",
 )
 
 

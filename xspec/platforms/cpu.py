@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Any
 
 import torch
 
+from xspec.models.ops import REFERENCE_OPS, ModelOps
 from xspec.platforms.base import Capabilities, Platform
 
 # cgroup v2 reports "max" when unlimited; v1 reports a huge number (PAGE_COUNTER_MAX).
@@ -62,11 +62,11 @@ class CpuPlatform(HostDevice, Platform):
             grouped_mm_eager=False,
         )
 
-    def fused_kernels(self) -> tuple[dict[str, Any], str]:
+    def model_ops(self) -> tuple[ModelOps, str]:
         from xspec.platforms import native
 
         kernels, line = native.load()
-        return (kernels.by_name() if kernels is not None else {}), line
+        return (kernels.ops() if kernels is not None else REFERENCE_OPS), line
 
     def validate(self, *, dtype: str, num_speculative_tokens: int) -> list[str]:
         problems = super().validate(dtype=dtype, num_speculative_tokens=num_speculative_tokens)

@@ -8,39 +8,28 @@ imports exactly the platform ``n``.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Protocol
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
 
-from xspec.errors import ConfigError, PlatformError
+from xspec.errors import ConfigError, PlatformError, UserError
 from xspec.registry.builtins import BUILTINS
 from xspec.registry.registry import DuplicateNameError, Entry, Registry
 
 if TYPE_CHECKING:
-    from collections.abc import Callable
-
-    import torch
-
-    from xspec.models.base import TargetModel
+    from xspec.models.family import ModelFamily
     from xspec.platforms.base import Platform
+    from xspec.spec.drafter import Drafter
 
 __all__ = [
     "DuplicateNameError",
     "Entry",
-    "ModelLoader",
     "Registry",
+    "families_where",
+    "family_named",
     "models",
     "platforms",
     "spec_methods",
 ]
-
-
-class ModelLoader(Protocol):
-    """What a ``models`` entry resolves to: builds a target model from its config section.
-
-    ``device`` comes from the platform; ``max_rollback`` is the most rows a verify step
-    may later truncate (gamma + 1), so the model can size rollback state once.
-    """
-
-    def __call__(self, cfg: Any, *, device: torch.device, max_rollback: int) -> TargetModel: ...
 
 
 def _check_platform(name: str, value: Any) -> None:
@@ -58,12 +47,36 @@ def _check_platform(name: str, value: Any) -> None:
         )
 
 
-def _check_callable(kind: str) -> Callable[[str, Any], None]:
-    def check(name: str, value: Any) -> None:
-        if not callable(value):
-            raise ConfigError(f"{kind} '{name}' resolves to {value!r}, which is not callable")
+def _check_model(name: str, value: Any) -> None:
+    from xspec.models.family import ModelFamily  # torch-free
 
-    return check
+    if isinstance(value, type) and issubclass(value, ModelFamily):
+        raise ConfigError(
+            f"model '{name}' resolves to the class {value.__qualname__}; register an instance "
+            f"of it (e.g. FAMILY = {value.__qualname__}() in its module); fix the plugin's "
+            "entry point"
+        )
+    if not isinstance(value, ModelFamily):
+        raise ConfigError(
+            f"model '{name}' resolves to {value!r}, which is not an instance of a subclass of "
+            "xspec.models.family.ModelFamily; fix the plugin's entry point"
+        )
+    if getattr(value, "arch", None) != name:
+        cls = type(value).__qualname__
+        raise ConfigError(
+            f"model '{name}' resolves to a {cls} whose arch is {getattr(value, 'arch', None)!r}; "
+            f"set {cls}.arch = {name!r}"
+        )
+
+
+def _check_spec_method(name: str, value: Any) -> None:
+    from xspec.spec.drafter import Drafter  # imports torch: only once a method is selected
+
+    if not (isinstance(value, type) and issubclass(value, Drafter)):
+        raise ConfigError(
+            f"spec method '{name}' resolves to {value!r}, which is not a subclass of "
+            "xspec.spec.drafter.Drafter; fix the plugin's entry point"
+        )
 
 
 platforms: Registry[type[Platform]] = Registry(
@@ -77,25 +90,48 @@ platforms: Registry[type[Platform]] = Registry(
     check=_check_platform,
 )
 
-models: Registry[ModelLoader] = Registry(
+models: Registry[ModelFamily] = Registry(
     "model",
     "xspec.models",
-    """Target models (``model=<name>``). A plugin provides a factory
-    ``load_model(cfg, *, device, max_rollback) -> xspec.models.base.TargetModel`` (see
-    :class:`ModelLoader`) that loads weights from ``cfg`` and raises
-    ``xspec.errors.CheckpointError`` naming the tensor and file for a bad checkpoint.""",
-    check=_check_callable("model"),
+    """Target model families (``model=<name>``). A plugin provides an instance of a
+    subclass of ``xspec.models.family.ModelFamily`` whose ``arch`` equals its entry-point
+    name: ``load(cfg, *, device, max_rollback, steps, expert_parallel=None)`` returns an
+    ``xspec.models.base.TargetModel`` (a bad checkpoint raises
+    ``xspec.errors.CheckpointError`` naming the tensor and file); ``preflight``,
+    ``checkpoint_path``, ``num_routed_experts`` and the drafters it offers are optional.
+    Its module import stays light (no torch).""",
+    check=_check_model,
 )
 
-spec_methods: Registry[Callable[..., Any]] = Registry(
+spec_methods: Registry[type[Drafter]] = Registry(
     "spec method",
     "xspec.spec_methods",
-    """Speculative methods (``spec=<name>``). A plugin provides a drafter factory (a class
-    or function) following the drafter protocol in ``xspec.spec``; its module is
-    imported only when the method is selected.""",
-    check=_check_callable("spec method"),
+    """Speculative methods (``spec=<name>``). A plugin provides a subclass of
+    ``xspec.spec.drafter.Drafter``, constructible as ``cls(spec_cfg, *, target,
+    model_cfg, platform, steps)``; its module is imported only when the method is
+    selected.""",
+    check=_check_spec_method,
 )
 
 for _registry in (platforms, models, spec_methods):
     for _name, (_target, _description) in BUILTINS[_registry.kind].items():
         _registry.register(_name, _target, description=_description)
+
+
+def family_named(arch: str) -> ModelFamily | None:
+    """The registered family ``model.arch`` names, None when none is registered."""
+    return models.get(arch) if arch in models else None
+
+
+def families_where(offers: Callable[[ModelFamily], bool]) -> list[ModelFamily]:
+    """Every importable registered family for which ``offers(family)`` holds, by name
+    (for messages that list the alternatives)."""
+    found = []
+    for name in models.names():
+        try:
+            family = models.get(name)
+        except (ImportError, UserError):  # a broken plugin is reported where selected
+            continue
+        if offers(family):
+            found.append(family)
+    return found

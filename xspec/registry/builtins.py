@@ -21,9 +21,9 @@ BUILTINS: dict[str, dict[str, tuple[str, str]]] = {
         "auto": ("xspec.platforms.auto:AutoPlatform", "first usable of npu, cuda, cpu"),
     },
     "model": {
-        "qwen3": ("xspec.models.qwen3:load_model", "Qwen3 / Qwen3-MoE (Hugging Face layout)"),
+        "qwen3": ("xspec.models.qwen3:FAMILY", "Qwen3 / Qwen3-MoE (Hugging Face layout)"),
         "deepseek_v4": (
-            "xspec.models.deepseek_v4:load_model",
+            "xspec.models.deepseek_v4:FAMILY",
             "DeepSeek-V4 (official layout, W8A8)",
         ),
     },

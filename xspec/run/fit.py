@@ -13,6 +13,7 @@ from typing import Any
 from xspec.build import Built, effective_gamma
 from xspec.config import RunConfig
 from xspec.errors import UserError
+from xspec.models.family import ModelFamily
 from xspec.registry import models, spec_methods
 from xspec.run.workloads import ContextFit
 from xspec.tokenizer import Tokenizer, load_tokenizer
@@ -21,12 +22,11 @@ from xspec.tokenizer import Tokenizer, load_tokenizer
 def context_fit(cfg: RunConfig) -> ContextFit | None:
     """The context every request of the CLI's workload must fit, before anything is
     loaded: ``model.max_context``, else the checkpoint's ``max_position_embeddings``
-    (config.json, through the loader's ``checkpoint_path`` hook); the drafter's gamma;
-    the checkpoint's tokenizer to count text prompts (loaded on first use). None when
-    the limit is unknown (a plugin loader without the hook): :func:`loaded_fit` checks
-    after the build. Call it on a config :func:`check` passed."""
-    loader = models.get(cfg.model.arch)
-    ckpt_dir, config = _checkpoint_config(loader, cfg.model)
+    (config.json, in the family's ``checkpoint_path``); the drafter's gamma; the
+    checkpoint's tokenizer to count text prompts (loaded on first use). None when the
+    limit is unknown (a plugin family that names no directory): :func:`loaded_fit`
+    checks after the build. Call it on a config :func:`check` passed."""
+    ckpt_dir, config = _checkpoint_config(models.get(cfg.model.arch), cfg.model)
     checkpoint_limit = config.get("max_position_embeddings")
     if not (isinstance(checkpoint_limit, int) and checkpoint_limit > 0):
         checkpoint_limit = None
@@ -61,14 +61,14 @@ def loaded_fit(built: Built) -> ContextFit:
     return ContextFit(target.max_context, gamma, built.tokenizer.encode, source, memory=memory)
 
 
-def _checkpoint_config(loader: Any, model_cfg: Any) -> tuple[Path | None, dict[str, Any]]:
-    """The target checkpoint's directory and config.json, when the loader names its
-    directory (``checkpoint_path`` hook) and the file reads as a JSON object."""
-    checkpoint_path = getattr(loader, "checkpoint_path", None)
-    if checkpoint_path is None:
-        return None, {}
+def _checkpoint_config(family: ModelFamily, model_cfg: Any) -> tuple[Path | None, dict[str, Any]]:
+    """The target checkpoint's directory and config.json, when the family names its
+    directory (``checkpoint_path``) and the file reads as a JSON object."""
     try:
-        path = Path(checkpoint_path(model_cfg))
+        path = family.checkpoint_path(model_cfg)
+        if path is None:
+            return None, {}
+        path = Path(path)
         config = json.loads((path / "config.json").read_text(encoding="utf-8"))
     except (UserError, OSError, ValueError):  # preflight reports an unreadable checkpoint
         return None, {}

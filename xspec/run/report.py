@@ -233,7 +233,7 @@ def plan_summary(built: Built) -> str:
 
 def adaptive_summary(built: Built) -> str:
     """One line: which confidences the adaptive scheduler reads."""
-    path = getattr(built.drafter, "calibration_file", None)
+    path = built.drafter.calibration_file
     if path is None:
         return (
             "adaptive verification: confidences are UNCALIBRATED (no calibration file; fit "

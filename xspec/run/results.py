@@ -109,7 +109,7 @@ def job_results(
             ]
             acceptance["predicted_rate"] = rep.predicted_acceptance_rate
             acceptance["realised_rate"] = rep.realised_acceptance_rate
-            acceptance["calibrated"] = getattr(built.drafter, "calibration_file", None) is not None
+            acceptance["calibrated"] = built.drafter.calibration_file is not None
     return {
         "model": model_option,
         "arch": cfg.model.arch,
@@ -150,7 +150,7 @@ def _adaptive(built: Built) -> dict[str, Any] | None:
     """``spec.adaptive``: the profile and calibration the scheduler used (None when off)."""
     if built.profile is None:
         return None
-    calibration = getattr(built.drafter, "calibration_file", None)
+    calibration = built.drafter.calibration_file
     return {
         "profile": str(built.profile.path) if built.profile.path else None,
         "profile_source": built.profile.source,

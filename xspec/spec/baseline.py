@@ -7,21 +7,23 @@ from typing import Any
 import torch
 
 from xspec.errors import ConfigError
-from xspec.models.base import KvBytes
-from xspec.spec.drafter import CommittedRows, DraftProposal, DraftRequest
+from xspec.models.base import KvBytes, StepOptions
+from xspec.spec.drafter import CommittedRows, Drafter, DraftProposal, DraftRequest
 
 
-class NoDrafter:
+class NoDrafter(Drafter):
     """The baseline: gamma = 0, so the speculative step reduces to plain decoding."""
 
-    def __init__(self, cfg: Any, **_: Any) -> None:
+    def __init__(
+        self, cfg: Any, *, target: Any, model_cfg: Any, platform: Any, steps: StepOptions
+    ) -> None:
         self.gamma = 0
         self.capture_layer_ids: list[int] = []
         if problems := self.preflight(cfg, None):
             raise ConfigError(problems[0])
 
-    @staticmethod
-    def preflight(spec_cfg: Any, model_cfg: Any) -> list[str]:
+    @classmethod
+    def preflight(cls, spec_cfg: Any, model_cfg: Any) -> list[str]:
         if spec_cfg.num_speculative_tokens not in (None, 0):
             return [
                 f"spec.num_speculative_tokens={spec_cfg.num_speculative_tokens} has no effect with "
@@ -29,17 +31,13 @@ class NoDrafter:
             ]
         return []
 
-    @staticmethod
-    def default_gamma(spec_cfg: Any, model_cfg: Any = None) -> int:
+    @classmethod
+    def default_gamma(cls, spec_cfg: Any, model_cfg: Any = None) -> int:
         return 0
 
     # expert parallelism (xspec/parallel/lockstep.py): no draft model, no MoE forwards
-    observe_forwards = 0
-    moe_module = None
-
-    @staticmethod
-    def propose_forwards(num_tokens: int) -> int:
-        return 0
+    # (the Drafter defaults: moe_module None, no observe / propose forwards)
+    supports_expert_parallel = True
 
     def new_state(self, max_tokens: int | None = None) -> None:
         return None
@@ -47,7 +45,7 @@ class NoDrafter:
     def kv_bytes(self) -> KvBytes:
         return KvBytes()
 
-    def observe(self, states: list[Any], rows: list[CommittedRows]) -> None:
+    def observe(self, states: list[Any], rows: CommittedRows) -> None:
         pass
 
     def propose(

@@ -41,7 +41,7 @@ from xspec.models.block_draft import BlockDraftModel, BlockLayout
 from xspec.models.draft_heads import MarkovHead
 from xspec.sampling import SamplingParams, logits_to_probs, sample
 from xspec.spec.calibration import ConfidenceCalibration
-from xspec.spec.drafter import CommittedRows, DraftProposal, DraftRequest
+from xspec.spec.drafter import CommittedRows, Drafter, DraftProposal, DraftRequest
 
 log = logging.getLogger(__name__)
 
@@ -87,7 +87,7 @@ def sample_block(
     return torch.stack(tokens, 1), torch.stack(probs, 1), torch.stack(prevs, 1)
 
 
-class BlockDrafter:
+class BlockDrafter(Drafter):
     """The Drafter protocol on top of a :class:`BlockDraftModel`."""
 
     def __init__(
@@ -119,6 +119,7 @@ class BlockDrafter:
 
     # expert parallelism (xspec/parallel/lockstep.py): observe only writes context K/V
     # (no MoE); propose runs one block forward
+    supports_expert_parallel = True
     observe_forwards = 0
 
     @staticmethod
@@ -136,14 +137,13 @@ class BlockDrafter:
         return self.model.kv_bytes(self.gamma)
 
     @torch.no_grad()
-    def observe(self, states: list[Any], rows: list[CommittedRows]) -> None:
-        if any(r.aux_hidden is None for r in rows):
+    def observe(self, states: list[Any], rows: CommittedRows) -> None:
+        if rows.aux_hidden is None:
             raise RuntimeError(
                 "a block drafter needs the target's captured hidden states: the step "
                 "did not pass capture points for capture_layer_ids"
             )
-        aux = torch.cat([r.aux_hidden for r in rows]).to(self.device)  # type: ignore[misc]
-        self.model.write_context(states, aux, [len(r.input_ids) for r in rows])
+        self.model.write_context(states, rows.aux_hidden.to(self.device), rows.seq_lens)
 
     @torch.no_grad()
     def propose(

@@ -13,22 +13,32 @@ A drafter keeps its own per-sequence state. The step talks to it twice per decod
   was kept (the prompt after prefill; anchor + accepted drafts after a verify step) it
   gets the row's input token, the *next* token (the one at position + 1, the last of
   which is the new anchor), and the target's hidden rows (pre-head hidden, and the aux
-  hidden captured at ``capture_layer_ids`` when the drafter asked for any).
+  hidden captured at ``capture_layer_ids`` when the drafter asked for any), for all
+  sequences at once as one flat ragged batch (:class:`CommittedRows`): the step gathers
+  the kept rows of the target's forward with one index, the drafter consumes them flat.
 
 Memory: ``kv_bytes()`` gives the analytic per-sequence bytes of ``new_state`` (fixed +
 per token; the engine's planner adds them to the target's) and ``new_state(max_tokens)``
 caps a state's growing buffers at the engine's reservation, so the bytes a state
 allocates (``nbytes_allocated()``) never exceed what was planned for it.
 
-Optional class-level hooks, read by :mod:`xspec.build` before anything is loaded:
-``preflight(spec_cfg, model_cfg) -> list[str]`` (checkpoint problems from headers) and
-``default_gamma(spec_cfg, model_cfg) -> int`` (the gamma the drafter will use when
-``spec.num_speculative_tokens`` is null), checked against the platform's limits.
+Every drafter subclasses :class:`Drafter`: the instance API above is abstract, and the
+class declares what :mod:`xspec.build` reads before anything is loaded, with defaults:
+``preflight(spec_cfg, model_cfg) -> list[str]`` (checkpoint problems from headers),
+``default_gamma(spec_cfg, model_cfg) -> int`` (the gamma it will use when
+``spec.num_speculative_tokens`` is null; checked against the platform's limits),
+``supports_adaptive`` (it can score its drafts for ``spec.adaptive``), and
+``calibration`` / ``calibration_file`` (a loaded confidence calibration and its file).
 
-Expert parallelism (``parallel.ep > 1``) needs three more members, so that ranks without
-work run the same MoE forwards (:mod:`xspec.parallel.lockstep`): ``moe_module`` (the
-draft model, or None), ``observe_forwards`` (its forwards per ``observe``) and
-``propose_forwards(num_tokens)``; a drafter without them is refused under ``ep > 1``.
+Expert parallelism (``parallel.ep > 1``, refused unless ``supports_expert_parallel``):
+ranks without work run the same MoE forwards (:mod:`xspec.parallel.lockstep`), so the
+drafter declares ``moe_module`` (the draft model, or None), ``observe_forwards`` (its
+forwards per ``observe``) and ``propose_forwards(num_tokens)``.
+
+A drafter is constructed as ``cls(spec_cfg, *, target, model_cfg, platform, steps)``
+and hands ``steps`` (the platform's :class:`~xspec.models.base.StepOptions`) to the
+modules it owns itself, once, at the end of construction. Its model family comes from
+``xspec.registry.family_named(model_cfg.arch)``; a drafter never names a family.
 
 Checkpoint layer ids in ``capture_layer_ids`` are raw: the platform maps them to capture
 points; drafters never add +1 themselves.
@@ -36,13 +46,21 @@ points; drafters never add +1 themselves.
 
 from __future__ import annotations
 
+import abc
+import itertools
 from dataclasses import dataclass
-from typing import Any, Protocol, runtime_checkable
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 
 from xspec.models.base import KvBytes
 from xspec.sampling import SamplingParams
+
+if TYPE_CHECKING:
+    from xspec.models.base import StepOptions, TargetModel
+    from xspec.platforms.base import Platform
+    from xspec.spec.calibration import ConfidenceCalibration
 
 
 @dataclass
@@ -60,12 +78,37 @@ class DraftProposal:
 
 @dataclass
 class CommittedRows:
-    """One sequence's newly committed target rows (positions start .. start+k-1)."""
+    """The target rows committed since the last ``observe``, of every sequence, as one
+    ragged batch (the layout of :class:`~xspec.models.base.ForwardBatch`): sequence b's
+    ``seq_lens[b]`` rows are ``offsets[b] .. offsets[b+1]-1``, at positions
+    ``starts[b] .. starts[b] + seq_lens[b] - 1``. A sequence may have no rows."""
 
-    input_ids: torch.Tensor  # [k] tokens the target consumed at these positions
-    next_ids: torch.Tensor  # [k] token at position + 1 (next_ids[-1] is the new anchor)
-    hidden: torch.Tensor  # [k, ...] target pre-head hidden (DSv4: [k, hc, d])
-    aux_hidden: torch.Tensor | None  # [k, K*d] at the drafter's capture layers, in order
+    input_ids: torch.Tensor  # [N] tokens the target consumed at these positions
+    next_ids: torch.Tensor  # [N] token at position + 1 (a sequence's last is its new anchor)
+    hidden: torch.Tensor  # [N, ...] target pre-head hidden (DSv4: [N, hc, d])
+    aux_hidden: torch.Tensor | None  # [N, K*d] at the drafter's capture layers, in order
+    seq_lens: list[int]  # [B] rows per sequence, sum == N
+    starts: list[int]  # [B] position of each sequence's first row (its state's num_tokens)
+
+    def __post_init__(self) -> None:
+        if len(self.seq_lens) != len(self.starts):
+            raise ValueError("seq_lens and starts must have one entry per sequence")
+        n = sum(self.seq_lens)
+        rows = [self.input_ids, self.next_ids, self.hidden, self.aux_hidden]
+        if any(t is not None and t.shape[0] != n for t in rows):
+            raise ValueError(f"seq_lens sum to {n}; every row tensor needs {n} rows")
+
+    @property
+    def offsets(self) -> list[int]:
+        """``[B+1]``: sequence b's rows are ``offsets[b] .. offsets[b+1]-1``."""
+        return [0, *itertools.accumulate(self.seq_lens)]
+
+    def positions(self) -> torch.Tensor:
+        """Absolute position of every row: ``[N]`` int64 on the host."""
+        parts = [
+            torch.arange(p, p + n, dtype=torch.long) for p, n in zip(self.starts, self.seq_lens)
+        ]
+        return torch.cat(parts) if parts else torch.empty(0, dtype=torch.long)
 
 
 @dataclass
@@ -80,23 +123,75 @@ class DraftRequest:
     max_drafts: int
 
 
-@runtime_checkable
-class Drafter(Protocol):
+class Drafter(abc.ABC):
+    """A speculative method: see the module docstring."""
+
     gamma: int  # draft tokens per step; 0 = no speculation
     capture_layer_ids: list[int]  # raw checkpoint layer ids of the aux hidden it consumes
 
+    supports_adaptive: ClassVar[bool] = False  # spec.adaptive can schedule with it
+    calibration: ConfidenceCalibration | None = None  # its confidence calibration, if any
+    calibration_file: Path | None = None  # where ``calibration`` was read from
+
+    @abc.abstractmethod
+    def __init__(
+        self,
+        spec_cfg: Any,
+        *,
+        target: TargetModel,
+        model_cfg: Any,
+        platform: Platform,
+        steps: StepOptions,
+    ) -> None:
+        """Load the draft for ``target`` (the ``spec`` and ``model`` config sections);
+        ``platform`` answers device questions, ``steps`` is the platform's
+        :class:`~xspec.models.base.StepOptions`, shared with the target."""
+
+    # -- before anything is loaded (xspec.build.check) ---------------------------------
+
+    @classmethod
+    def preflight(cls, spec_cfg: Any, model_cfg: Any) -> list[str]:
+        """Every problem of this method for this model, from configs and headers only."""
+        return []
+
+    @classmethod
+    def default_gamma(cls, spec_cfg: Any, model_cfg: Any) -> int:
+        """The gamma it will draft: the configured value, else 1."""
+        return int(spec_cfg.num_speculative_tokens or 1)
+
+    # -- expert parallelism: MoE forwards per call (xspec/parallel/lockstep.py) ----------
+
+    supports_expert_parallel: ClassVar[bool] = False  # declares the three members below
+    observe_forwards: ClassVar[int] = 0  # MoE forwards of ``moe_module`` per observe
+
+    @staticmethod
+    def propose_forwards(num_tokens: int) -> int:
+        """MoE forwards of ``moe_module`` per ``propose(..., num_tokens)``."""
+        return 0
+
+    @property
+    def moe_module(self) -> torch.nn.Module | None:
+        """The module whose MoE layers its forwards run (None: no draft model)."""
+        return None
+
+    # -- the decode loop -----------------------------------------------------------------
+
+    @abc.abstractmethod
     def new_state(self, max_tokens: int | None = None) -> Any:
         """A sequence's empty draft state (``None`` when the method keeps none);
         ``max_tokens`` caps its growing buffers like ``TargetModel.new_state``. A state
         that is not None exposes ``nbytes_allocated()``."""
-        ...
 
+    @abc.abstractmethod
     def kv_bytes(self) -> KvBytes:
         """Analytic per-sequence bytes of :meth:`new_state` (``KvBytes()`` for none)."""
-        ...
 
-    def observe(self, states: list[Any], rows: list[CommittedRows]) -> None: ...
+    @abc.abstractmethod
+    def observe(self, states: list[Any], rows: CommittedRows) -> None:
+        """Take in the rows committed since the last call (see the module docstring)."""
 
+    @abc.abstractmethod
     def propose(
         self, states: list[Any], requests: list[DraftRequest], num_tokens: int
-    ) -> DraftProposal: ...
+    ) -> DraftProposal:
+        """``num_tokens`` drafts per sequence (see the module docstring)."""

@@ -1,8 +1,9 @@
 """``spec=dspark`` and ``spec=dflash``: block drafters for every target family that has them.
 
-The algorithm lives in :mod:`xspec.spec.block`; each target family provides its draft
-model in a module listed in :data:`FAMILIES` (registry-style ``"module"`` strings, imported
-only when selected) with two functions:
+The algorithm lives in :mod:`xspec.spec.block`; a target family that lists the method's
+layout in ``ModelFamily.block_layouts`` provides its draft model through
+``ModelFamily.block_drafts()`` (:class:`~xspec.models.block_draft.BlockDrafts`, its
+``dspark.py`` module, imported only when selected):
 
 * ``preflight_block_draft(layout, spec_cfg, model_cfg) -> list[str]``: every problem of
   the draft checkpoint, from config.json and tensor headers only (nothing allocated);
@@ -20,35 +21,29 @@ only when selected) with two functions:
 
 from __future__ import annotations
 
-import importlib
-from types import ModuleType
 from typing import Any
 
 from xspec.config import Calibration
 from xspec.errors import ConfigError
-from xspec.models.block_draft import BlockLayout, LoadedDraft
+from xspec.models.base import StepOptions
+from xspec.models.block_draft import BlockDrafts, BlockLayout, LoadedDraft
+from xspec.registry import families_where, family_named
 from xspec.spec.block import BlockDrafter, resolve_gamma
 from xspec.spec.calibration import calibration_path, load_calibration
 
-# model.arch -> the module implementing its block drafts
-FAMILIES = {
-    "deepseek_v4": "xspec.models.deepseek_v4.dspark",
-    "qwen3": "xspec.models.qwen3.dspark",
-}
 CALIBRATION_KEY = "spec.adaptive.calibration"
-# DFlash drafts exist for these families only (DeepSeek-V4 ships DSpark stages)
-DFLASH_FAMILIES = ("qwen3",)
 
 
-def _family(layout: BlockLayout, arch: str) -> ModuleType | str:
-    """The family module, or why this target has no such drafter."""
-    families = DFLASH_FAMILIES if layout is BlockLayout.DFLASH else tuple(FAMILIES)
-    if arch not in families:
+def _family(layout: BlockLayout, arch: str) -> BlockDrafts | str:
+    """The family's block drafts, or why this target has no such drafter."""
+    family = family_named(arch)
+    if family is None or layout.value not in family.block_layouts:
+        families = families_where(lambda f: layout.value in f.block_layouts)
         return (
             f"spec={layout.value} needs a target whose family has {layout.value} drafts "
-            f"(model.arch: {', '.join(families)}), not model.arch={arch}"
+            f"(model.arch: {', '.join(f.arch for f in families)}), not model.arch={arch}"
         )
-    return importlib.import_module(FAMILIES[arch])
+    return family.block_drafts()
 
 
 class DSparkDrafter(BlockDrafter):
@@ -56,7 +51,9 @@ class DSparkDrafter(BlockDrafter):
 
     method = BlockLayout.DSPARK  # spec.method; ``layout`` (set by __init__) is the draft's
 
-    def __init__(self, cfg: Any, *, target: Any, model_cfg: Any, platform: Any) -> None:
+    def __init__(
+        self, cfg: Any, *, target: Any, model_cfg: Any, platform: Any, steps: StepOptions
+    ) -> None:
         family = _family(self.method, model_cfg.arch)
         if isinstance(family, str):
             raise ConfigError(family)
@@ -105,7 +102,7 @@ class DSparkDrafter(BlockDrafter):
 
 
 def _adaptive_problems(
-    cls: type[DSparkDrafter], family: ModuleType, spec_cfg: Any, model_cfg: Any
+    cls: type[DSparkDrafter], family: BlockDrafts, spec_cfg: Any, model_cfg: Any
 ) -> list[str]:
     """``spec.adaptive`` without a confidence head; a calibration file that does not fit."""
     a = spec_cfg.adaptive

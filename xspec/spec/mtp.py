@@ -25,25 +25,24 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
 
-from xspec.errors import ConfigError, UserError
-from xspec.models.base import KvBytes, TargetModel
+from xspec.errors import ConfigError
+from xspec.models.base import KvBytes, StepOptions, TargetModel
+from xspec.models.family import ModelFamily
+from xspec.registry import families_where, family_named
 from xspec.sampling import logits_to_probs, sample
-from xspec.spec.drafter import CommittedRows, DraftProposal, DraftRequest
+from xspec.spec.drafter import CommittedRows, Drafter, DraftProposal, DraftRequest
 
 if TYPE_CHECKING:
-    from xspec.models.deepseek_v4.model import DeepseekV4Model
     from xspec.models.deepseek_v4.mtp import MtpBlock
 
 log = logging.getLogger(__name__)
 
 DEFAULT_GAMMA = 1  # DeepSeek-V4 ships one MTP layer, trained to draft one token
 MAX_GAMMA = 16  # chained drafts beyond this are noise; also bounds the MTP's rollback ring
-TARGET_ARCH = "deepseek_v4"
 
 
 @dataclass
@@ -62,18 +61,21 @@ class MtpState:
         return int(self.cache.nbytes_allocated())
 
 
-class MtpDrafter:
+class MtpDrafter(Drafter):
     """Drafts with the target checkpoint's MTP layer (or an exported one, spec.draft_path)."""
 
-    def __init__(self, cfg: Any, *, target: TargetModel, model_cfg: Any, platform: Any) -> None:
-        from xspec.models.deepseek_v4.model import DeepseekV4Model
-        from xspec.models.deepseek_v4.mtp import load_mtp, plan_mtp
-
-        if not isinstance(target, DeepseekV4Model):
-            raise ConfigError(
-                f"spec=mtp needs a DeepSeek-V4 target (model.arch={TARGET_ARCH}); got "
-                f"{type(target).__name__}, which has no MTP layer"
-            )
+    def __init__(
+        self,
+        cfg: Any,
+        *,
+        target: TargetModel,
+        model_cfg: Any,
+        platform: Any,
+        steps: StepOptions,
+    ) -> None:
+        family = _mtp_family(model_cfg.arch)
+        if isinstance(family, str):
+            raise ConfigError(family)
         gamma = self.default_gamma(cfg, model_cfg)
         if problem := _gamma_problem(gamma):
             raise ConfigError(problem)
@@ -87,20 +89,13 @@ class MtpDrafter:
             )
         self.gamma: int = gamma
         self.capture_layer_ids: list[int] = []
-        self.target: DeepseekV4Model = target
-        target_dir = getattr(target, "checkpoint_dir", None) or _target_dir(model_cfg)
-        plan = plan_mtp(Path(cfg.draft_path or target_dir), target.args)
-        self.module: MtpBlock = load_mtp(
-            plan,
-            embed=target.embed,
-            head=target.head,
-            dtype=target.dtype,
-            device=target.device,  # the platform's device, where the target was loaded
-            expert_parallel=target.expert_parallel,  # the target's EP share
-        )
+        self.target = target
+        # built with the target's steps (``steps``: build shares one StepOptions)
+        self.module: MtpBlock = family.load_mtp(cfg, target=target, model_cfg=model_cfg)
 
     # -- expert parallelism: MoE forwards per call (xspec/parallel/lockstep.py) ----------
 
+    supports_expert_parallel = True
     observe_forwards = 1  # observe runs the MTP block once
 
     @staticmethod
@@ -114,40 +109,22 @@ class MtpDrafter:
 
     # -- preflight (before any weights exist) ------------------------------------------
 
-    @staticmethod
-    def default_gamma(spec_cfg: Any, model_cfg: Any) -> int:
+    @classmethod
+    def default_gamma(cls, spec_cfg: Any, model_cfg: Any) -> int:
         """The gamma this drafter runs with: the configured one, else the trained 1."""
         return int(spec_cfg.num_speculative_tokens or DEFAULT_GAMMA)
 
-    @staticmethod
-    def preflight(spec_cfg: Any, model_cfg: Any) -> list[str]:
+    @classmethod
+    def preflight(cls, spec_cfg: Any, model_cfg: Any) -> list[str]:
         """Every problem of ``spec=mtp`` for this model, from configs and headers only."""
-        from xspec.models.deepseek_v4.args import DeepseekV4Args
-        from xspec.models.deepseek_v4.mtp import plan_mtp
-        from xspec.models.loading import CONFIG_NAME, Checkpoint
-
         problems: list[str] = []
         gamma = spec_cfg.num_speculative_tokens
         if gamma is not None and (problem := _gamma_problem(gamma)):
             problems.append(problem)
-        if model_cfg.arch != TARGET_ARCH:
-            return [
-                *problems,
-                f"spec=mtp needs a DeepSeek-V4 target (model.arch={TARGET_ARCH}), not "
-                f"model.arch={model_cfg.arch}: only DeepSeek-V4 checkpoints carry an MTP layer",
-            ]
-        try:
-            target = Checkpoint(_target_dir(model_cfg))
-            target_args = DeepseekV4Args.from_config(target.config, target.path / CONFIG_NAME)
-        except UserError:
-            return problems  # the target loader reports its own checkpoint precisely
-        draft_dir = spec_cfg.draft_path or target.path
-        try:
-            plan_mtp(draft_dir, target_args)
-        except UserError as e:
-            where = f"spec.draft_path={draft_dir}" if spec_cfg.draft_path else f"target {draft_dir}"
-            problems += [f"{where}: {p}" for p in e.problems] or [str(e)]
-        return problems
+        family = _mtp_family(model_cfg.arch)
+        if isinstance(family, str):
+            return [*problems, family]
+        return problems + family.preflight_mtp(spec_cfg, model_cfg)
 
     # -- Drafter protocol ---------------------------------------------------------------
 
@@ -168,12 +145,12 @@ class MtpDrafter:
         return KvBytes(fixed, per_token)
 
     @torch.no_grad()
-    def observe(self, states: list[MtpState], rows: list[CommittedRows]) -> None:
+    def observe(self, states: list[MtpState], rows: CommittedRows) -> None:
         """One MTP row per committed target row: (its hidden, the next token)."""
-        seq_lens = [len(r.next_ids) for r in rows]
+        seq_lens = rows.seq_lens
         device = self.target.device  # where the MTP weights and every committed row live
-        hidden = torch.cat([r.hidden for r in rows]).to(device)  # [T, hc, d]
-        tokens = torch.cat([r.next_ids for r in rows]).to(device)  # [T]
+        hidden = rows.hidden.to(device)  # [T, hc, d]
+        tokens = rows.next_ids.to(device)  # [T]
         x = self._run(states, hidden, tokens, seq_lens)  # [T, hc, d]
         last = torch.tensor(seq_lens, device=device).cumsum(0) - 1  # [B] last row of each
         x_last = x[last]  # [B, hc, d], a copy: the per-state views keep no [T, ...] alive
@@ -245,8 +222,15 @@ def _gamma_problem(gamma: int) -> str | None:
     return None
 
 
-def _target_dir(model_cfg: Any) -> Path:
-    """The target checkpoint directory (``model.path``, or the preset, generated on first use)."""
-    from xspec.models.deepseek_v4 import checkpoint_path
-
-    return Path(checkpoint_path(model_cfg))
+def _mtp_family(arch: str) -> ModelFamily | str:
+    """The target's family, or why it has no MTP layer."""
+    family = family_named(arch)
+    if family is not None and family.offers_mtp:
+        return family
+    offering = families_where(lambda f: f.offers_mtp)
+    names = " or ".join(f.display_name for f in offering) or "an MTP-carrying"
+    archs = ", ".join(f.arch for f in offering)
+    return (
+        f"spec=mtp needs a {names} target (model.arch={archs}), not model.arch={arch}: only "
+        f"{names} checkpoints carry an MTP layer"
+    )

@@ -16,6 +16,7 @@ Device discipline: drafts, verify rows and probabilities live on the target's de
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -24,7 +25,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from xspec.metrics import SpecDecodeMetrics
-from xspec.models.base import CapturePoint, DecodeState, ForwardBatch, ModelOutput, TargetModel
+from xspec.models.base import CapturePoint, DecodeState, ForwardBatch, TargetModel
 from xspec.sampling import SamplingParams, logits_to_probs, nonfinite_rows, sample
 from xspec.spec.drafter import CommittedRows, Drafter, DraftRequest
 from xspec.spec.verify import rejection_sample
@@ -87,9 +88,10 @@ def _flag(seqs: list[RunningSeq], bad: list[bool]) -> None:
             s.error = f"the target's logits became NaN/Inf near position {pos}"
 
 
-def _rows(out: ModelOutput, start: int, stop: int) -> tuple[torch.Tensor, torch.Tensor | None]:
-    aux = out.aux_hidden[start:stop] if out.aux_hidden is not None else None
-    return out.hidden[start:stop], aux
+def _cat_rows(parts: list[torch.Tensor], index: torch.Tensor) -> torch.Tensor:
+    """The rows ``index [N]`` of the chunk outputs ``parts`` (each ``[T_c, ...]``); a lone
+    chunk holds every prompt whole, in sequence order already."""
+    return parts[0] if len(parts) == 1 else torch.cat(parts)[index]
 
 
 def prefill_forwards(prompt_lens: list[int], chunk_tokens: int) -> int:
@@ -115,9 +117,11 @@ def prefill(
     """Run the prompts (in chunks of at most ``chunk_tokens`` rows per sequence) and
     sample each sequence's first token; the drafter observes the whole prompt."""
     device = target.device
+    starts = [s.target_state.num_tokens for s in seqs]
     prompts = [torch.tensor(s.token_ids, dtype=torch.long, device=device) for s in seqs]
-    hidden: list[list[torch.Tensor]] = [[] for _ in seqs]
-    aux: list[list[torch.Tensor]] = [[] for _ in seqs]
+    hidden: list[torch.Tensor] = []  # [T_c, ...] per chunk forward, rows in `live` order
+    aux: list[torch.Tensor] = []  # [T_c, K*d] per chunk forward (none: nothing captured)
+    rows_of: list[list[int]] = [[] for _ in seqs]  # each prompt's rows in the chunks' rows
     last_logits: list[torch.Tensor] = [torch.empty(0)] * len(seqs)
     for lo in range(0, max(len(p) for p in prompts), chunk_tokens):
         live = [i for i, p in enumerate(prompts) if len(p) > lo]
@@ -129,14 +133,14 @@ def prefill(
             capture,
         )
         out = target.forward(batch)
-        end = 0
+        end, base = 0, sum(len(h) for h in hidden)
         for i, c in zip(live, chunks):
-            h, a = _rows(out, end, end + len(c))
-            hidden[i].append(h)
-            if a is not None:
-                aux[i].append(a)
+            rows_of[i] += range(base + end, base + end + len(c))
             end += len(c)
             last_logits[i] = out.logits[end - 1]
+        hidden.append(out.hidden)
+        if out.aux_hidden is not None:
+            aux.append(out.aux_hidden)
     if lockstep is not None:  # as many target forwards as the rank with the longest prompt
         lockstep.idle_target(
             lockstep.plan.prefill_forwards
@@ -146,15 +150,20 @@ def prefill(
     logits, bad = _mask_nonfinite(torch.stack(last_logits), [1] * len(seqs))  # [B, V], [B]
     probs = logits_to_probs(logits, [s.params for s in seqs])  # [B, V]
     first = sample(probs, [s.generator for s in seqs], check_greedy=False)  # [B] on the device
-    rows = [
-        CommittedRows(
-            input_ids=prompts[i],  # [n_i]
-            next_ids=torch.cat([prompts[i][1:], first[i : i + 1]]),  # [n_i]
-            hidden=torch.cat(hidden[i]),  # [n_i, ...]
-            aux_hidden=torch.cat(aux[i]) if aux[i] else None,  # [n_i, K*d]
-        )
-        for i in range(len(seqs))
-    ]
+    # the drafter observes every prompt: the chunks' rows, gathered sequence by sequence
+    seq_lens = [len(p) for p in prompts]
+    ids = torch.cat(prompts)  # [N]
+    next_ids = ids.roll(-1)  # [N] the next prompt token, or (at each prompt's end) ...
+    next_ids[torch.tensor(seq_lens, device=device).cumsum(0) - 1] = first  # ... the first token
+    index = torch.tensor([r for rows in rows_of for r in rows], device=device)  # [N]
+    rows = CommittedRows(
+        input_ids=ids,
+        next_ids=next_ids,
+        hidden=_cat_rows(hidden, index),  # [N, ...]
+        aux_hidden=_cat_rows(aux, index) if aux else None,  # [N, K*d]
+        seq_lens=seq_lens,
+        starts=starts,
+    )
     drafter.observe([s.draft_state for s in seqs], rows)
     host = torch.stack([first, bad.long()], dim=1).tolist()  # [B, 2]: the one host sync
     _flag(seqs, [b == 1 for _, b in host])
@@ -240,24 +249,28 @@ def decode_step(
 
     # 4. commit: keep the anchor and the accepted drafts in the target's state; the
     #    correction/bonus token becomes the next anchor (not yet seen by the target)
-    rows, new_tokens, offset = [], [], 0
+    new_tokens = []
     for b, s in enumerate(seqs):
-        k = committed[b]
-        target.truncate(s.target_state, n0[b] + k)
-        new_tokens.append(output[b, :k].tolist())
+        target.truncate(s.target_state, n0[b] + committed[b])
+        new_tokens.append(output[b, : committed[b]].tolist())
         s.token_ids += new_tokens[-1]
-        h, x = _rows(out, offset, offset + k)
-        rows.append(
-            CommittedRows(
-                input_ids=blocks[b, :k],
-                next_ids=result.output_tokens[b, :k],
-                hidden=h,
-                aux_hidden=x,
-            )
-        )
-        offset += lens[b]
 
-    # 5. the drafter catches up on what was committed; 6. metrics from the output matrix
+    # 5. observe: the drafter catches up on the kept rows of the verify forward, selected
+    #    with one index (sequence b's first committed[b] of its lens[b] rows)
+    keep = [(b, j) for b, k in enumerate(committed) for j in range(k)]  # (sequence, column)
+    seq, col = torch.tensor(keep, dtype=torch.long, device=device).reshape(-1, 2).T  # [N] each
+    anchor_row = torch.tensor([0, *itertools.accumulate(lens)], device=device)  # [B+1]
+    row = anchor_row[seq] + col  # [N] rows of the verify forward
+    aux = out.aux_hidden
+    rows = CommittedRows(
+        input_ids=blocks[seq, col],  # [N] anchor + accepted drafts
+        next_ids=result.output_tokens[seq, col],  # [N] accepted drafts + correction/bonus
+        hidden=out.hidden[row],  # [N, ...]
+        aux_hidden=None if aux is None else aux[row],  # [N, K*d]
+        seq_lens=committed,
+        starts=n0,
+    )
     drafter.observe([s.draft_state for s in seqs], rows)
+    # 6. metrics from the output matrix
     metrics.observe_step(output, torch.tensor(n, dtype=torch.long), confidence)
     return StepResult(new_tokens, num_drafts=n, num_accepted=[k - 1 for k in committed])

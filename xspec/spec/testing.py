@@ -12,22 +12,31 @@ from typing import Any
 
 import torch
 
-from xspec.models.base import DecodeState, ForwardBatch, KvBytes, TargetModel
-from xspec.spec.drafter import CommittedRows, DraftProposal, DraftRequest
+from xspec.models.base import DecodeState, ForwardBatch, KvBytes, StepOptions, TargetModel
+from xspec.spec.drafter import CommittedRows, Drafter, DraftProposal, DraftRequest
 
 DEFAULT_GAMMA = 3
 
 
-class OracleDrafter:
+class OracleDrafter(Drafter):
     offset = 0  # added to the target's greedy token (mod vocab)
 
-    def __init__(self, cfg: Any, *, target: TargetModel, **_: Any) -> None:
+    def __init__(
+        self,
+        cfg: Any,
+        *,
+        target: TargetModel,
+        model_cfg: Any,
+        platform: Any,
+        steps: StepOptions,
+    ) -> None:
+        # the drafts run on ``target`` itself, whose steps its family configured
         self.target = target
         self.gamma = self.default_gamma(cfg)
         self.capture_layer_ids: list[int] = []
 
-    @staticmethod
-    def default_gamma(spec_cfg: Any, model_cfg: Any = None) -> int:
+    @classmethod
+    def default_gamma(cls, spec_cfg: Any, model_cfg: Any = None) -> int:
         return int(spec_cfg.num_speculative_tokens or DEFAULT_GAMMA)
 
     def new_state(self, max_tokens: int | None = None) -> DecodeState:
@@ -36,10 +45,9 @@ class OracleDrafter:
     def kv_bytes(self) -> KvBytes:
         return self.target.kv_bytes()  # a private target state per sequence
 
-    def observe(self, states: list[Any], rows: list[CommittedRows]) -> None:
+    def observe(self, states: list[Any], rows: CommittedRows) -> None:
         # Mirror the committed context into the private state.
-        ids = torch.cat([r.input_ids for r in rows])
-        self.target.forward(ForwardBatch(ids, [len(r.input_ids) for r in rows], states))
+        self.target.forward(ForwardBatch(rows.input_ids, rows.seq_lens, states))
 
     @torch.no_grad()
     def propose(

@@ -287,6 +287,7 @@ def build_dspark(target, config: dict, recipe: Recipe):  # -> DSparkDraft
     from xspec.platforms.cpu import CpuPlatform
 
     args = DeepseekV4Args.from_config(config, "dspark config")
+    cpu = CpuPlatform(PlatformConfig(name="cpu"))
     draft = DSparkDraft(
         args,
         num_stages=recipe.dspark_stages,
@@ -295,7 +296,8 @@ def build_dspark(target, config: dict, recipe: Recipe):  # -> DSparkDraft
         confidence=True,
         embed=target.embed,
         head=target.head,
-        window=DraftWindow(CpuPlatform(PlatformConfig(name="cpu"))),  # native SAS
+        # native SAS; the window's attention as in a cpu run (the blocks: reference ops)
+        window=DraftWindow(cpu, cpu.step_options().ops),
     )
     return draft
 

@@ -13,10 +13,11 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from xspec.models.base import EAGER_STEPS, ForwardBatch, ModelOutput, StepOptions, configure_steps
+from xspec.models.base import ForwardBatch, ModelOutput
 from xspec.models.deepseek_v4.args import DeepseekV4Args
 from xspec.models.deepseek_v4.model import DeepseekV4Model
 from xspec.models.deepseek_v4.state import DeepseekV4State
+from xspec.models.ops import EAGER_STEPS, ModelOps, StepOptions
 from xspec.platforms import native
 from xspec.platforms.compile import StepCompiler
 
@@ -61,10 +62,13 @@ def variant_args() -> DeepseekV4Args:
 CONFIGS = {"tiny": DeepseekV4Args.tiny, "variant": variant_args}
 
 
-@functools.lru_cache(maxsize=8)
-def seeded_model(config: str, seed: int, max_rollback: int = 8) -> DeepseekV4Model:
-    """A random fp32 CPU model (cached: tests must not modify its weights)."""
-    model = DeepseekV4Model(CONFIGS[config](), max_rollback=max_rollback)
+@functools.lru_cache(maxsize=16)
+def seeded_model(
+    config: str, seed: int, max_rollback: int = 8, steps: StepOptions = EAGER_STEPS
+) -> DeepseekV4Model:
+    """A random fp32 CPU model built with ``steps`` (the platform's ops and compiler;
+    cached: tests must not modify its weights)."""
+    model = DeepseekV4Model(CONFIGS[config](), max_rollback=max_rollback, steps=steps)
     model.init_random_(seed)
     return model.eval()
 
@@ -115,31 +119,25 @@ def dsv4() -> SimpleNamespace:
 STEP_MODES = ["reference", "native", pytest.param("compiled", marks=pytest.mark.slow)]
 
 
-def step_options(mode: str) -> StepOptions:
+@functools.cache
+def step_options(mode: str) -> StepOptions | str:
     """How a test runs the models' stateless steps: the reference torch ops, the CPU
-    platform's native fused kernels, or compiled (inductor)."""
+    platform's native fused kernels, or compiled (inductor); one object per mode, so
+    the seeded models built with it are cached. A string: why the mode cannot run."""
     if mode == "reference":
         return EAGER_STEPS
     if mode == "native":
         kernels, why = native.load()
-        if kernels is None:
-            pytest.skip(why)
-        return StepOptions(kernels=kernels.by_name())
-    return StepOptions(
-        kernels={"grouped_mm": frozenset({"float32"})}, compile=StepCompiler("inductor")
-    )
+        return why if kernels is None else StepOptions(ops=kernels.ops())
+    ops = ModelOps(grouped_mm_dtypes=frozenset({"float32"}))
+    return StepOptions(ops=ops, compile=StepCompiler("inductor"))
 
 
 @pytest.fixture(params=STEP_MODES)
-def steps(request):
-    """``configure(*modules)``: run those modules' steps in this test's mode (param
-    ``reference | native | compiled``); they are reset to the reference afterwards
-    (the seeded models are shared)."""
-    configured: list = []
-
-    def configure(*modules):
-        configured.extend(modules)
-        configure_steps(list(modules), step_options(request.param))
-
-    yield configure
-    configure_steps(configured, EAGER_STEPS)
+def steps(request) -> StepOptions:
+    """The :class:`StepOptions` of this test's mode (param ``reference | native |
+    compiled``): build the models with it (``dsv4.model(config, seed, steps=steps)``)."""
+    options = step_options(request.param)
+    if isinstance(options, str):
+        pytest.skip(options)
+    return options

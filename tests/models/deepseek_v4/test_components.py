@@ -428,15 +428,17 @@ def test_replaced_expert_weights_restack(dsv4):
     assert stacks is not None and torch.equal(stacks[0][0], new)
 
 
-def test_grouped_gemms_only_where_the_platform_kernel_serves(dsv4):
-    from xspec.models.base import StepOptions
+def test_grouped_gemms_only_where_the_platform_kernel_serves():
+    from xspec.models.deepseek_v4.moe import MoE
+    from xspec.models.ops import ModelOps, StepOptions
 
-    moe = copy.deepcopy(dsv4.model("tiny", 0).layers[-1].ffn)  # fp32 weights
-    assert not moe.can_group  # unconfigured: the reference
-    moe.configure_steps(StepOptions(kernels={"grouped_mm": frozenset({"bfloat16"})}))
-    assert not moe.can_group
-    moe.configure_steps(StepOptions(kernels={"grouped_mm": frozenset({"float32"})}))
-    assert moe.can_group and not moe.grouped  # the host: grouped from 3 experts with rows
-    eager = {"grouped_mm": frozenset({"float32"}), "grouped_mm_eager": True}
-    moe.configure_steps(StepOptions(kernels=eager))
-    assert moe.grouped  # no host sync at all
+    def moe(**ops) -> MoE:  # fp32 weights
+        steps = StepOptions(ops=ModelOps(**ops))
+        return MoE(DeepseekV4Args.tiny(), False, dtype=torch.float32, device="cpu", steps=steps)
+
+    assert not moe().can_group  # no platform ops: the reference
+    assert not moe(grouped_mm_dtypes=frozenset({"bfloat16"})).can_group
+    host = moe(grouped_mm_dtypes=frozenset({"float32"}))
+    assert host.can_group and not host.grouped  # the host: grouped from 3 experts with rows
+    assert moe(grouped_mm_dtypes=frozenset({"float32"}), grouped_mm_eager=True).grouped
+    # no host sync at all

@@ -81,8 +81,7 @@ def test_checkpoint_loads_in_transformers_without_renames_left(dsv4, tmp_path, c
 @pytest.mark.parametrize(("config", "seed"), CASES)
 def test_full_prefill_matches_transformers(dsv4, hf_reference, steps, config, seed):
     ids, ref = hf_reference(config, seed)
-    model = dsv4.model(config, seed)
-    steps(model)
+    model = dsv4.model(config, seed, steps=steps)
     logits = dsv4.run(model, ids, model.new_state()).logits
     diff = dsv4.max_diff(logits, ref)
     assert diff <= TOL, f"{config}/{seed}: full prefill max abs diff {diff:.3g}"
@@ -91,8 +90,7 @@ def test_full_prefill_matches_transformers(dsv4, hf_reference, steps, config, se
 @pytest.mark.parametrize(("config", "seed"), CASES)
 def test_chunked_prefill_matches_transformers(dsv4, hf_reference, steps, config, seed):
     ids, ref = hf_reference(config, seed)
-    model = dsv4.model(config, seed)
-    steps(model)
+    model = dsv4.model(config, seed, steps=steps)
     chunks = [1, 3, 130, 7, 128, 4, 200, 127]  # uneven, across ring and window edges
     logits = dsv4.run_chunks(model, ids, chunks)
     diff = dsv4.max_diff(logits, ref)
@@ -104,8 +102,7 @@ def test_token_by_token_decode_matches_transformers(dsv4, hf_reference, steps, c
     """Prefill 120, then decode one token at a time through position 270: crosses the
     128 window, the ring wrap (136 slots) and the HCA emissions at 127 and 255."""
     ids, ref = hf_reference(config, seed)
-    model = dsv4.model(config, seed)
-    steps(model)
+    model = dsv4.model(config, seed, steps=steps)
     state = model.new_state()
     dsv4.run(model, ids[:120], state)
     logits = dsv4.run_chunks(model, ids[120:270], [1] * 150, state)

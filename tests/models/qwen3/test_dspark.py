@@ -232,9 +232,8 @@ def test_prefixed_layout_and_target_vocab_draft_the_same(
         d = BlockDrafter(m, layout=BlockLayout.DSPARK, gamma=gamma, capture_layer_ids=layer_ids, device=torch.device("cpu"))  # fmt: skip
         state = d.new_state()
         aux = target_rows(target, target.new_state(), toks, layer_ids)
-        d.observe(
-            [state], [CommittedRows(torch.tensor(toks), torch.tensor([*toks[1:], 5]), aux, aux)]
-        )
+        nxt = torch.tensor([*toks[1:], 5])
+        d.observe([state], CommittedRows(torch.tensor(toks), nxt, aux, aux, [len(toks)], [0]))
         props.append(d.propose([state], [DraftRequest(5, SamplingParams(), None, gamma)], gamma))
     for p in props[1:]:
         assert torch.equal(p.tokens, props[0].tokens)
@@ -476,9 +475,8 @@ def test_greedy_proposals_match_deepspec(
     toks, anchor, tstate = ids(23, 5), 77, target.new_state()
     aux = target_rows(target, tstate, toks, layer_ids)
     state, cache, start = d.new_state(), Cache(), len(toks)
-    d.observe(
-        [state], [CommittedRows(torch.tensor(toks), torch.tensor([*toks[1:], anchor]), aux, aux)]
-    )
+    nxt = torch.tensor([*toks[1:], anchor])
+    d.observe([state], CommittedRows(torch.tensor(toks), nxt, aux, aux, [len(toks)], [0]))
     worst = 0.0
     for step in range(4):
         block = torch.full((1, gamma), m.fill_token_id)
@@ -504,10 +502,8 @@ def test_greedy_proposals_match_deepspec(
         committed = [anchor, *got.tokens[0, :2].tolist()]  # accept two drafts
         aux = target_rows(target, tstate, committed, layer_ids)
         anchor = (int(got.tokens[0, 2]) + 5) % 512  # a correction token
-        rows = CommittedRows(
-            torch.tensor(committed), torch.tensor([*committed[1:], anchor]), aux, aux
-        )
-        d.observe([state], [rows])
+        nxt = torch.tensor([*committed[1:], anchor])
+        d.observe([state], CommittedRows(torch.tensor(committed), nxt, aux, aux, [3], [start]))
         start += 3
     print(f"DeepSpec vs xspec: max |base logit diff| {worst:.3g}")
     assert worst < 1e-4

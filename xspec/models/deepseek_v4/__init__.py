@@ -2,7 +2,8 @@
 
 Importing this package is light: only the torch-free config schema is imported here;
 torch, safetensors and the model code load when :func:`load_model` runs (or when
-``DeepseekV4Model`` is first accessed).
+``DeepseekV4Model`` is first accessed). :data:`FAMILY` (a :class:`DeepseekV4Family`) is
+what the ``models`` registry hands to xspec.
 
 Checkpoints: the official DeepSeek layout (names equal the module's state_dict keys),
 its W8A8 (msModelSlim) and FP8-block variants, and QuaRot checkpoints; see
@@ -12,72 +13,33 @@ checkpoint with every Flash feature, generated on first use (:mod:`.tiny`).
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from xspec.models.deepseek_v4.args import DeepseekV4Args
-from xspec.models.presets import checkpoint_dir, dtype_name, shipped_dir
+from xspec.models.deepseek_v4.presets import PRESET_DRAFTS, PRESETS, checkpoint_path
+from xspec.models.family import ModelFamily
+from xspec.models.presets import dtype_name
 
 if TYPE_CHECKING:
     import torch
 
+    from xspec.models.base import StepOptions, TargetModel
+    from xspec.models.block_draft import BlockDrafts
     from xspec.models.deepseek_v4.model import DeepseekV4Model
+    from xspec.models.deepseek_v4.mtp import MtpBlock
 
 __all__ = [
+    "FAMILY",
     "PRESETS",
     "PRESET_DRAFTS",
     "DeepseekV4Args",
+    "DeepseekV4Family",
     "DeepseekV4Model",
     "checkpoint_path",
     "load_model",
     "preflight",
 ]
-
-
-def _tiny() -> Path:
-    return shipped_dir("dsv4_tiny")
-
-
-def _tiny_dspark() -> Path:
-    return shipped_dir("dsv4_tiny_dspark")
-
-
-def _tiny_random() -> Path:
-    from xspec.models.deepseek_v4.tiny import tiny_dir
-
-    return tiny_dir()
-
-
-def _tiny_random_dspark() -> Path:
-    from xspec.models.deepseek_v4.tiny import tiny_dspark_dir
-
-    return tiny_dspark_dir()
-
-
-def _tiny_random_dspark_quarot() -> Path:
-    from xspec.models.deepseek_v4.tiny import tiny_dspark_dir
-
-    return tiny_dspark_dir(dedicated_vocab=True)
-
-
-# model.preset -> its directory. ``tiny``: the trained checkpoint shipped in the package
-# (target + its MTP layer, tokenizer.json; docs/training.md rebuilds it). ``tiny_random``:
-# a random one with every feature, generated on first use (tests), and the same random
-# target in the Flash-0731 layout (DSpark stages mtp.0..2; the QuaRot-style variant with
-# dedicated vocabulary tensors)
-PRESETS: dict[str, Callable[[], Path]] = {
-    "tiny": _tiny,
-    "tiny_random": _tiny_random,
-    "tiny_random_0731": _tiny_random_dspark,
-    "tiny_random_0731_quarot": _tiny_random_dspark_quarot,
-}
-# (model.preset, spec method) -> a companion draft directory, when spec.draft_path is null:
-# the trained DSpark stages of ``tiny``; the random 0731-layout checkpoint of ``tiny_random``
-PRESET_DRAFTS: dict[tuple[str, str], Callable[[], Path]] = {
-    ("tiny", "dspark"): _tiny_dspark,
-    ("tiny_random", "dspark"): _tiny_random_dspark,
-}
 
 
 def __getattr__(name: str) -> Any:  # lazy: keep `import xspec.models.deepseek_v4` torch-free
@@ -89,7 +51,12 @@ def __getattr__(name: str) -> Any:  # lazy: keep `import xspec.models.deepseek_v
 
 
 def load_model(
-    cfg: Any, *, device: torch.device, max_rollback: int, expert_parallel: Any = None
+    cfg: Any,
+    *,
+    device: torch.device,
+    max_rollback: int,
+    expert_parallel: Any = None,
+    steps: StepOptions | None = None,
 ) -> DeepseekV4Model:
     """Build the model described by the ``model`` config section and load its weights.
 
@@ -99,11 +66,13 @@ def load_model(
     header are validated before anything is allocated; weights then stream in one tensor
     at a time. The returned model carries ``checkpoint_dir`` (drafters read it).
     ``expert_parallel`` (an :class:`~xspec.parallel.expert.ExpertParallel`): load only
-    this rank's experts; the drafters then load theirs the same way.
+    this rank's experts; the drafters then load theirs the same way. ``steps``: the
+    platform's ops and compiler, built into every module (None: reference ops, eager).
     """
     import torch
 
     from xspec.models.deepseek_v4.weights import load_checkpoint
+    from xspec.models.ops import EAGER_STEPS
 
     dtype = getattr(torch, dtype_name(cfg.dtype))
     return load_checkpoint(
@@ -113,6 +82,7 @@ def load_model(
         max_rollback=max_rollback,
         max_context=cfg.max_context,
         expert_parallel=expert_parallel,
+        steps=steps or EAGER_STEPS,
     )
 
 
@@ -143,12 +113,89 @@ def num_routed_experts(cfg: Any) -> int | None:
     return value if isinstance(value, int) else None
 
 
-# read by xspec.build.check
-load_model.preflight = preflight  # type: ignore[attr-defined]
-load_model.num_routed_experts = num_routed_experts  # type: ignore[attr-defined]
-load_model.checkpoint_path = lambda cfg: checkpoint_path(cfg)  # type: ignore[attr-defined]
+class DeepseekV4Family(ModelFamily):
+    """DeepSeek-V4 targets: expert parallel, DSpark stages (:mod:`.dspark`), the MTP
+    layer (:mod:`.mtp`)."""
+
+    arch = "deepseek_v4"
+    display_name = "DeepSeek-V4"
+    block_layouts = frozenset({"dspark"})  # DeepSeek-V4 ships DSpark stages, no DFlash
+    offers_mtp = True
+    supports_expert_parallel = True
+
+    def load(
+        self,
+        cfg: Any,
+        *,
+        device: torch.device,
+        max_rollback: int,
+        steps: StepOptions,
+        expert_parallel: Any = None,
+    ) -> DeepseekV4Model:
+        return load_model(
+            cfg,
+            device=device,
+            max_rollback=max_rollback,
+            expert_parallel=expert_parallel,
+            steps=steps,
+        )
+
+    def preflight(self, cfg: Any) -> list[str]:
+        return preflight(cfg)
+
+    def checkpoint_path(self, cfg: Any) -> Path:
+        return checkpoint_path(cfg)
+
+    def num_routed_experts(self, cfg: Any) -> int | None:
+        return num_routed_experts(cfg)
+
+    def block_drafts(self) -> BlockDrafts:
+        from xspec.models.deepseek_v4 import dspark
+
+        return dspark
+
+    def preflight_mtp(self, spec_cfg: Any, model_cfg: Any) -> list[str]:
+        """The MTP layer (the target's, or ``spec.draft_path``) against the target's
+        config.json, from headers only."""
+        from xspec.errors import UserError
+        from xspec.models.deepseek_v4.mtp import plan_mtp
+        from xspec.models.loading import CONFIG_NAME, Checkpoint
+
+        try:
+            target = Checkpoint(checkpoint_path(model_cfg))
+            target_args = DeepseekV4Args.from_config(target.config, target.path / CONFIG_NAME)
+        except UserError:
+            return []  # the target loader reports its own checkpoint precisely
+        draft_dir = spec_cfg.draft_path or target.path
+        try:
+            plan_mtp(draft_dir, target_args)
+        except UserError as e:
+            where = f"spec.draft_path={draft_dir}" if spec_cfg.draft_path else f"target {draft_dir}"
+            return [f"{where}: {p}" for p in e.problems] or [str(e)]
+        return []
+
+    def load_mtp(self, spec_cfg: Any, *, target: TargetModel, model_cfg: Any) -> MtpBlock:
+        from xspec.errors import ConfigError
+        from xspec.models.deepseek_v4.model import DeepseekV4Model
+        from xspec.models.deepseek_v4.mtp import load_mtp, plan_mtp
+
+        if not isinstance(target, DeepseekV4Model):
+            raise ConfigError(
+                f"spec=mtp needs a DeepSeek-V4 target (model.arch={self.arch}); got "
+                f"{type(target).__name__}, which has no MTP layer"
+            )
+        # set by load_checkpoint; a target built otherwise (tests) reads model.path / preset
+        target_dir = getattr(target, "checkpoint_dir", None) or checkpoint_path(model_cfg)
+        plan = plan_mtp(Path(spec_cfg.draft_path or target_dir), target.args)
+        return load_mtp(
+            plan,
+            embed=target.embed,
+            head=target.head,
+            dtype=target.dtype,
+            device=target.device,  # the platform's device, where the target was loaded
+            expert_parallel=target.expert_parallel,  # the target's EP share
+            steps=target.steps,  # the platform's ops and compiler, as the target's
+        )
 
 
-def checkpoint_path(cfg: Any) -> Path:
-    """``cfg.path``, else the built-in preset's directory (generated on first use)."""
-    return checkpoint_dir(cfg, PRESETS, family="DeepSeek-V4", example="/dir/of/DeepSeek-V4-Flash")
+FAMILY = DeepseekV4Family()

@@ -27,13 +27,12 @@ from __future__ import annotations
 from typing import Any, NamedTuple
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from xspec.models.deepseek_v4.args import DeepseekV4Args
 from xspec.models.deepseek_v4.compressor import Compressor, Indexer
 from xspec.models.deepseek_v4.layout import BatchLayout
-from xspec.models.deepseek_v4.mhc import RMSNorm, UsesKernels, rms_normalize
+from xspec.models.deepseek_v4.mhc import RMSNorm, rms_normalize
 from xspec.models.deepseek_v4.rope import Rope, rope_inv_freq, rotate
 from xspec.models.deepseek_v4.state import (
     BlockContext,
@@ -42,6 +41,7 @@ from xspec.models.deepseek_v4.state import (
     scatter_rows,
     stack_rings,
 )
+from xspec.models.ops import REFERENCE_OPS, ModelOps, SparseAttentionOp, eager, linear
 
 _QUERY_BLOCK = 256  # queries per gather: bounds the [block, K, D] workspace of long chunks
 
@@ -51,17 +51,17 @@ def sparse_attention(
     parts: list[tuple[torch.Tensor, torch.Tensor]],
     sink: torch.Tensor,
     scale: float,
-    kernel: Any = None,
+    kernel: SparseAttentionOp | None = None,
 ) -> torch.Tensor:
     """Attention of each query over its own KV rows, with a value-less sink.
 
     ``q [S, H, D]``; ``parts``: ``(kv [N, D], index [S, K])`` pairs (K = V; ``index``
     rows of ``kv`` per query, -1 = unused), whose selected rows are attended as one set;
-    ``sink [H]`` -> ``[S, H, D]`` fp32. ``kernel``: the platform's fused
-    ``sparse_attention`` (same arguments; None where it does not take them).
+    ``sink [H]`` -> ``[S, H, D]`` fp32. ``kernel``: the platform's ``sparse_attention``
+    op (same arguments; it answers None where it does not take them).
     """
-    if kernel is not None and (out := kernel(q, parts, sink, scale)) is not None:
-        return out
+    if kernel is not None and (fused := kernel(q, parts, sink, scale)) is not None:
+        return fused
     sink = sink.float().view(1, -1, 1)
     out = []
     for b in range(0, q.shape[0], _QUERY_BLOCK):
@@ -138,7 +138,7 @@ def _band_mask(
     return torch.where((lag < 0) | (lag >= window), float("-inf"), 0.0).unsqueeze(1)
 
 
-class Attention(UsesKernels, nn.Module):
+class Attention(nn.Module):
     """Checkpoint tensors (``layers.{i}.attn.``): ``wq_a, q_norm, wq_b, wkv, kv_norm,
     wo_a, wo_b, attn_sink``, plus ``compressor.*`` (ratio 4/128) and ``indexer.*`` (4)."""
 
@@ -149,18 +149,20 @@ class Attention(UsesKernels, nn.Module):
         *,
         dtype: torch.dtype,
         device: torch.device | str,
+        ops: ModelOps = REFERENCE_OPS,
     ) -> None:
         super().__init__()
         h, hd, d = args.num_attention_heads, args.head_dim, args.hidden_size
         self.args = args
+        self.ops = ops
         self.compress_ratio = compress_ratio
         self.n_heads, self.head_dim, self.o_groups = h, hd, args.o_groups
         kw = dict(bias=False, dtype=dtype, device=device)
         self.wq_a = nn.Linear(d, args.q_lora_rank, **kw)  # type: ignore[arg-type]
-        self.q_norm = RMSNorm(args.q_lora_rank, args.rms_norm_eps, device=device)
+        self.q_norm = RMSNorm(args.q_lora_rank, args.rms_norm_eps, device=device, ops=ops)
         self.wq_b = nn.Linear(args.q_lora_rank, h * hd, **kw)  # type: ignore[arg-type]
         self.wkv = nn.Linear(d, hd, **kw)  # type: ignore[arg-type]
-        self.kv_norm = RMSNorm(hd, args.rms_norm_eps, device=device)
+        self.kv_norm = RMSNorm(hd, args.rms_norm_eps, device=device, ops=ops)
         # wo_a is stored [G*o_lora, H*D/G] and applied per group of heads
         self.wo_a = nn.Linear(h * hd // args.o_groups, args.o_groups * args.o_lora_rank, **kw)  # type: ignore[arg-type]
         self.wo_b = nn.Linear(args.o_groups * args.o_lora_rank, d, **kw)  # type: ignore[arg-type]
@@ -169,12 +171,14 @@ class Attention(UsesKernels, nn.Module):
         # indexer) use compress_rope_theta with YaRN.
         self.rope = Rope(rope_inv_freq(args, compressed=compress_ratio > 0).to(device))
         self.compressor = (
-            Compressor(args, compress_ratio, hd, self.rope, dtype=dtype, device=device)
+            Compressor(args, compress_ratio, hd, self.rope, dtype=dtype, device=device, ops=ops)
             if compress_ratio
             else None
         )
         self.indexer = (
-            Indexer(args, self.rope, dtype=dtype, device=device) if compress_ratio == 4 else None
+            Indexer(args, self.rope, dtype=dtype, device=device, ops=ops)
+            if compress_ratio == 4
+            else None
         )
 
     def forward(
@@ -201,7 +205,7 @@ class Attention(UsesKernels, nn.Module):
             scatter_rows(swa, kv, layout.ring_slots(ring))
             parts = [(swa.flatten(0, 1), layout.window_index(ring, window))]
             parts += [extra] if extra else []
-            out = sparse_attention(q, parts, sink, scale, self.kernel("sparse_attention"))
+            out = sparse_attention(q, parts, sink, scale, eager(self.ops.sparse_attention))
         else:  # prefill chunks: dense blocks over each sequence's contiguous window rows
             local = [
                 torch.cat([swa[b].index_select(0, slots), kv[r0 : r0 + n]])
@@ -237,22 +241,24 @@ class Attention(UsesKernels, nn.Module):
         self, x: torch.Tensor, rot: tuple[torch.Tensor, torch.Tensor]
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """``x [T, d]`` -> (``qr [T, q_lora]``, the indexer's input; roped ``q [T, H, D]``)."""
-        qr = self.q_norm(F.linear(x, self.wq_a.weight))
-        q = F.linear(qr, self.wq_b.weight).view(x.shape[0], self.n_heads, self.head_dim)
-        q = rms_normalize(q, self.args.rms_norm_eps, self.kernels)
-        return qr, rotate(q, *rot, kernel=self.kernel("rope"))
+        ops = self.ops
+        qr = self.q_norm(linear(ops, x, self.wq_a.weight))
+        q = linear(ops, qr, self.wq_b.weight).view(x.shape[0], self.n_heads, self.head_dim)
+        q = rms_normalize(q, self.args.rms_norm_eps, ops)
+        return qr, rotate(q, *rot, kernel=eager(ops.rope))
 
     def key_value(self, x: torch.Tensor, rot: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
         """``x [T, d]`` -> the shared, roped K=V row of each input ``[T, D]``."""
-        return rotate(self.kv_norm(F.linear(x, self.wkv.weight)), *rot, kernel=self.kernel("rope"))
+        kv = self.kv_norm(linear(self.ops, x, self.wkv.weight))
+        return rotate(kv, *rot, kernel=eager(self.ops.rope))
 
     def output(
         self, out: torch.Tensor, rot: tuple[torch.Tensor, torch.Tensor], dtype: torch.dtype
     ) -> torch.Tensor:
         """Attention result ``out [T, H, D]`` -> ``[T, d]``: inverse RoPE at the query
         positions (V carries rotated dims), then the grouped low-rank output."""
-        out = rotate(out.to(dtype), *rot, inverse=True, kernel=self.kernel("rope"))
-        return F.linear(self.grouped_out(out), self.wo_b.weight)
+        out = rotate(out.to(dtype), *rot, inverse=True, kernel=eager(self.ops.rope))
+        return linear(self.ops, self.grouped_out(out), self.wo_b.weight)
 
     def _compressed(
         self, proj: Projected, caches: list[LayerCache], layout: BatchLayout

@@ -32,12 +32,13 @@ from torch import nn
 
 from xspec.models.deepseek_v4.args import DeepseekV4Args
 from xspec.models.deepseek_v4.layout import BatchLayout, Emission
-from xspec.models.deepseek_v4.mhc import RMSNorm, UsesKernels
+from xspec.models.deepseek_v4.mhc import RMSNorm
 from xspec.models.deepseek_v4.rope import Rope, rotate
 from xspec.models.deepseek_v4.state import CompressorCache, scatter_rows, stack_rings
+from xspec.models.ops import REFERENCE_OPS, ModelOps, eager
 
 
-class Compressor(UsesKernels, nn.Module):
+class Compressor(nn.Module):
     """Checkpoint tensors: ``wkv.weight``, ``wgate.weight`` ``[coff*width, d]``,
     ``ape [m, coff*width]`` (fp32), ``norm.weight [width]``."""
 
@@ -50,8 +51,10 @@ class Compressor(UsesKernels, nn.Module):
         *,
         dtype: torch.dtype,
         device: torch.device | str,
+        ops: ModelOps = REFERENCE_OPS,
     ) -> None:
         super().__init__()
+        self.ops = ops
         self.ratio = ratio
         self.width = width
         self.coff = 2 if ratio == 4 else 1
@@ -59,7 +62,7 @@ class Compressor(UsesKernels, nn.Module):
         self.wkv = nn.Linear(args.hidden_size, out, bias=False, dtype=dtype, device=device)
         self.wgate = nn.Linear(args.hidden_size, out, bias=False, dtype=dtype, device=device)
         self.ape = nn.Parameter(torch.zeros(ratio, out, dtype=torch.float32, device=device))
-        self.norm = RMSNorm(width, args.rms_norm_eps, device=device)
+        self.norm = RMSNorm(width, args.rms_norm_eps, device=device, ops=ops)
         self.rope = rope
 
     def project(
@@ -104,7 +107,7 @@ class Compressor(UsesKernels, nn.Module):
     def _entries(self, ring: torch.Tensor, rows: torch.Tensor, plan: Emission) -> torch.Tensor:
         """The entries ``plan`` completes, from the ring rows ``ring [R, C]`` of every live
         sequence and the new ``rows [T, C]``: pooled, normed and roped ``[E, width]``."""
-        kernel = self.kernel("compress_pool")
+        kernel = eager(self.ops.compress_pool)
         pooled = None
         if kernel is not None:
             pooled = kernel(ring, rows, plan.index, self.ratio, self.coff, self.width)
@@ -117,7 +120,7 @@ class Compressor(UsesKernels, nn.Module):
         key = self.rope.key
         if key not in plan.memo:  # the indexer's compressor and other layers reuse it
             plan.memo[key] = self.rope.rotation(plan.window_starts, plan.limit)
-        return rotate(self.norm(pooled), *plan.memo[key], kernel=self.kernel("rope"))
+        return rotate(self.norm(pooled), *plan.memo[key], kernel=eager(self.ops.rope))
 
     def pool(self, rows: torch.Tensor) -> torch.Tensor:
         """Softmax pooling of each entry's window rows (before norm and rope).
@@ -133,15 +136,22 @@ class Compressor(UsesKernels, nn.Module):
         return (kv * score.softmax(dim=1)).sum(dim=1)
 
 
-class Indexer(UsesKernels, nn.Module):
+class Indexer(nn.Module):
     """Lightning indexer of a CSA layer. Checkpoint tensors: ``wq_b.weight
     [index_n_heads*index_head_dim, q_lora_rank]``, ``weights_proj.weight
     [index_n_heads, d]``, ``compressor.*`` (a ratio-4 :class:`Compressor` at index_head_dim)."""
 
     def __init__(
-        self, args: DeepseekV4Args, rope: Rope, *, dtype: torch.dtype, device: torch.device | str
+        self,
+        args: DeepseekV4Args,
+        rope: Rope,
+        *,
+        dtype: torch.dtype,
+        device: torch.device | str,
+        ops: ModelOps = REFERENCE_OPS,
     ) -> None:
         super().__init__()
+        self.ops = ops
         self.n_heads = args.index_n_heads
         self.head_dim = args.index_head_dim
         self.topk = args.index_topk
@@ -151,7 +161,9 @@ class Indexer(UsesKernels, nn.Module):
         self.weights_proj = nn.Linear(
             args.hidden_size, self.n_heads, bias=False, dtype=dtype, device=device
         )
-        self.compressor = Compressor(args, 4, self.head_dim, rope, dtype=dtype, device=device)
+        self.compressor = Compressor(
+            args, 4, self.head_dim, rope, dtype=dtype, device=device, ops=ops
+        )
         self.rope = rope
 
     def queries(
@@ -160,7 +172,7 @@ class Indexer(UsesKernels, nn.Module):
         """``qr [T, q_lora]``, ``x [T, d]`` at rotation ``rot`` (``cos, sin``) -> ``q [T,
         n_heads, head_dim]`` fp32 (roped), head weights ``[T, n_heads]`` fp32."""
         q = F.linear(qr, self.wq_b.weight).view(qr.shape[0], self.n_heads, self.head_dim)
-        q = rotate(q, *rot, kernel=self.kernel("rope")).float()
+        q = rotate(q, *rot, kernel=eager(self.ops.rope)).float()
         weights = F.linear(x, self.weights_proj.weight).float() * self.n_heads**-0.5
         return q, weights
 
@@ -178,7 +190,7 @@ class Indexer(UsesKernels, nn.Module):
         k = min(self.topk, n)
         if k == 0:
             return torch.empty(q.shape[0], 0, dtype=torch.long, device=q.device)
-        kernel = self.kernel("index_topk")
+        kernel = eager(self.ops.index_topk)
         if kernel is not None:
             scale = self.head_dim**-0.5
             base, visible = layout.entry_base(4), layout.visible(4)

@@ -49,15 +49,25 @@ from xspec.errors import CheckpointError, UserError
 from xspec.models.base import KvBytes
 from xspec.models.block_draft import BlockLayout, LoadedDraft
 from xspec.models.deepseek_v4.args import DeepseekV4Args
+from xspec.models.deepseek_v4.attention import sparse_attention
 from xspec.models.deepseek_v4.draft_plan import crossover_problems, plan_tensors
 from xspec.models.deepseek_v4.layout import BatchLayout
 from xspec.models.deepseek_v4.mhc import HyperHead, RMSNorm
 from xspec.models.deepseek_v4.model import Block, init_random
+from xspec.models.deepseek_v4.presets import PRESET_DRAFTS, checkpoint_path
 from xspec.models.deepseek_v4.state import Ring, scatter_rows, stack_rings
 from xspec.models.deepseek_v4.weights import load_drafter
 from xspec.models.draft_heads import ConfidenceHead, MarkovHead
 from xspec.models.loading import CONFIG_NAME, Checkpoint
-from xspec.platforms.base import DraftAttentionOp, SasIndicesRejected, SasMode
+from xspec.models.ops import (
+    EAGER_STEPS,
+    REFERENCE_OPS,
+    ModelOps,
+    SasIndicesRejected,
+    SasMode,
+    StepOptions,
+    eager,
+)
 
 if TYPE_CHECKING:
     from xspec.parallel.expert import ExpertParallel
@@ -107,12 +117,30 @@ def visible_context(mode: SasMode, window: int, width: int) -> int:
 class DraftWindow:
     """The SAS mode and attention operator of the draft window, with the runtime fallback:
     an operator that rejects explicit (native) indices switches the draft to the
-    compatibility layout once, with a logged reason (``platform.native_sas=on`` raises)."""
+    compatibility layout once, with a logged reason (``platform.native_sas=on`` raises).
+    The operator is the platform's ``draft_window_attention()``; where it has none (or
+    it answers None) the reference :func:`sparse_attention` runs, with ``ops``'
+    ``sparse_attention`` op."""
 
-    def __init__(self, platform: Any) -> None:
+    def __init__(self, platform: Any, ops: ModelOps = REFERENCE_OPS) -> None:
         self.platform = platform
         self.mode: SasMode = platform.sas_mode()
-        self.op: DraftAttentionOp = platform.draft_attention_op()
+        self.op = platform.draft_window_attention()
+        self.ops = ops
+
+    def _run(
+        self,
+        q: torch.Tensor,
+        parts: list[tuple[torch.Tensor, torch.Tensor]],
+        sink: torch.Tensor,
+        scale: float,
+        explicit: bool,
+    ) -> torch.Tensor:
+        if self.op is not None:
+            out = self.op(q, parts, sink, scale, explicit_indices=explicit)
+            if out is not None:
+                return out
+        return sparse_attention(q, parts, sink, scale, eager(self.ops.sparse_attention))
 
     def attend(
         self,
@@ -126,7 +154,7 @@ class DraftWindow:
         assert ctx.ring is not None
         parts = [(ctx.ring, ctx.context(self.mode)), (kv, ctx.block)]
         try:
-            return self.op(q, parts, sink, scale, explicit_indices=self.mode is SasMode.NATIVE)
+            return self._run(q, parts, sink, scale, self.mode is SasMode.NATIVE)
         except SasIndicesRejected as e:
             self.mode = self.platform.sas_mode(False)  # under native_sas=on: PlatformError
             log.warning(
@@ -135,7 +163,7 @@ class DraftWindow:
                 e,
             )
             parts = [(ctx.ring, ctx.context(self.mode)), (kv, ctx.block)]
-            return self.op(q, parts, sink, scale, explicit_indices=False)
+            return self._run(q, parts, sink, scale, False)
 
 
 @dataclass
@@ -187,6 +215,7 @@ class DSparkStage(Block, HyperHead):
         dtype: torch.dtype,
         device: torch.device | str,
         expert_parallel: ExpertParallel | None = None,
+        steps: StepOptions = EAGER_STEPS,
     ) -> None:
         super().__init__(
             args,
@@ -196,16 +225,17 @@ class DSparkStage(Block, HyperHead):
             dtype=dtype,
             device=device,
             expert_parallel=expert_parallel,
+            steps=steps,
         )
         d, vocab, eps = args.hidden_size, args.vocab_size, args.rms_norm_eps
         kw: dict = dict(dtype=dtype, device=device)
         if index == 0:
             self.main_proj = nn.Linear(capture_width, d, bias=False, **kw)
-            self.main_norm = RMSNorm(d, eps, device=device)
+            self.main_norm = RMSNorm(d, eps, device=device, ops=self.ops)
             if own_embed:
                 self.embed = nn.Embedding(vocab, d, **kw)
         if index == num_stages - 1:
-            self.norm = RMSNorm(d, eps, device=device)
+            self.norm = RMSNorm(d, eps, device=device, ops=self.ops)
             self.init_hyper_head(args, device)
             if own_head:
                 self.head = nn.Linear(d, vocab, bias=False, **kw)
@@ -258,6 +288,7 @@ class DSparkDraft(nn.Module):
         dtype: torch.dtype = torch.float32,
         device: torch.device | str = "cpu",
         expert_parallel: ExpertParallel | None = None,
+        steps: StepOptions = EAGER_STEPS,
     ) -> None:
         super().__init__()
         self.args = args
@@ -275,6 +306,7 @@ class DSparkDraft(nn.Module):
                 dtype=dtype,
                 device=device,
                 expert_parallel=expert_parallel,
+                steps=steps,
             )
             for i in range(num_stages)
         )
@@ -598,9 +630,11 @@ def load_dspark(
     dtype: torch.dtype,
     device: torch.device | str,
     expert_parallel: ExpertParallel | None = None,
+    steps: StepOptions = EAGER_STEPS,
 ) -> DSparkDraft:
     """Allocate the stages of ``plan`` and stream their weights in (with
-    ``expert_parallel``: only this rank's experts)."""
+    ``expert_parallel``: only this rank's experts; ``steps``: the platform's ops and
+    compiler)."""
     draft = DSparkDraft(
         plan.args,
         num_stages=plan.num_stages,
@@ -613,6 +647,7 @@ def load_dspark(
         dtype=dtype,
         device=device,
         expert_parallel=expert_parallel,
+        steps=steps,
     )
     return load_drafter(draft, plan.ckpt, plan.names, plan.dequant, plan.args, expert_parallel)
 
@@ -622,7 +657,6 @@ def load_dspark(
 
 def draft_dir(spec_cfg: Any, model_cfg: Any) -> Path:
     """``spec.draft_path``, the preset's companion, else the target's own directory."""
-    from xspec.models.deepseek_v4 import PRESET_DRAFTS, checkpoint_path
     from xspec.models.presets import draft_checkpoint_dir
 
     return draft_checkpoint_dir(
@@ -636,7 +670,6 @@ def draft_dir(spec_cfg: Any, model_cfg: Any) -> Path:
 
 def preflight_block_draft(layout: Any, spec_cfg: Any, model_cfg: Any) -> list[str]:
     """Every problem of ``spec=dspark`` on this DeepSeek-V4 target, from headers only."""
-    from xspec.models.deepseek_v4 import checkpoint_path
 
     problems: list[str] = []
     try:
@@ -681,14 +714,16 @@ def load_block_draft(
             f"spec=dspark on model.arch=deepseek_v4 needs its target, got {type(target).__name__}"
         )
     plan = plan_dspark(draft_dir(spec_cfg, model_cfg), target.args)
+    steps = platform.step_options()  # the platform's ops and compiler, as the target's
     draft = load_dspark(
         plan,
         embed=target.embed,
         head=target.head,
-        window=DraftWindow(platform),
+        window=DraftWindow(platform, steps.ops),
         dtype=target.dtype,
         device=platform.device(),
         expert_parallel=target.expert_parallel,  # the target's EP share
+        steps=steps,
     )
     return LoadedDraft(
         draft, plan.block_size, plan.capture_layer_ids, plan.ckpt.path, BlockLayout.DSPARK

@@ -17,67 +17,42 @@ The checkpoint stores them as plain tensors on the owning module (``layers.{i}.h
 from __future__ import annotations
 
 import functools
-from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from xspec.models.deepseek_v4.args import DeepseekV4Args
-
-if TYPE_CHECKING:
-    from xspec.models.base import StepOptions
+from xspec.models.ops import REFERENCE_OPS, ModelOps, eager
 
 
-def fused(kernels: dict[str, Any], name: str) -> Any:
-    """The platform's fused kernel ``name`` (``StepOptions.kernels``) where it may run:
-    not under autograd (the kernels have no backward) and not while a compiler traces
-    (it fuses the reference ops itself). None: run the reference ops."""
-    kernel = kernels.get(name)
-    if kernel is None or torch.is_grad_enabled() or torch.compiler.is_compiling():
-        return None
-    return kernel
+class RMSNorm(nn.Module):
+    """Weighted RMSNorm; weight fp32, math in fp32, output cast back to the input dtype.
+    ``ops.rms_norm``: the platform's op, where it takes the input."""
 
-
-class UsesKernels:
-    """Mixin of modules that call the platform's fused kernels: ``configure_steps``
-    (see ``models.base.configure_steps``) hands them over, :meth:`kernel` picks one."""
-
-    _NONE: ClassVar[dict[str, Any]] = {}
-
-    @property
-    def kernels(self) -> dict[str, Any]:
-        """The configured kernels by name (none until :meth:`configure_steps`)."""
-        return self.__dict__.get("_kernels", self._NONE)
-
-    def configure_steps(self, options: StepOptions) -> None:
-        self.__dict__["_kernels"] = options.kernels
-
-    def kernel(self, name: str) -> Any:
-        return fused(self.kernels, name)
-
-
-class RMSNorm(UsesKernels, nn.Module):
-    """Weighted RMSNorm; weight fp32, math in fp32, output cast back to the input dtype."""
-
-    def __init__(self, dim: int, eps: float, device: torch.device | str = "cpu") -> None:
+    def __init__(
+        self,
+        dim: int,
+        eps: float,
+        device: torch.device | str = "cpu",
+        ops: ModelOps = REFERENCE_OPS,
+    ) -> None:
         super().__init__()
         self.eps = eps
+        self.ops = ops
         self.weight = nn.Parameter(torch.ones(dim, dtype=torch.float32, device=device))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        kernel = self.kernel("rms_norm")
+        kernel = eager(self.ops.rms_norm)
         if kernel is not None and (y := kernel(x, self.weight, self.eps)) is not None:
             return y
         # F.rms_norm is the same x * rsqrt(mean(x^2) + eps) * weight, as one op
         return F.rms_norm(x.float(), self.weight.shape, self.weight, self.eps).to(x.dtype)
 
 
-def rms_normalize(
-    x: torch.Tensor, eps: float, kernels: dict[str, Any] | None = None
-) -> torch.Tensor:
+def rms_normalize(x: torch.Tensor, eps: float, ops: ModelOps = REFERENCE_OPS) -> torch.Tensor:
     """Unweighted RMS normalisation over the last dim (same dtype as ``x``)."""
-    kernel = fused(kernels, "rms_norm") if kernels else None
+    kernel = eager(ops.rms_norm)
     if kernel is not None and (y := kernel(x, None, eps)) is not None:
         return y
     if x.dtype == torch.float32:
@@ -156,20 +131,19 @@ def hc_pre(
     base: torch.Tensor,
     scale: torch.Tensor,
     args: DeepseekV4Args,
-    kernels: dict[str, Any] | None = None,
+    ops: ModelOps = REFERENCE_OPS,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Collapse the streams for one sub-block.
 
     ``x [T, hc, d]`` -> ``u [T, d]`` (x.dtype), ``post [T, hc]`` fp32, ``comb [T, hc, hc]`` fp32.
-    ``kernels``: the platform's fused kernels: ``rms_norm``, and ``mhc_pre(mix, scale,
-    base, hc, iters, eps, x | None)`` for everything after the ``fn`` projection, which
-    returns ``(u | None, pre, post, comb)`` as computed here (``u`` only given ``x``), or
-    None for inputs it does not take.
+    ``ops``: the platform's ops: ``rms_norm``, and ``mhc_pre`` (``models.ops.MhcPreOp``)
+    for everything after the ``fn`` projection, which returns ``(u | None, pre, post,
+    comb)`` as computed here (``u`` only given ``x``), or None for inputs it does not take.
     """
     hc, t = args.hc_mult, x.shape[0]
-    flat = rms_normalize(x.flatten(1).float(), args.rms_norm_eps, kernels)  # [T, hc*d]
+    flat = rms_normalize(x.flatten(1).float(), args.rms_norm_eps, ops)  # [T, hc*d]
     mix = F.linear(flat, fn.float())  # [T, (2+hc)*hc] = [pre | post | comb]
-    kernel = fused(kernels, "mhc_pre") if kernels else None
+    kernel = eager(ops.mhc_pre)
     fused_out = None
     if kernel is not None:
         streams = x if x.dtype == torch.float32 and x.is_contiguous() else None
@@ -238,26 +212,28 @@ def hc_head(
     base: torch.Tensor,
     scale: torch.Tensor,
     args: DeepseekV4Args,
-    kernels: dict[str, Any] | None = None,
+    ops: ModelOps = REFERENCE_OPS,
 ) -> torch.Tensor:
     """Final collapse of the streams: ``x [T, hc, d]`` -> ``[T, d]`` (x.dtype)."""
-    flat = rms_normalize(x.flatten(1).float(), args.rms_norm_eps, kernels)  # [T, hc*d]
+    flat = rms_normalize(x.flatten(1).float(), args.rms_norm_eps, ops)  # [T, hc*d]
     mix = F.linear(flat, fn.float())  # [T, hc]
     pre = torch.sigmoid(mix * scale.float() + base.float()) + args.hc_eps
     return (pre.unsqueeze(-1) * x).sum(dim=1).to(x.dtype)
 
 
-class HyperHead(UsesKernels):
+class HyperHead:
     """Mixin for modules that own ``hc_head_{fn,base,scale}`` (the model, MTP modules).
 
     Call :meth:`init_hyper_head` in ``__init__`` (after ``nn.Module.__init__``); the
-    parameters are registered under the official names on the module itself.
+    parameters are registered under the official names on the module itself. The
+    module's ``ops`` (set at its construction) serve the head too.
     """
 
     hc_head_fn: nn.Parameter
     hc_head_base: nn.Parameter
     hc_head_scale: nn.Parameter
     args: DeepseekV4Args
+    ops: ModelOps
 
     def init_hyper_head(self, args: DeepseekV4Args, device: torch.device | str) -> None:
         self.hc_head_fn, self.hc_head_base, self.hc_head_scale = new_hc_params(
@@ -267,4 +243,4 @@ class HyperHead(UsesKernels):
     def hyper_head(self, x: torch.Tensor) -> torch.Tensor:
         """``x [T, hc, d]`` -> ``[T, d]``."""
         fn, base, scale = self.hc_head_fn, self.hc_head_base, self.hc_head_scale
-        return hc_head(x, fn, base, scale, self.args, self.kernels)
+        return hc_head(x, fn, base, scale, self.args, self.ops)

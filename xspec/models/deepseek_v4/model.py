@@ -21,37 +21,30 @@ from torch import nn
 
 from xspec.errors import ConfigError, RequestError
 from xspec.models.base import (
-    EAGER_STEPS,
     CapturePoint,
     CaptureSite,
     ForwardBatch,
     KvBytes,
     ModelOutput,
-    StepOptions,
 )
 from xspec.models.deepseek_v4.args import DeepseekV4Args
 from xspec.models.deepseek_v4.attention import Attention
-from xspec.models.deepseek_v4.mhc import (
-    HyperHead,
-    RMSNorm,
-    UsesKernels,
-    hc_post,
-    hc_pre,
-    new_hc_params,
-)
+from xspec.models.deepseek_v4.mhc import HyperHead, RMSNorm, hc_post, hc_pre, new_hc_params
 from xspec.models.deepseek_v4.moe import MoE
 from xspec.models.deepseek_v4.state import BlockContext, DeepseekV4State, LayerCache, kv_bytes
 from xspec.models.deepseek_v4.steps import Steps, steps_for
+from xspec.models.ops import EAGER_STEPS, StepOptions
 
 if TYPE_CHECKING:
     from xspec.parallel.expert import ExpertParallel
 
 
-class Block(UsesKernels, nn.Module):
+class Block(nn.Module):
     """One decoder layer: ``hc_attn`` + attention, ``hc_ffn`` + MoE, on the mHC streams.
 
     Checkpoint tensors (``layers.{i}.``): ``attn_norm, ffn_norm``, ``hc_{attn,ffn}_{fn,base,
-    scale}``, ``attn.*``, ``ffn.*``.
+    scale}``, ``attn.*``, ``ffn.*``. ``steps``: how the stateless steps run (the
+    platform's ops, the compiler; ``models.ops.StepOptions``), handed to every submodule.
     """
 
     def __init__(
@@ -63,20 +56,22 @@ class Block(UsesKernels, nn.Module):
         dtype: torch.dtype = torch.float32,
         device: torch.device | str = "cpu",
         expert_parallel: ExpertParallel | None = None,
+        steps: StepOptions = EAGER_STEPS,
     ) -> None:
         super().__init__()
         self.args = args
         self.layer_id = layer_id
         self.compress_ratio = compress_ratio
-        self.attn_norm = RMSNorm(args.hidden_size, args.rms_norm_eps, device=device)
-        self.ffn_norm = RMSNorm(args.hidden_size, args.rms_norm_eps, device=device)
+        self.ops = ops = steps.ops
+        self.attn_norm = RMSNorm(args.hidden_size, args.rms_norm_eps, device=device, ops=ops)
+        self.ffn_norm = RMSNorm(args.hidden_size, args.rms_norm_eps, device=device, ops=ops)
         self.hc_attn_fn, self.hc_attn_base, self.hc_attn_scale = new_hc_params(
             args, head=False, device=device
         )
         self.hc_ffn_fn, self.hc_ffn_base, self.hc_ffn_scale = new_hc_params(
             args, head=False, device=device
         )
-        self.attn = Attention(args, compress_ratio, dtype=dtype, device=device)
+        self.attn = Attention(args, compress_ratio, dtype=dtype, device=device, ops=ops)
         self.ffn = MoE(
             args,
             hash_routed,
@@ -84,14 +79,17 @@ class Block(UsesKernels, nn.Module):
             device=device,
             expert_parallel=expert_parallel,
             tag=layer_id,
+            steps=steps,
         )
-        self.steps: Steps = steps_for(EAGER_STEPS, moe=True)
+        self.steps: Steps = steps_for(
+            steps, Block.mix_in, Attention.project, Block.mix_out, moe=expert_parallel is None
+        )
 
     def forward(self, x: torch.Tensor, ctx: BlockContext) -> torch.Tensor:
         """``x [T, hc, d]`` streams -> ``[T, hc, d]``; ``ctx.caches`` are this block's.
 
         The stateless parts run through ``self.steps`` (eager or compiled, with the
-        platform's fused kernels: see ``steps.py`` and ``models.base.configure_steps``);
+        platform's ops: see ``steps.py`` and ``models.ops``);
         the attention core between them reads and writes the caches eagerly.
         """
         h, post, comb = self.steps.mix_in(self, x)
@@ -102,7 +100,7 @@ class Block(UsesKernels, nn.Module):
         """Streams ``x [T, hc, d]`` -> the normed attention input ``[T, d]`` and the
         ``post, comb`` mixes of the attention site."""
         site = (self.hc_attn_fn, self.hc_attn_base, self.hc_attn_scale)
-        u, post, comb = hc_pre(x, *site, self.args, self.steps.kernels)
+        u, post, comb = hc_pre(x, *site, self.args, self.ops)
         return self.attn_norm(u), post, comb
 
     def mix_out(
@@ -120,13 +118,8 @@ class Block(UsesKernels, nn.Module):
         ``post, comb`` -> the block output ``[T, hc, d]``."""
         x = hc_post(self.attn.output(out, (cos, sin), x.dtype), x, post, comb)
         site = (self.hc_ffn_fn, self.hc_ffn_base, self.hc_ffn_scale)
-        u, post, comb = hc_pre(x, *site, self.args, self.steps.kernels)
+        u, post, comb = hc_pre(x, *site, self.args, self.ops)
         return hc_post(self.ffn(self.ffn_norm(u), input_ids), x, post, comb)
-
-    def configure_steps(self, options: StepOptions) -> None:
-        """Run the stateless steps as the platform says (see ``models.base.StepOptions``)."""
-        super().configure_steps(options)
-        self.steps = steps_for(options, moe=self.ffn.expert_parallel is None)
 
     def attend(
         self, x: torch.Tensor, ctx: BlockContext
@@ -153,6 +146,7 @@ class DeepseekV4Model(nn.Module, HyperHead):
         max_rollback: int = 8,
         max_context: int | None = None,
         expert_parallel: ExpertParallel | None = None,
+        steps: StepOptions = EAGER_STEPS,
     ) -> None:
         super().__init__()
         problems = args.problems()
@@ -169,6 +163,9 @@ class DeepseekV4Model(nn.Module, HyperHead):
         self.dtype = dtype
         # this rank's share of the experts (None: all of them); the drafters share it
         self.expert_parallel = expert_parallel
+        # the platform's ops and compiler (the drafters get the same from the platform)
+        self.steps = steps
+        self.ops = steps.ops
         self.embed = nn.Embedding(args.vocab_size, args.hidden_size, dtype=dtype, device=device)
         self.layers = nn.ModuleList(
             Block(
@@ -179,10 +176,11 @@ class DeepseekV4Model(nn.Module, HyperHead):
                 dtype=dtype,
                 device=device,
                 expert_parallel=expert_parallel,
+                steps=steps,
             )
             for i, ratio in enumerate(args.target_compress_ratios)
         )
-        self.norm = RMSNorm(args.hidden_size, args.rms_norm_eps, device=device)
+        self.norm = RMSNorm(args.hidden_size, args.rms_norm_eps, device=device, ops=self.ops)
         self.head = nn.Linear(
             args.hidden_size, args.vocab_size, bias=False, dtype=dtype, device=device
         )

@@ -15,21 +15,22 @@ the per-row sum stays the single-process one.
 
 The local experts' weights are stacked ``[E, out, in]`` (each expert's ``w1/w2/w3``
 parameter is a view of its row of the stack, so the checkpoint names and in-place
-loading are unchanged and nothing is stored twice). A platform's fused ``moe`` kernel
-(``StepOptions.kernels``; the CPU's native one) runs the whole layer, gate included, where
+loading are unchanged and nothing is stored twice). A platform's ``moe`` op
+(``ModelOps.moe``, given the router as :class:`~xspec.models.ops.MoeRouting`; the CPU's
+native one) runs the whole layer, gate included, where
 it takes the inputs and the experts are one stack. Otherwise, two ways to run the routed
 experts:
 
 * grouped GEMMs (``torch._grouped_mm``: one op per projection for all experts, group
   offsets computed on the device, so no host sync): where the platform prefers them
-  (``StepOptions.kernels["grouped_mm_eager"]``) and in compiled steps, which cannot
+  (``ModelOps.grouped_mm_eager``) and in compiled steps, which cannot
   sync;
 * with one host sync that reads the group sizes (free on the host): grouped GEMMs
   when more than two experts have rows, else the experts one after another (the
   reference, and what autograd runs).
 
-Grouped GEMMs run only where ``StepOptions.kernels["grouped_mm"]`` lists the dtype and
-the kernel takes the shapes; an unconfigured layer runs the reference.
+Grouped GEMMs run only where ``ModelOps.grouped_mm_dtypes`` lists the dtype and the
+kernel takes the shapes; a layer built without a platform's ops runs the reference.
 """
 
 from __future__ import annotations
@@ -41,9 +42,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from xspec.models.base import StepOptions
 from xspec.models.deepseek_v4.args import DeepseekV4Args
-from xspec.models.deepseek_v4.mhc import UsesKernels
+from xspec.models.ops import EAGER_STEPS, MoeRouting, StepOptions, eager
 
 if TYPE_CHECKING:
     from xspec.parallel.expert import ExpertParallel
@@ -124,6 +124,19 @@ class Gate(nn.Module):
             weights = weights / weights.sum(dim=-1, keepdim=True)
         return weights * self.args.routed_scaling_factor, experts
 
+    def routing(self) -> MoeRouting:
+        """This router as a fused MoE op takes it (tensors and plain values)."""
+        args = self.args
+        return MoeRouting(
+            self.weight,
+            self.bias,
+            self.tid2eid if self.hash_routed else None,
+            args.scoring_func,
+            args.num_experts_per_tok,
+            args.norm_topk_prob,
+            args.routed_scaling_factor,
+        )
+
 
 class RemoteExpert(nn.Module):
     """Placeholder of an expert another EP rank holds (no tensors)."""
@@ -135,11 +148,12 @@ def grouped_mm_serves(dtype: torch.dtype, *widths: int) -> bool:
     return hasattr(torch, "_grouped_mm") and all(w * dtype.itemsize % 16 == 0 for w in widths)
 
 
-class MoE(UsesKernels, nn.Module):
+class MoE(nn.Module):
     """Checkpoint tensors (``layers.{i}.ffn.``): ``gate.*``, ``experts.{e}.w{1,2,3}``,
     ``shared_experts.w{1,2,3}``. ``tag``: the layer id, checked across EP ranks.
-    ``can_group`` / ``grouped`` (set by :meth:`configure_steps`): grouped GEMMs serve
-    this layer / run its routed experts always (no host sync).
+    ``steps``: the platform's ops and compiler. ``can_group`` / ``grouped`` (set with
+    the stacks): grouped GEMMs serve this layer / run its routed experts always (no
+    host sync).
     """
 
     w1: torch.Tensor | None  # the expert stacks (non-persistent buffers), see _stack_experts
@@ -155,8 +169,11 @@ class MoE(UsesKernels, nn.Module):
         device: torch.device | str,
         expert_parallel: ExpertParallel | None = None,
         tag: int = 0,
+        steps: StepOptions = EAGER_STEPS,
     ) -> None:
         super().__init__()
+        self.ops = steps.ops
+        self.compiled = steps.compile is not None
         d, inter, limit = args.hidden_size, args.moe_intermediate_size, args.swiglu_limit
         self.limit = limit
         self.tag = tag
@@ -183,7 +200,6 @@ class MoE(UsesKernels, nn.Module):
         # row and runs as one more group (all rows, weight 1) in the same grouped GEMMs
         self.shared_in_stack = args.n_shared_experts == 1
         self._stack_experts()
-        self.can_group = self.grouped = False
 
     def _local(self) -> list[Expert]:
         return [e for e in self.experts if isinstance(e, Expert)]
@@ -210,25 +226,24 @@ class MoE(UsesKernels, nn.Module):
         self.__dict__["_first"] = (
             tuple(getattr(local[0], n) for n in ("w1", "w2", "w3")) if stacked else ()
         )
+        self._choose_grouping()
+
+    def _choose_grouping(self) -> None:
+        """Grouped GEMMs where the platform's kernel takes the stacks' dtype and shapes;
+        always where it prefers them or the steps are compiled."""
+        w1, ops = self._buffers["w1"], self.ops
+        self.can_group = (
+            w1 is not None
+            and str(w1.dtype).removeprefix("torch.") in ops.grouped_mm_dtypes
+            and grouped_mm_serves(w1.dtype, w1.shape[1], w1.shape[2])
+        )
+        self.grouped = self.can_group and (self.compiled or ops.grouped_mm_eager)
 
     def _apply(self, fn: Callable[[torch.Tensor], torch.Tensor], recurse: bool = True) -> MoE:
         # .to() / .cuda() / to_empty() give every parameter new storage: restack
         out = super()._apply(fn, recurse)
         self._stack_experts()
         return out
-
-    def configure_steps(self, options: StepOptions) -> None:
-        """Grouped GEMMs where the platform's kernel takes this dtype and these shapes;
-        always where it prefers them or the steps are compiled."""
-        super().configure_steps(options)
-        w1, kernels = self.w1, options.kernels
-        self.can_group = (
-            w1 is not None
-            and str(w1.dtype).removeprefix("torch.") in kernels.get("grouped_mm", ())
-            and grouped_mm_serves(w1.dtype, w1.shape[1], w1.shape[2])
-        )
-        always = options.compile is not None or bool(kernels.get("grouped_mm_eager"))
-        self.grouped = self.can_group and always
 
     def _stacked(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
         """The weight stacks, if the experts' parameters still view them (a parameter
@@ -247,13 +262,15 @@ class MoE(UsesKernels, nn.Module):
 
     def forward(self, x: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
         """``x [T, d]`` (the ``ffn_norm`` output), ``input_ids [T]`` -> ``[T, d]``."""
-        kernel = self.kernel("moe")  # the whole layer fused (no expert parallelism)
+        kernel = eager(self.ops.moe)  # the whole layer fused (no expert parallelism)
         one_stack = self.shared_experts is None or self.shared_in_stack
         if kernel is not None and self.expert_parallel is None and one_stack:
             stacks = self._stacked()
-            args = (self.gate, stacks, self.shared_in_stack, self.limit)
-            if stacks is not None and (y := kernel(x, input_ids, *args)) is not None:
-                return y
+            if stacks is not None:
+                routing = self.gate.routing()
+                y = kernel(x, input_ids, routing, stacks, self.shared_in_stack, self.limit)
+                if y is not None:
+                    return y
         weights, experts = self.gate(x, input_ids)  # [T, k] each
         y = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
         stacks = self._stacked() if self.grouped else None

@@ -56,6 +56,7 @@ from xspec.models.deepseek_v4.model import Block, init_random
 from xspec.models.deepseek_v4.state import BlockContext
 from xspec.models.deepseek_v4.weights import load_drafter
 from xspec.models.loading import CONFIG_NAME, Checkpoint
+from xspec.models.ops import EAGER_STEPS, StepOptions
 
 if TYPE_CHECKING:
     from xspec.parallel.expert import ExpertParallel
@@ -122,18 +123,26 @@ class MtpBlock(Block, HyperHead):
         dtype: torch.dtype = torch.float32,
         device: torch.device | str = "cpu",
         expert_parallel: ExpertParallel | None = None,
+        steps: StepOptions = EAGER_STEPS,
     ) -> None:
         # the MTP layer is sliding-window only (ratio 0) with learned (not hash) routing
         super().__init__(
-            args, layer_id, 0, False, dtype=dtype, device=device, expert_parallel=expert_parallel
+            args,
+            layer_id,
+            0,
+            False,
+            dtype=dtype,
+            device=device,
+            expert_parallel=expert_parallel,
+            steps=steps,
         )
         d, vocab, eps = args.hidden_size, args.vocab_size, args.rms_norm_eps
         kw: dict = dict(bias=False, dtype=dtype, device=device)
         self.e_proj = nn.Linear(d, d, **kw)
         self.h_proj = nn.Linear(d, d, **kw)
-        self.enorm = RMSNorm(d, eps, device=device)
-        self.hnorm = RMSNorm(d, eps, device=device)
-        self.norm = RMSNorm(d, eps, device=device)
+        self.enorm = RMSNorm(d, eps, device=device, ops=self.ops)
+        self.hnorm = RMSNorm(d, eps, device=device, ops=self.ops)
+        self.norm = RMSNorm(d, eps, device=device, ops=self.ops)
         self.init_hyper_head(args, device)
         self.rot = nn.Linear(d, d, **kw) if rot else None
         # Shared vocabulary modules live in a tuple: not registered, so they are neither
@@ -302,11 +311,13 @@ def load_mtp(
     dtype: torch.dtype,
     device: torch.device | str,
     expert_parallel: ExpertParallel | None = None,
+    steps: StepOptions = EAGER_STEPS,
 ) -> MtpBlock:
     """Allocate the MTP block of ``plan`` and stream its weights in.
 
     ``embed`` / ``head``: the target's, used unless the checkpoint has dedicated ones.
-    ``expert_parallel``: only this rank's experts (the target's EP share).
+    ``expert_parallel``: only this rank's experts (the target's EP share). ``steps``:
+    the platform's ops and compiler (``Platform.step_options``).
     """
     keys = plan.keys
     module = MtpBlock(
@@ -318,6 +329,7 @@ def load_mtp(
         dtype=dtype,
         device=device,
         expert_parallel=expert_parallel,
+        steps=steps,
     )
     return load_drafter(module, plan.ckpt, plan.names, plan.dequant, plan.args, expert_parallel)
 

@@ -15,12 +15,12 @@ checkpoint whose ``max_position_embeddings`` exceeds the original length (Flash:
 from __future__ import annotations
 
 import math
-from typing import Any
 
 import torch
 from torch import nn
 
 from xspec.models.deepseek_v4.args import DeepseekV4Args
+from xspec.models.ops import RopeOp
 
 
 def rope_inv_freq(args: DeepseekV4Args, compressed: bool) -> torch.Tensor:
@@ -110,14 +110,14 @@ def rotate(
     sin: torch.Tensor,
     *,
     inverse: bool = False,
-    kernel: Any = None,
+    kernel: RopeOp | None = None,
 ) -> torch.Tensor:
     """RoPE with :meth:`Rope.rotation` factors: ``x [N, ..., D]``, ``cos/sin [N, rd]``.
 
     ``rope * cos + swap(rope) * sin`` on the last ``rd`` dims, ``swap`` exchanging each
     pair: the same products and sums as :func:`apply_rope`, in fewer whole-tensor ops.
-    fp32 math, cast back to ``x.dtype``. ``kernel``: a platform's fused ``rope`` (see
-    ``mhc.fused``), used where it takes the inputs.
+    fp32 math, cast back to ``x.dtype``. ``kernel``: a platform's ``rope`` op
+    (``models.ops.RopeOp``), used where it takes the inputs.
     """
     if kernel is not None and (y := kernel(x, cos, sin, inverse)) is not None:
         return y

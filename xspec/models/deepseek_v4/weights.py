@@ -46,6 +46,7 @@ from torch import nn
 from xspec.errors import CheckpointError
 from xspec.models.deepseek_v4.args import DeepseekV4Args
 from xspec.models.loading import CONFIG_NAME, Checkpoint, load_params
+from xspec.models.ops import EAGER_STEPS, StepOptions
 
 if TYPE_CHECKING:
     from xspec.models.deepseek_v4.model import DeepseekV4Model
@@ -417,9 +418,11 @@ def load_checkpoint(
     max_rollback: int = 8,
     max_context: int | None = None,
     expert_parallel: ExpertParallel | None = None,
+    steps: StepOptions = EAGER_STEPS,
 ) -> DeepseekV4Model:
     """Validate everything from headers, then allocate the model and stream the weights in.
-    With ``expert_parallel`` only this rank's experts are allocated and read."""
+    With ``expert_parallel`` only this rank's experts are allocated and read; ``steps``:
+    the platform's ops and compiler (``Platform.step_options``)."""
     from xspec.models.deepseek_v4.model import DeepseekV4Model
 
     ckpt = Checkpoint(path)
@@ -432,6 +435,7 @@ def load_checkpoint(
         max_rollback=max_rollback,
         max_context=max_context,
         expert_parallel=expert_parallel,
+        steps=steps,
     )
     wanted = local_tensors(expected_tensors(args), expert_parallel, args)
     load_params(

@@ -2,7 +2,8 @@
 
 Importing this package is light: only the torch-free config schema is imported here;
 torch, safetensors and the model code load when ``load_model`` runs (or when
-``Qwen3Model`` / ``Qwen3State`` are first accessed).
+``Qwen3Model`` / ``Qwen3State`` are first accessed). :data:`FAMILY` (a
+:class:`Qwen3Family`) is what the ``models`` registry hands to xspec.
 
 Checkpoint tensors are the Hugging Face names, mapped one to one onto the module.
 Tolerated extras (skipped): ``lm_head.weight`` when ``tie_word_embeddings`` is true
@@ -14,23 +15,28 @@ unsupported variant (e.g. a quantised export), which loading silently would hide
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from xspec.errors import CheckpointError, UserError
-from xspec.models.presets import checkpoint_dir, dtype_name
+from xspec.models.family import ModelFamily
+from xspec.models.presets import dtype_name
 from xspec.models.qwen3.args import Qwen3Args
+from xspec.models.qwen3.presets import PRESETS, checkpoint_path
 
 if TYPE_CHECKING:
     import torch
 
+    from xspec.models.base import StepOptions
+    from xspec.models.block_draft import BlockDrafts
     from xspec.models.loading import Checkpoint
     from xspec.models.qwen3.model import Qwen3Model, Qwen3State
 
 __all__ = [
+    "FAMILY",
     "PRESETS",
     "Qwen3Args",
+    "Qwen3Family",
     "Qwen3Model",
     "Qwen3State",
     "checkpoint_key",
@@ -38,7 +44,6 @@ __all__ = [
     "preflight",
 ]
 
-PRESETS = {"tiny": False, "moe_tiny": True}  # model.preset -> is MoE
 _FLOAT_CODES = {"F32", "F16", "BF16", "F64"}
 
 
@@ -71,7 +76,7 @@ def load_model(cfg: Any, *, device: torch.device, max_rollback: int) -> Qwen3Mod
     if max_rollback < 0:
         raise ValueError(f"max_rollback must be >= 0, got {max_rollback}")
     dtype = getattr(torch, dtype_name(cfg.dtype))
-    ckpt = Checkpoint(_checkpoint_path(cfg))
+    ckpt = Checkpoint(checkpoint_path(cfg))
     args = Qwen3Args.from_config(ckpt.config, ckpt.path / "config.json")
     check_tensors(args, ckpt)
     model = Qwen3Model(args, dtype=dtype, device=device, max_context=cfg.max_context)
@@ -85,15 +90,48 @@ def preflight(cfg: Any) -> list[str]:
     from xspec.models.loading import Checkpoint
 
     try:
-        ckpt = Checkpoint(_checkpoint_path(cfg))
+        ckpt = Checkpoint(checkpoint_path(cfg))
         check_tensors(Qwen3Args.from_config(ckpt.config, ckpt.path / "config.json"), ckpt)
     except UserError as e:
         return [str(e)]
     return []
 
 
-load_model.preflight = preflight  # type: ignore[attr-defined]  # read by xspec.build.check
-load_model.checkpoint_path = lambda cfg: _checkpoint_path(cfg)  # type: ignore[attr-defined]
+class Qwen3Family(ModelFamily):
+    """Qwen3 / Qwen3-MoE targets, with DSpark and DFlash block drafts (:mod:`.dspark`)."""
+
+    arch = "qwen3"
+    display_name = "Qwen3"
+    block_layouts = frozenset({"dspark", "dflash"})
+
+    def load(
+        self,
+        cfg: Any,
+        *,
+        device: torch.device,
+        max_rollback: int,
+        steps: StepOptions,
+        expert_parallel: Any = None,
+    ) -> Qwen3Model:
+        if expert_parallel is not None:
+            raise ValueError("Qwen3 targets have no expert-parallel loader")
+        # Qwen3 delegates no op to the platform (every op is its reference): ``steps``
+        # has nothing it reads
+        return load_model(cfg, device=device, max_rollback=max_rollback)
+
+    def preflight(self, cfg: Any) -> list[str]:
+        return preflight(cfg)
+
+    def checkpoint_path(self, cfg: Any) -> Path:
+        return checkpoint_path(cfg)
+
+    def block_drafts(self) -> BlockDrafts:
+        from xspec.models.qwen3 import dspark
+
+        return dspark
+
+
+FAMILY = Qwen3Family()
 
 
 def checkpoint_key(name: str, args: Qwen3Args) -> str | None:
@@ -139,18 +177,3 @@ def check_tensors(args: Qwen3Args, ckpt: Checkpoint) -> None:
             f"({args.model_type}, {args.num_hidden_layers} layers; {len(problems)} problem(s))",
             problems=problems,
         )
-
-
-def _checkpoint_path(cfg: Any) -> Path:
-    def preset(moe: bool) -> Callable[[], Path]:
-        def make() -> Path:
-            from xspec.models.qwen3.tiny import tiny_dir
-
-            return tiny_dir(moe)
-
-        return make
-
-    presets = {name: preset(moe) for name, moe in PRESETS.items()}
-    return checkpoint_dir(
-        cfg, presets, family="Qwen3", example="/dir/with/config.json (Hugging Face layout)"
-    )

@@ -55,6 +55,7 @@ from xspec.models.qwen3.model import (
     rope_inv_freq,
     rope_tables,
 )
+from xspec.models.qwen3.presets import checkpoint_path, draft_dir
 
 if TYPE_CHECKING:
     from xspec.models.qwen3.model import Qwen3Model
@@ -62,7 +63,6 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 DEFAULT_GAMMA = 4  # drafts per step when config.json has no block_size
-EXAMPLE_DIR = "/dir/of/qwen3/draft (config.json with target_layer_ids, mask_token_id)"
 # checkpoint prefix -> module prefix (everything else maps to itself)
 NAME_MAP = {"markov_head.": "markov.", "confidence_head.": "confidence."}
 HEAD_PREFIXES = tuple(NAME_MAP)
@@ -355,35 +355,10 @@ class Qwen3BlockDraft(nn.Module):
 # -- entry points for xspec.spec.dspark -------------------------------------------------
 
 
-def draft_dir(spec_cfg: Any, model_cfg: Any) -> Path:
-    """``spec.draft_path``, else the tiny presets' companion drafts (generated on first use)."""
-    from xspec.models.presets import draft_checkpoint_dir
-    from xspec.models.qwen3 import PRESETS
-
-    def preset(moe: bool, method: str) -> Any:
-        def make() -> Path:
-            from xspec.models.qwen3.tiny import tiny_draft_dir
-
-            return tiny_draft_dir(moe, BlockLayout(method))
-
-        return make
-
-    drafts = {
-        (name, method.value): preset(moe, method.value)
-        for name, moe in PRESETS.items()
-        for method in BlockLayout
-    }
-    return draft_checkpoint_dir(
-        spec_cfg, model_cfg, preset_drafts=drafts, target_dir=None, example=EXAMPLE_DIR
-    )
-
-
 def preflight_block_draft(method: BlockLayout, spec_cfg: Any, model_cfg: Any) -> list[str]:
     """Every problem of the draft for this target, from config.json and headers only."""
-    from xspec.models.qwen3 import _checkpoint_path
-
     try:
-        target = Checkpoint(_checkpoint_path(model_cfg))
+        target = Checkpoint(checkpoint_path(model_cfg))
         target_args = Qwen3Args.from_config(target.config, target.path / CONFIG_NAME)
     except UserError:
         return []  # the target loader reports its own checkpoint precisely

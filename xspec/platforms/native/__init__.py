@@ -52,10 +52,10 @@ import shutil
 import sys
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import torch
 
+from xspec.models.ops import ModelOps, MoeRouting
 from xspec.platforms.native import cache as _cache
 
 _SOURCE = Path(__file__).with_name("kernels.c")
@@ -238,29 +238,27 @@ class NativeKernels:
         self,
         x: torch.Tensor,
         input_ids: torch.Tensor,
-        gate: Any,
+        routing: MoeRouting,
         stacks: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
         shared: bool,
         limit: float,
     ) -> torch.Tensor | None:
-        """``moe.MoE.forward`` of fp32 ``x [T, d]``: the gate (``moe.Gate``: its
-        ``weight``, ``bias`` or hash table ``tid2eid``, and ``args``' scoring) and the
-        experts' stacks ``w1, w3 [G, inter, d]``, ``w2 [G, d, inter]`` (the shared expert
-        last when ``shared``) -> ``[T, d]`` fp32. None beyond :data:`MOE_MAX_MACS`."""
+        """A whole MoE layer (``models.ops.MoeOp``) of fp32 ``x [T, d]``: the ``routing``
+        (router ``weight``, ``bias`` or hash table ``tid2eid``, scoring) and the experts'
+        stacks ``w1, w3 [G, inter, d]``, ``w2 [G, d, inter]`` (the shared expert last
+        when ``shared``) -> ``[T, d]`` fp32. None beyond :data:`MOE_MAX_MACS`."""
         w1, w2, w3 = stacks
-        args = gate.args
-        table = gate.tid2eid if gate.hash_routed else None
-        bias = gate.bias
-        if not all(_takes(t) for t in (x, gate.weight, w1, w2, w3)) or (
+        weight, bias, table = routing.weight, routing.bias, routing.tid2eid
+        if not all(_takes(t) for t in (x, weight, w1, w2, w3)) or (
             bias is not None and not _takes(bias)
         ):
             return None
         if not (_ids(input_ids) and (table is None or _ids(table))) or x.dim() != 2:
             return None
         rows, d = x.shape
-        if gate.weight.dim() != 2 or gate.weight.shape[1] != d or w1.dim() != 3:
+        if weight.dim() != 2 or weight.shape[1] != d or w1.dim() != 3:
             return None
-        experts, k, inter = gate.weight.shape[0], args.num_experts_per_tok, w1.shape[1]
+        experts, k, inter = weight.shape[0], routing.top_k, w1.shape[1]
         groups = experts + int(shared)  # the shared expert is the stacks' last row
         if w1.shape != (groups, inter, d) or w3.shape != w1.shape or w2.shape != (groups, d, inter):
             return None
@@ -272,7 +270,7 @@ class NativeKernels:
             return None
         if rows * (k + int(shared)) * 3 * inter * d > MOE_MAX_MACS:
             return None  # prefill-sized: the reference's BLAS grouped GEMMs are faster
-        score_fn = {"softmax": 0, "sigmoid": 1}.get(args.scoring_func, 2)
+        score_fn = {"softmax": 0, "sigmoid": 1}.get(routing.scoring, 2)
         y = torch.empty_like(x)
         most = max(rows * k, rows)  # assignments one expert may have
         scratch = torch.empty(2 * experts + rows * k + most * (3 * inter + d))
@@ -280,10 +278,10 @@ class NativeKernels:
         members = torch.empty(most, dtype=torch.int64)
         ptrs = torch.empty(2 * most, dtype=torch.int64)  # row pointers
         bad = self.lib.xspec_moe(
-            x.data_ptr(), input_ids.data_ptr(), rows, d, inter, gate.weight.data_ptr(),
+            x.data_ptr(), input_ids.data_ptr(), rows, d, inter, weight.data_ptr(),
             None if bias is None else bias.data_ptr(), None if table is None else table.data_ptr(),
             0 if table is None else table.shape[0], experts, k, score_fn,
-            int(args.norm_topk_prob), ctypes.c_float(args.routed_scaling_factor),
+            int(routing.normalize), ctypes.c_float(routing.scale),
             ctypes.c_float(limit), w1.data_ptr(), w2.data_ptr(), w3.data_ptr(), int(shared),
             scratch.data_ptr(), pick.data_ptr(), members.data_ptr(), ptrs.data_ptr(),
             y.data_ptr(),
@@ -318,17 +316,17 @@ class NativeKernels:
         )  # fmt: skip
         return None if bad else out  # an index out of range: the reference op says so
 
-    def by_name(self) -> dict[str, Any]:
-        """``StepOptions.kernels`` entries."""
-        return {
-            "mhc_pre": self.mhc_pre,
-            "rms_norm": self.rms_norm,
-            "rope": self.rope,
-            "index_topk": self.index_topk,
-            "sparse_attention": self.sparse_attention,
-            "moe": self.moe,
-            "compress_pool": self.compress_pool,
-        }
+    def ops(self) -> ModelOps:
+        """The ops these kernels run for the models (the rest: the models' reference)."""
+        return ModelOps(
+            rms_norm=self.rms_norm,
+            rope=self.rope,
+            mhc_pre=self.mhc_pre,
+            sparse_attention=self.sparse_attention,
+            moe=self.moe,
+            index_topk=self.index_topk,
+            compress_pool=self.compress_pool,
+        )
 
 
 def _takes(t: torch.Tensor) -> bool:
@@ -353,7 +351,7 @@ def compiler() -> str | None:
 
 
 def build_dir() -> Path:
-    from xspec.models.loading import cache_root
+    from xspec.cache import cache_root
 
     return cache_root() / "native"
 

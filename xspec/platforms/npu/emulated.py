@@ -50,10 +50,9 @@ class NpuPolicyCpuPlatform(HostDevice, NpuPlatform):
         self._rejects_at_run_time = operator_rejects_at_run_time
         super().__init__(cfg)
 
-    def draft_attention_op(self) -> DraftAttentionOp:
-        reference = super().draft_attention_op()
+    def draft_window_attention(self) -> DraftAttentionOp | None:
         if not self._rejects_at_run_time:
-            return reference
+            return None  # the model's reference attention
 
         def rejecting(
             q: torch.Tensor,
@@ -62,10 +61,10 @@ class NpuPolicyCpuPlatform(HostDevice, NpuPlatform):
             scale: float,
             *,
             explicit_indices: bool,
-        ) -> torch.Tensor:
+        ) -> torch.Tensor | None:
             if explicit_indices:
                 raise SasIndicesRejected("operator double: ori_sparse_indices is not supported")
-            return reference(q, parts, sink, scale, explicit_indices=False)
+            return None  # compatibility indices: the model's reference runs them
 
         return rejecting
 
@@ -75,7 +74,7 @@ class NpuPolicyCpuPlatform(HostDevice, NpuPlatform):
 
     def _build_capabilities(self) -> Capabilities:
         # Keep the NPU's policy answers; device-bound ones follow the CPU it really runs on.
-        return replace(super()._build_capabilities(), int8_matmul=False, distributed_backend="gloo")
+        return replace(super()._build_capabilities(), distributed_backend="gloo")
 
     def _probe_sas_operator(self) -> SasOperatorProbe:
         return SasOperatorProbe(EMULATED_SAS_OPERATOR, self._operator_accepts)

@@ -21,9 +21,9 @@ from types import ModuleType
 import torch
 from lightning_utilities.core.imports import package_available
 
+from xspec.capture import CapturePoint, CaptureSite
 from xspec.errors import PlatformError
-from xspec.models.base import CapturePoint, CaptureSite, StepOptions
-from xspec.platforms.base import Capabilities, Platform, SasMode, check_layer_id
+from xspec.platforms.base import Capabilities, Platform, SasMode, StepOptions, check_layer_id
 from xspec.platforms.npu.probe import (
     NATIVE_SAS_ARGUMENT,
     SAS_OPERATORS,
@@ -71,7 +71,7 @@ class NpuPlatform(Platform):
     """Ascend NPU: +1 capture mapping, native SAS where the operator allows, hccl."""
 
     name = "npu"
-    description = "Ascend NPU via torch_npu + CANN: native sparse attention, int8 matmul, hccl"
+    description = "Ascend NPU via torch_npu + CANN: native sparse attention, hccl"
     supports_native_sas_option = True
 
     @classmethod
@@ -121,12 +121,11 @@ class NpuPlatform(Platform):
         native = self.native_sas != "off" and self.operator_accepts_ori_sparse_indices
         return Capabilities(
             native_sparse_attention=native,
-            int8_matmul=True,
             distributed_backend="hccl",
             # Step compilation on Ascend goes through torchair (a graph mode xspec does
             # not wire yet): compile_backend stays None, so platform.compile=on is
             # refused and auto runs eager. torch_npu's npu_grouped_matmul and a fused
-            # mHC operator would plug in through fused_kernels(); not wired either.
+            # mHC operator would plug in through model_ops(); not wired either.
         )
 
     def capture_point(self, checkpoint_layer_id: int) -> CapturePoint:

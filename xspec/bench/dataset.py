@@ -1,0 +1,72 @@
+"""Prompts for the serving benchmark: synthetic random words or a JSONL file.
+
+The client has no tokenizer (it must work against any server), so a prompt's length is
+counted in whitespace-separated words until the server's ``usage.prompt_tokens`` gives
+the real count.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+from dataclasses import dataclass
+from pathlib import Path
+
+from xspec.errors import UserError
+
+# Common English words, one token each in the usual BPE vocabularies, so a synthetic
+# prompt of n words is close to n tokens.
+_WORDS = (
+    "the of and to in is was for on that with as by at from his her they this have had "
+    "not are but one all were which when there can more time also been into who would "
+    "first new after some other two may what over only most made like than years many "
+    "city world state part people then where year between out because under while since "
+    "both each through during before three water house school group great small number "
+    "music river early later name game team long own high life night light open line"
+)
+WORDS = _WORDS.split()
+
+
+@dataclass(frozen=True)
+class BenchRequest:
+    prompt: str
+    prompt_len: int  # words, until the server reports prompt tokens
+    max_tokens: int
+
+
+def synthetic(num_prompts: int, input_len: int, output_len: int, seed: int) -> list[BenchRequest]:
+    """``num_prompts`` prompts of ``input_len`` random words; the same for the same seed."""
+    rng = random.Random(seed)
+    return [
+        BenchRequest(" ".join(rng.choices(WORDS, k=input_len)), input_len, output_len)
+        for _ in range(num_prompts)
+    ]
+
+
+def from_jsonl(path: Path, num_prompts: int | None, output_len: int) -> list[BenchRequest]:
+    """One JSON object a line: ``prompt`` (a string), optionally ``max_tokens`` or
+    ``output_len`` (a positive int, else ``output_len``). Blank lines are skipped. With
+    ``num_prompts`` above the line count the prompts repeat in order."""
+    try:
+        lines = path.read_text(encoding="utf-8").splitlines()
+    except OSError as e:
+        raise UserError(f"--dataset {path}: {e.strerror or e}") from None
+    requests = []
+    for i, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        where = f"{path}:{i}"
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise UserError(f"{where}: not JSON ({e.msg})") from None
+        if not isinstance(row, dict) or not isinstance(row.get("prompt"), str):
+            raise UserError(f'{where}: expected an object with a string "prompt"')
+        n = row.get("max_tokens", row.get("output_len", output_len))
+        if not isinstance(n, int) or isinstance(n, bool) or n < 1:
+            raise UserError(f"{where}: max_tokens/output_len must be a positive integer")
+        requests.append(BenchRequest(row["prompt"], len(row["prompt"].split()), n))
+    if not requests:
+        raise UserError(f"--dataset {path}: no prompts")
+    count = num_prompts or len(requests)
+    return [requests[i % len(requests)] for i in range(count)]
