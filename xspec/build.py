@@ -210,7 +210,7 @@ def build(cfg: RunConfig) -> Built:
     stop_ids = stop_ids_of(
         tokenizer.stop_ids,
         tokenizer.eos_id,
-        getattr(getattr(target, "args", None), "eos_token_id", None),
+        target.args.eos_token_id,
     )
     plan = _plan(cfg, platform, target, drafter)
     profile = _profile(cfg, platform, target, drafter, capture, plan)
@@ -321,13 +321,11 @@ def _tokenizer_problem(model_cfg: Any) -> str | None:
 
 
 def _tokenizer(target: TargetModel, model_cfg: Any) -> Tokenizer:
-    args = getattr(target, "args", None)
-    ckpt = getattr(target, "checkpoint_dir", None)
     return load_tokenizer(
-        Path(ckpt) if ckpt else None,
+        target.checkpoint_dir,
         target.vocab_size,
-        getattr(args, "bos_token_id", None),
-        getattr(args, "eos_token_id", None),
+        target.args.bos_token_id,
+        target.args.eos_token_id,
         kind=model_cfg.tokenizer.value,
         required=model_cfg.path is not None,  # a user checkpoint; presets have no tokenizer
     )

@@ -22,6 +22,7 @@ from __future__ import annotations
 import math
 from collections.abc import Iterable
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
 
 import torch
@@ -92,6 +93,16 @@ class DecodeState(Protocol):
 
 
 @runtime_checkable
+class SpecialTokens(Protocol):
+    """The token ids a checkpoint's config names (a model's ``args``)."""
+
+    @property
+    def bos_token_id(self) -> int | None: ...
+
+    @property
+    def eos_token_id(self) -> int | list[int] | None: ...
+
+
 class TargetModel(Protocol):
     """What the engine needs from a target model."""
 
@@ -99,6 +110,12 @@ class TargetModel(Protocol):
     hidden_size: int
     num_layers: int
     max_context: int  # longest sequence (prompt + generated) a state can hold
+    checkpoint_dir: Path | None  # where it was loaded from (tokenizer.json, drafters beside it)
+
+    @property
+    def args(self) -> SpecialTokens:
+        """The parsed config (bos / eos ids for the tokenizer and the stop set)."""
+        ...
 
     @property
     def device(self) -> torch.device:

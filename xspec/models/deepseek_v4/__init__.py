@@ -185,7 +185,7 @@ class DeepseekV4Family(ModelFamily):
                 f"{type(target).__name__}, which has no MTP layer"
             )
         # set by load_checkpoint; a target built otherwise (tests) reads model.path / preset
-        target_dir = getattr(target, "checkpoint_dir", None) or checkpoint_path(model_cfg)
+        target_dir = target.checkpoint_dir or checkpoint_path(model_cfg)
         plan = plan_mtp(Path(spec_cfg.draft_path or target_dir), target.args)
         return load_mtp(
             plan,

@@ -14,6 +14,7 @@ with a cache from ``block.new_cache(...)`` and a :class:`BlockContext`.
 from __future__ import annotations
 
 import math
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch
@@ -136,6 +137,8 @@ class Block(nn.Module):
 
 class DeepseekV4Model(nn.Module, HyperHead):
     """DeepSeek-V4 target: logits, the pre-``hc_head`` residual and captured hidden states."""
+
+    checkpoint_dir: Path | None = None  # set by load_checkpoint: tokenizer.json, drafters
 
     def __init__(
         self,

@@ -443,5 +443,5 @@ def load_checkpoint(
     )
     # drafters (MTP, DSpark) and the tokenizer read the same dir; nn.Module's __setattr__
     # is typed for tensors and modules only, hence the ignore
-    model.checkpoint_dir = ckpt.path  # type: ignore[assignment]
+    model.checkpoint_dir = ckpt.path
     return model.eval()
