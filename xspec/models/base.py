@@ -92,7 +92,6 @@ class DecodeState(Protocol):
     num_tokens: int  # tokens currently held (== position of the next row)
 
 
-@runtime_checkable
 class SpecialTokens(Protocol):
     """The token ids a checkpoint's config names (a model's ``args``)."""
 
@@ -103,6 +102,7 @@ class SpecialTokens(Protocol):
     def eos_token_id(self) -> int | list[int] | None: ...
 
 
+@runtime_checkable
 class TargetModel(Protocol):
     """What the engine needs from a target model."""
 
