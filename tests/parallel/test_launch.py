@@ -170,7 +170,10 @@ def _wait_for(log: Path, text: str, timeout: float) -> None:
 
 @pytest.mark.parametrize(
     ("sig", "expected"),
-    [(signal.SIGKILL, "by peer"), (signal.SIGSTOP, "Timed out")],  # gloo's words,
+    [  # gloo's words; the hung case waits out parallel.timeout_s (-m slow)
+        (signal.SIGKILL, "by peer"),
+        pytest.param(signal.SIGSTOP, "Timed out", marks=pytest.mark.slow),
+    ],
     ids=["killed", "hung"],
 )
 def test_a_dead_or_hung_rank_ends_the_run_with_a_message(tmp_path, cache, sig, expected):
