@@ -36,8 +36,8 @@ drafter declares ``moe_module`` (the draft model, or None), ``observe_forwards``
 forwards per ``observe``) and ``propose_forwards(num_tokens)``.
 
 A drafter is constructed as ``cls(spec_cfg, *, target, model_cfg, platform, steps)``
-and hands ``steps`` (the platform's :class:`~xspec.models.base.StepOptions`) to the
-modules it owns itself, once, at the end of construction. Its model family comes from
+and passes ``steps`` (the platform's :class:`~xspec.models.base.StepOptions`: its ops and
+compiler) to the constructors of the modules it builds. Its model family comes from
 ``xspec.registry.family_named(model_cfg.arch)``; a drafter never names a family.
 
 Checkpoint layer ids in ``capture_layer_ids`` are raw: the platform maps them to capture
