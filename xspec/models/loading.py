@@ -335,8 +335,10 @@ def _plan(
     ckpt: Checkpoint,
     rename: Callable[[str], str | None],
     check_kind: bool,
+    logical_shape: Callable[[str, list[int]], list[int]] | None = None,
 ) -> dict[str, str]:
-    """Checkpoint name -> state_dict key for every tensor to load; all problems in one error."""
+    """Checkpoint name -> state_dict key for every tensor to load; all problems in one error.
+    ``logical_shape(name, stored shape)``: the shape a packed tensor converts to."""
     plan: dict[str, str] = {}
     source_of: dict[str, str] = {}
     problems: list[str] = []
@@ -354,6 +356,8 @@ def _plan(
             continue
         source_of[key] = name
         want = list(targets[key].shape)
+        if logical_shape is not None:
+            shape = logical_shape(name, shape)
         if shape != want:
             problems.append(f"{where} has shape {shape}, expected {want} for {key!r}")
         elif check_kind and _kind(code) != _kind(targets[key].dtype):
@@ -388,16 +392,19 @@ def load_params(
     rename: Callable[[str], str | None],
     *,
     convert: Callable[[str, torch.Tensor], torch.Tensor] | None = None,
+    logical_shape: Callable[[str, list[int]], list[int]] | None = None,
 ) -> None:
     """Fill every parameter / persistent buffer of ``module`` in place from ``ckpt``.
 
     ``rename(ckpt_name)`` gives the state_dict key, or None to skip the tensor.
     ``convert(ckpt_name, tensor)`` may transform a tensor before the copy (e.g.
     dequantise with a sibling ``*.weight_scale`` read through ``ckpt.get``); it must
-    return the parameter's shape. Dtype conversion happens in ``copy_``.
+    return the parameter's shape; ``logical_shape(ckpt_name, stored shape)`` gives that
+    shape from the header when ``convert`` unpacks (e.g. MXFP4 ``[N, K/2]`` -> ``[N, K]``).
+    Dtype conversion happens in ``copy_``.
     """
     targets = module.state_dict(keep_vars=True)  # references to the live tensors, no copies
-    plan = _plan(targets, ckpt, rename, check_kind=convert is None)
+    plan = _plan(targets, ckpt, rename, check_kind=convert is None, logical_shape=logical_shape)
     with torch.no_grad():
         for name, tensor in ckpt.iter_tensors(plan):
             key = plan[name]

@@ -6,7 +6,8 @@ and writes a new one shard by shard (one source shard in memory at a time), atom
 
 * :func:`quantize_w8a8`: msModelSlim layout (int8 ``X.weight`` + ``weight_scale`` +
   ``weight_offset``, ``quant_model_description.json``).
-* :func:`quantize_fp8`: official layout, e4m3 weights + ue8m0 ``X.scale`` per 128x128 block.
+* :func:`quantize_fp8`: official layout, e4m3 weights + ue8m0 ``X.scale`` per 128x128 block;
+  with ``expert_dtype="fp4"`` the routed experts are MXFP4 instead (the Flash release).
 * :func:`quarot_rotate`: rotate the residual basis by an orthogonal ``R`` with the norm
   gains folded into the next linears; the target's logits are unchanged.
 """
@@ -22,10 +23,13 @@ from pathlib import Path
 
 import torch
 
+from xspec.models.deepseek_v4.quant import quant_mxfp4
 from xspec.models.deepseek_v4.weights import DEFAULT_QUANTIZED, QUANT_DESCRIPTION
 from xspec.models.loading import CONFIG_NAME, INDEX_NAME, Checkpoint, atomic_dir
 
 Transform = Callable[[str, torch.Tensor], dict[str, torch.Tensor]]
+# Routed experts of the target and of the MTP / DSpark stages: MXFP4 in the Flash release.
+ROUTED_EXPERTS = re.compile(r"^(layers|mtp)\.\d+\.ffn\.experts\.\d+\.w[123]\.weight$")
 
 
 def _rewrite(
@@ -148,17 +152,31 @@ def quantize_fp8_blocks(w: torch.Tensor, block: list[int]) -> tuple[torch.Tensor
 
 
 def quantize_fp8(
-    src_dir: str | Path, dst_dir: str | Path, names_predicate: Callable[[str], bool] | None = None
+    src_dir: str | Path,
+    dst_dir: str | Path,
+    names_predicate: Callable[[str], bool] | None = None,
+    *,
+    expert_dtype: str = "fp8",
 ) -> None:
     """Write an official-style FP8 copy: e4m3 weights + ``X.scale`` per 128x128 block, and
-    ``quantization_config`` in config.json (same default selection as quantize_w8a8)."""
+    ``quantization_config`` in config.json (same default selection as quantize_w8a8).
+
+    ``expert_dtype="fp4"``: the selected routed experts (:data:`ROUTED_EXPERTS`) are
+    MXFP4 instead, int8 ``[N, K/2]`` + ue8m0 ``X.scale [N, K/32]``
+    (:func:`~xspec.models.deepseek_v4.quant.quant_mxfp4`), and config.json says
+    ``expert_dtype: "fp4"``, as in the official Flash release."""
+    if expert_dtype not in ("fp8", "fp4"):
+        raise ValueError(f"expert_dtype must be 'fp8' or 'fp4', got {expert_dtype!r}")
     quantized = _selector(names_predicate)
     block = [128, 128]
 
     def transform(name: str, t: torch.Tensor) -> dict[str, torch.Tensor]:
         if not quantized(name, t):
             return {name: t}
-        q, scale = quantize_fp8_blocks(t, block)
+        if expert_dtype == "fp4" and ROUTED_EXPERTS.match(name):
+            q, scale = quant_mxfp4(t)
+        else:
+            q, scale = quantize_fp8_blocks(t, block)
         return {name: q, name.removesuffix(".weight") + ".scale": scale}
 
     src = Checkpoint(src_dir)
@@ -170,6 +188,7 @@ def quantize_fp8(
         "scale_fmt": "ue8m0",
         "weight_block_size": block,
     }
+    config["expert_dtype"] = expert_dtype
     _rewrite(src, dst_dir, transform, config, {})
 
 

@@ -2,7 +2,8 @@
 
 :func:`plan_tensors` matches checkpoint names to module keys, checks every expected
 tensor's shape and storage (float, W8A8 with ``weight_scale``/``weight_offset`` marked in
-``quant_model_description.json``, FP8 with block ``.scale``: the target loader's formats,
+``quant_model_description.json``, FP8 with block ``.scale``, MXFP4 experts with a per-32
+``.scale``: the target loader's formats,
 :mod:`xspec.models.deepseek_v4.weights`) and lists every problem, before any allocation.
 """
 
@@ -18,6 +19,8 @@ from xspec.models.deepseek_v4.weights import (
     QUANT_DESCRIPTION,
     W8A8_SIBLINGS,
     W8A8_TYPES,
+    is_mxfp4,
+    mxfp4_problem,
 )
 from xspec.models.loading import Checkpoint
 
@@ -59,7 +62,13 @@ def plan_tensors(
             continue
         name = found[key]
         shape, _ = ckpt.meta(name)
-        if shape != want:
+        if is_mxfp4(ckpt, name, qtypes.get(name)):  # packed: [N, K/2] holds want = [N, K]
+            consumed.add(name.removesuffix(".weight") + ".scale")
+            if problem := mxfp4_problem(ckpt, name, want):
+                problems.append(problem)
+            else:
+                dequant[name] = "mxfp4"
+        elif shape != want:
             problems.append(
                 f"tensor {name!r} in {ckpt.file_of(name).name} has shape {shape}, expected {want}"
             )
@@ -109,7 +118,7 @@ def quant_scheme(
     problems.append(
         f"{where} has unsupported dtype {code} (quant type {qtype}); supported: {list(FLOAT_CODES)}, "
         f"I8 marked {' / '.join(W8A8_TYPES)} in {QUANT_DESCRIPTION} with X.weight_scale, "
-        "F8_E4M3 with its block X.scale"
+        "F8_E4M3 with its block X.scale, I8 MXFP4 with its per-32 X.scale"
     )
     return None
 

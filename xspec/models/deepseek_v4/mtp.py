@@ -205,7 +205,7 @@ class MtpPlan:
     args: DeepseekV4Args  # the block's geometry (the draft checkpoint's config.json)
     layer_id: int
     names: dict[str, str]  # checkpoint name -> module key
-    dequant: dict[str, str]  # checkpoint name -> "w8a8" | "fp8"
+    dequant: dict[str, str]  # checkpoint name -> "w8a8" | "fp8" | "mxfp4"
 
     @property
     def keys(self) -> set[str]:

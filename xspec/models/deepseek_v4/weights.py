@@ -1,4 +1,5 @@
-"""DeepSeek-V4 checkpoint loading: official layout, W8A8 (msModelSlim), FP8 blocks, QuaRot.
+"""DeepSeek-V4 checkpoint loading: official layout, W8A8 (msModelSlim), FP8 blocks, MXFP4
+experts, QuaRot.
 
 Layouts (all safetensors; sharded ``*.index.json`` honoured by :class:`Checkpoint`):
 
@@ -14,10 +15,15 @@ Layouts (all safetensors; sharded ``*.index.json`` honoured by :class:`Checkpoin
   W8A8 activation tensors (``input_scale``, ``deq_scale``, ...) are skipped.
 * **FP8** (official ``quantization_config: fp8``): ``X.weight`` e4m3 + ``X.scale`` with one
   (ue8m0 / fp32) scale per ``weight_block_size`` block (128x128), dequantised the same way.
-  MXFP4 experts (int8-packed with a per-32 ``.scale``) are rejected with a clear error.
+* **MXFP4** routed experts (official Flash, ``expert_dtype: "fp4"``): ``X.weight`` int8
+  ``[N, K/2]`` (two e2m1 codes per byte) + ue8m0 ``X.scale`` ``[N, K/32]``; recognised
+  by the int8 dtype and the ``.scale`` sibling (no W8A8 description entry), dequantised
+  while streaming like FP8 (:mod:`xspec.models.deepseek_v4.quant`). Resident memory is
+  the dequantised size.
 
 :mod:`xspec.models.deepseek_v4.convert` writes such checkpoints from a float one
-(``quantize_w8a8``, ``quantize_fp8``, ``quarot_rotate``) for tests and toy models.
+(``quantize_w8a8``, ``quantize_fp8`` with optional MXFP4 experts, ``quarot_rotate``) for
+tests and toy models.
 
 QuaRot contract (for drafters; the target needs nothing special):
 
@@ -45,6 +51,7 @@ from torch import nn
 
 from xspec.errors import CheckpointError
 from xspec.models.deepseek_v4.args import DeepseekV4Args
+from xspec.models.deepseek_v4.quant import dequant_mxfp4, mxfp4_shape_problem
 from xspec.models.loading import CONFIG_NAME, Checkpoint, load_params
 from xspec.models.ops import EAGER_STEPS, StepOptions
 
@@ -58,6 +65,7 @@ SUPPORTED_QUANT_TYPES = ("FLOAT", *W8A8_TYPES)
 FLOAT_CODES = ("F32", "BF16", "F16")
 INDEX_CODES = ("I64", "I32", "I16")  # tid2eid expert ids
 FP8_SCALE_CODES = ("F8_E8M0", "F32", "BF16")
+MXFP4_SCALE_CODES = ("F8_E8M0", "U8")  # ue8m0, or its raw exponent bytes
 # Tensors msModelSlim writes next to a quantised X.weight; consumed or ignored here.
 W8A8_SIBLINGS = (
     "weight_scale",
@@ -179,7 +187,7 @@ def load_drafter(
     if expert_parallel is not None:
         names = {n: k for n, k in names.items() if expert_parallel.holds(k, args.n_routed_experts)}
     convert = make_converter(ckpt, dequant) if dequant else None
-    load_params(module, ckpt, names.get, convert=convert)
+    load_params(module, ckpt, names.get, convert=convert, logical_shape=unpacked_shape(dequant))
     return module.eval()
 
 
@@ -199,8 +207,8 @@ def load_rot(ckpt: Checkpoint) -> torch.Tensor | None:
 def check_checkpoint(ckpt: Checkpoint, args: DeepseekV4Args) -> dict[str, str]:
     """Validate names, shapes, dtypes and quant types from headers only (no tensor data).
 
-    Returns ``{weight name: "w8a8" | "fp8"}`` for tensors that need dequantising. Raises one
-    CheckpointError listing every problem (tensor, shard file, config key).
+    Returns ``{weight name: "w8a8" | "fp8" | "mxfp4"}`` for tensors that need dequantising.
+    Raises one CheckpointError listing every problem (tensor, shard file, config key).
     """
     v = _Validator(ckpt, args)
     for name, shape in v.expected.items():
@@ -255,12 +263,12 @@ class _Validator:
                 f"{self._where(name)}: quant type {qtype!r} in {self.desc_file} is not supported; "
                 f"supported: {list(SUPPORTED_QUANT_TYPES)}"
             )
-        elif code == "I8" and qtype not in W8A8_TYPES and f"{base}.scale" in self.ckpt:
+        elif is_mxfp4(self.ckpt, name, qtype):
             self.consumed.add(f"{base}.scale")
-            self.problems.append(
-                f"{self._where(name)} is int8 with a '.scale' sibling: packed MXFP4, which xspec "
-                "does not dequantise; use a BF16, FP8 or W8A8 checkpoint"
-            )
+            if problem := mxfp4_problem(self.ckpt, name, want):
+                self.problems.append(problem)
+            else:
+                self.dequant[name] = "mxfp4"
         elif shape != want:
             self.problems.append(
                 f"{self._where(name)} has shape {shape}, expected {want} (from config.json)"
@@ -287,7 +295,8 @@ class _Validator:
         elif code not in FLOAT_CODES:
             self.problems.append(
                 f"{self._where(name)} has unsupported dtype {code}; supported: {list(FLOAT_CODES)}, "
-                "I8 (W8A8 with weight_scale/weight_offset), F8_E4M3 (with its block '.scale')"
+                "I8 (W8A8 with weight_scale/weight_offset, or MXFP4 with its per-32 '.scale'), "
+                "F8_E4M3 (with its block '.scale')"
             )
 
     def _check_w8a8(self, name: str, want: list[int], code: str, qtype: str) -> None:
@@ -368,6 +377,34 @@ def _layer_of(name: str) -> int | None:
     return int(m.group(1)) if m else None
 
 
+def is_mxfp4(ckpt: Checkpoint, name: str, qtype: str | None) -> bool:
+    """Packed MXFP4: an int8 weight with a ``.scale`` sibling that no W8A8 description
+    entry claims (msModelSlim's int8 uses ``weight_scale``)."""
+    base = name.removesuffix(".weight")
+    return (
+        name.endswith(".weight")
+        and ckpt.meta(name)[1] == "I8"
+        and qtype not in W8A8_TYPES
+        and f"{base}.scale" in ckpt
+    )
+
+
+def mxfp4_problem(ckpt: Checkpoint, name: str, want: list[int]) -> str | None:
+    """Why MXFP4 ``name`` (and its ``.scale``) cannot hold the config's ``want = [N, K]``,
+    naming the tensor and its file (None when it can)."""
+    sname = name.removesuffix(".weight") + ".scale"
+    (shape, _), (sshape, scode) = ckpt.meta(name), ckpt.meta(sname)
+    problem = mxfp4_shape_problem(shape, sshape, want)
+    if problem is None and scode not in MXFP4_SCALE_CODES:
+        problem = f"MXFP4 scale is {scode}, expected one of {list(MXFP4_SCALE_CODES)}"
+    if problem is None:
+        return None
+    return (
+        f"tensor {name!r} in {ckpt.file_of(name).name} (scale {sname!r} in "
+        f"{ckpt.file_of(sname).name}) is packed MXFP4 for {want}: {problem}"
+    )
+
+
 def _fp8_block(config: dict) -> list[int]:
     block = (config.get("quantization_config") or {}).get("weight_block_size", [128, 128])
     return [int(b) for b in block]
@@ -391,6 +428,15 @@ def dequant_fp8(w: torch.Tensor, scale: torch.Tensor, block: list[int]) -> torch
     return w.to(torch.float32) * full[:n, :k]
 
 
+def unpacked_shape(dequant: dict[str, str]) -> Callable[[str, list[int]], list[int]]:
+    """Stored -> loaded shape: MXFP4 packs two values per byte (``[N, K/2]`` -> ``[N, K]``)."""
+
+    def shape(name: str, stored: list[int]) -> list[int]:
+        return [stored[0], 2 * stored[1]] if dequant.get(name) == "mxfp4" else stored
+
+    return shape
+
+
 def make_converter(
     ckpt: Checkpoint, dequant: dict[str, str]
 ) -> Callable[[str, torch.Tensor], torch.Tensor]:
@@ -405,6 +451,8 @@ def make_converter(
             return dequant_w8a8(tensor, ckpt.get(f"{base}.weight_scale"), offset)
         if scheme == "fp8":
             return dequant_fp8(tensor, ckpt.get(f"{base}.scale"), block)
+        if scheme == "mxfp4":
+            return dequant_mxfp4(tensor, ckpt.get(f"{base}.scale"))
         return tensor
 
     return convert
@@ -439,7 +487,11 @@ def load_checkpoint(
     )
     wanted = local_tensors(expected_tensors(args), expert_parallel, args)
     load_params(
-        model, ckpt, lambda n: n if n in wanted else None, convert=make_converter(ckpt, dequant)
+        model,
+        ckpt,
+        lambda n: n if n in wanted else None,
+        convert=make_converter(ckpt, dequant),
+        logical_shape=unpacked_shape(dequant),
     )
     # drafters (MTP, DSpark) and the tokenizer read the same dir; nn.Module's __setattr__
     # is typed for tensors and modules only, hence the ignore
