@@ -23,36 +23,38 @@ from xspec.errors import OutputError
 
 
 @contextlib.contextmanager
-def atomic_path(path: str | os.PathLike[str]) -> Iterator[Path]:
+def atomic_path(path: str | os.PathLike[str], *, mode: int | None = None) -> Iterator[Path]:
     """Yield a temporary path beside ``path``; on a clean exit it replaces ``path``.
 
     The writer inside the block writes the whole file to the yielded path (any API that
     takes a file name: ``savefig``, ``save_file``, ``write_bytes``). On an exception the
-    temporary file is removed and ``path`` is untouched."""
+    temporary file is removed and ``path`` is untouched. The file stays 0600 while it is
+    written, then takes ``mode`` (default: the existing file's, else what a plain
+    ``open`` would give)."""
     target = Path(path)
     try:
         target.parent.mkdir(parents=True, exist_ok=True)
         fd, name = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent)
         os.close(fd)
     except OSError as e:
-        raise OutputError(f"cannot write {target}: {e.strerror or e}") from None
+        raise _output_error(target, e) from None
     tmp = Path(name)
     try:
         yield tmp
-        os.chmod(tmp, _mode_for(target))  # mkstemp makes 0600; keep what a plain open gives
+        os.chmod(tmp, _mode_for(target) if mode is None else mode)
         _fsync(tmp)
         os.replace(tmp, target)
         _fsync_dir(target.parent)
     except OSError as e:
-        raise OutputError(f"cannot write {target}: {e.strerror or e}") from None
+        raise _output_error(target, e) from None
     finally:
         with contextlib.suppress(FileNotFoundError):
             tmp.unlink()
 
 
-def write_bytes(path: str | os.PathLike[str], data: bytes) -> None:
-    """Write ``data`` to ``path`` atomically."""
-    with atomic_path(path) as tmp, open(tmp, "wb") as f:
+def write_bytes(path: str | os.PathLike[str], data: bytes, *, mode: int | None = None) -> None:
+    """Write ``data`` to ``path`` atomically (``mode``: as :func:`atomic_path`)."""
+    with atomic_path(path, mode=mode) as tmp, open(tmp, "wb") as f:
         f.write(data)
 
 
@@ -65,6 +67,11 @@ def write_json(path: str | os.PathLike[str], obj: Any, *, indent: int = 2) -> No
     """Write ``obj`` as strict JSON (NaN and infinities refused: they are not JSON) to
     ``path`` atomically. A value JSON cannot hold is a ``ValueError`` before any write."""
     write_text(path, json.dumps(obj, indent=indent, allow_nan=False) + "\n")
+
+
+def _output_error(target: Path, e: OSError) -> OutputError:
+    reason = e.strerror or str(e)
+    return OutputError(f"cannot write {target}: {reason}", reason)
 
 
 def _mode_for(target: Path) -> int:

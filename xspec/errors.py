@@ -43,6 +43,11 @@ class MemoryBudgetError(UserError):
 
 class OutputError(Exception):
     """An output file could not be written (disk full, permissions): the previous file,
-    if any, is left as it was. Not the user's input, so the CLI exits with code 1."""
+    if any, is left as it was. Not the user's input, so the CLI exits with code 1.
+    ``reason``: the operating system's words (``No space left on device``)."""
 
     exit_code = 1
+
+    def __init__(self, message: str, reason: str = "") -> None:
+        super().__init__(message)
+        self.reason = reason or message

@@ -35,6 +35,9 @@ import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
+from xspec import atomic
+from xspec.errors import OutputError
+
 # A build takes about a second; a compiler still running after this is stuck (a lock on
 # a network file system, a license server), and the run goes on with the reference ops.
 BUILD_TIMEOUT_S = 60.0
@@ -140,31 +143,13 @@ def publish(directory: Path, name: str, data: bytes) -> str:
     Concurrent builders may pair one's library with the other's manifest (builds are
     normally byte-identical anyway): the next load then sees a mismatch and rebuilds."""
     record = {"library": name, "sha256": hashlib.sha256(data).hexdigest()}
-    try:
-        _write_0644(directory / name, data)
-        _write_0644(directory / f"{name}.json", (json.dumps(record, indent=2) + "\n").encode())
-    except OSError as e:
-        return f"not cached: cannot write to {directory} ({e.strerror or e})"
+    manifest = (json.dumps(record, indent=2) + "\n").encode()
+    try:  # 0600 while written, 0644 once in place: writable by this user only, throughout
+        atomic.write_bytes(directory / name, data, mode=0o644)
+        atomic.write_bytes(directory / f"{name}.json", manifest, mode=0o644)
+    except OutputError as e:
+        return f"not cached: cannot write to {directory} ({e.reason})"
     return ""
-
-
-def _write_0644(path: Path, data: bytes) -> None:
-    """Write ``path`` atomically, writable by this user only from its first byte.
-
-    Not ``xspec.atomic``: its files take the mode a plain ``open`` gives (the umask's),
-    which may let the group write, and a writer that opened the file in that window
-    could change it after it was hashed."""
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(fd, "wb") as f:
-            os.fchmod(f.fileno(), 0o644)
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    finally:
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(tmp)
 
 
 @contextlib.contextmanager
