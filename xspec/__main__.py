@@ -36,8 +36,6 @@ from xspec.parallel.topology import launch
 if TYPE_CHECKING:
     from xspec.engine.engine import Generation
 
-USER_ERROR = 2
-
 
 def _fail(e: UserError | OutputError) -> int:
     """Print a user error (exit 2) or an output error (exit 1) as one message."""
@@ -190,9 +188,10 @@ _FAILED: list[dict[str, Any]] = []  # the multirun jobs that failed at run time
 def run(cfg: RunConfig, choices: dict[str, str] | None = None, out_dir: Path | None = None) -> None:
     """The main job: generate for the workload's requests, report timings and acceptance,
     and write ``results.json`` into ``out_dir`` (Hydra's job directory)."""
+    from xspec import atomic
     from xspec.build import build
     from xspec.run.report import plan_summary, run_workload
-    from xspec.run.results import RESULTS_FILE, job_results, write_json
+    from xspec.run.results import RESULTS_FILE, job_results
 
     built = build(cfg)
     main = built.parallel.topology.is_main  # rank 0 reports; the other ranks only compute
@@ -213,7 +212,7 @@ def run(cfg: RunConfig, choices: dict[str, str] | None = None, out_dir: Path | N
     result = job_results(built, cfg.workload, runs, model)
     _RESULTS.append(result)
     if out_dir is not None:
-        write_json(out_dir / RESULTS_FILE, result)
+        atomic.write_json(out_dir / RESULTS_FILE, result)
         print(f"xspec: results in {out_dir / RESULTS_FILE}")
 
 

@@ -159,12 +159,6 @@ def _adaptive(built: Built) -> dict[str, Any] | None:
     }
 
 
-def write_json(path: Path, obj: Any) -> None:
-    """``obj`` as strict JSON, written atomically (xspec/atomic.py): a failed write leaves
-    the previous file as it was."""
-    atomic.write_json(path, obj)
-
-
 def _baseline(row: dict[str, Any], jobs: list[dict[str, Any]]) -> dict[str, Any] | None:
     same = ("model", "platform", "concurrency")
     return next(
@@ -296,6 +290,6 @@ def write_summary(
     status += [
         {"status": "failed", **{k: f[k] for k in ("job", "overrides", "error")}} for f in failed
     ]
-    write_json(directory / SUMMARY_JSON, status)
+    atomic.write_json(directory / SUMMARY_JSON, status)
     atomic.write_text(directory / SUMMARY_MD, table + "\n")
     return table
