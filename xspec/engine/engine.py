@@ -1,15 +1,24 @@
-"""Requests in, generations out: admission, continuous batching, stop conditions, timing.
+"""Requests in, tokens out: admission, continuous batching, stop conditions, timing.
 
-The engine owns no model math. It checks each request (a malformed one raises for the
-whole call), rejects alone a request that can never fit (its length beyond the model
-context or the memory plan: ``Generation.error``), and admits the others in order while
-``concurrency`` and the memory pool allow: each admission reserves the request's worst
-case (:mod:`xspec.engine.memory`), each completion frees it, and waiting requests are
+The engine owns no model math. It is a **streaming core**: :meth:`Engine.add` queues a
+request at any time, :meth:`Engine.abort` ends one at any time (its memory is returned at
+once), and each :meth:`Engine.step` runs one iteration and returns what it committed, a
+:class:`Delta` per request that moved (several tokens per step with speculation). The
+batch run (:meth:`Engine.run`, used by the CLI and ``xspec.LLM.generate``), the streaming
+Python API and the HTTP server (:mod:`xspec.serve`, stepping it from its own thread) all
+drive this one core.
+
+A malformed request raises (the caller's input is wrong); a request that can never fit
+(its length beyond the model context or the memory plan) ends alone with
+``Generation.error``. The others are admitted in arrival order while ``concurrency`` and
+the memory pool allow: each admission reserves the request's worst case
+(:mod:`xspec.engine.memory`), each completion or abort frees it, and waiting requests are
 admitted between two decode steps as others finish. It runs
 :func:`xspec.spec.step.prefill` / ``decode_step`` and ends a request at a stop id, at
 a stop string, or at ``max_new_tokens``, whichever comes first; nothing after it is kept.
-Every request arrives at the start of the run; its TTFT and latency count from its
-admission, the wait before it is its queue time (:class:`Generation`).
+Times are seconds on the engine's clock (:meth:`Engine.reset_clock`; a batch run starts
+it, and every request of a batch arrives at 0); TTFT and latency count from admission,
+the wait before it is the queue time (:class:`Generation`).
 
 Under expert parallelism (``lockstep``) each iteration first agrees its shape with the
 other ranks and tops up with idle forwards; a rank without work keeps iterating until no
@@ -21,9 +30,9 @@ from __future__ import annotations
 import math
 import time
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Hashable, Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Literal
 
 from xspec.engine.memory import MemoryPlan, ReservationPool, allocated_bytes, context_problem
 from xspec.errors import RequestError
@@ -52,12 +61,17 @@ class Request:
     stop: list[str] = field(default_factory=list)
 
 
+# why a generation ended: a stop id or stop string ("stop"), max_new_tokens ("length"),
+# the caller's abort ("abort"), or a failure alone ("error": see Generation.error)
+FinishReason = Literal["stop", "length", "abort", "error"]
+
+
 @dataclass
 class Generation:
-    """One request's result. The ``*_at`` times are seconds from the start of
-    ``Engine.run``, when every request arrives. Latencies count from admission, as
-    ``vllm bench serve --max-concurrency`` does; the wait before it is ``queue_s``
-    (docs/metrics.md)."""
+    """One request's result, filled in as it runs. The ``*_at`` times are seconds on the
+    engine's clock (a batch run starts it; every request of a batch arrives at 0).
+    Latencies count from admission, as ``vllm bench serve --max-concurrency`` does; the
+    wait before it is ``queue_s`` (docs/metrics.md)."""
 
     prompt_ids: list[int]
     token_ids: list[int]  # generated ids only
@@ -68,11 +82,16 @@ class Generation:
     error: str | None = None  # why the request stopped early (e.g. NaN logits); None = fine
     # taken into the running batch: a concurrency slot and its memory reservation
     admitted_at: float = 0.0
+    arrived_at: float = 0.0  # given to the engine (a batch: all at 0)
+    finish_reason: FinishReason | None = None  # None while it runs
+    # speculative figures of this request: drafts verified and accepted, over its steps
+    drafted: int = 0
+    accepted: int = 0
 
     @property
     def queue_s(self) -> float:
-        """Time waiting for admission (from arrival, the start of the run)."""
-        return self.admitted_at
+        """Time waiting for admission (from arrival)."""
+        return self.admitted_at - self.arrived_at
 
     @property
     def ttft_s(self) -> float:
@@ -91,8 +110,31 @@ class Generation:
         n = len(self.token_ids) - 1
         return (self.finished_at - self.first_token_at) / n if n > 0 else None
 
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass
+class Delta:
+    """What one engine iteration did for one request: the tokens it committed (empty
+    for a prefill that commits none, an abort or a failure) and, once it ended, its
+    final :class:`Generation` (``finished``)."""
+
+    rid: Hashable
+    token_ids: list[int]
+    generation: Generation
+
+    @property
+    def finished(self) -> bool:
+        return self.generation.finished
+
 
 class Engine:
+    """The streaming core (see the module docstring). One thread drives it: ``add``,
+    ``abort`` and ``step`` are not thread-safe (:mod:`xspec.serve` queues calls from
+    other threads and makes them between steps)."""
+
     def __init__(
         self,
         target: TargetModel,
@@ -122,11 +164,185 @@ class Engine:
         self.measure_memory = measure_memory
         self.lockstep = lockstep
         self.metrics = SpecDecodeMetrics()
+        self.concurrency = 1  # requests running at once at most (run() sets it per call)
         self.pool = self._new_pool()
         self.peak_allocated = 0  # bytes, with measure_memory: max over steps of the states' sum
-        self.step_s = 0.0  # last run: seconds inside prefill / decode_step
+        self.step_s = 0.0  # seconds inside prefill / decode_step since reset_clock
         self.run_s = 0.0  # last run: seconds of the whole run
-        self.iterations = 0  # last run: prefill + decode_step calls
+        self.iterations = 0  # prefill + decode_step calls since reset_clock
+        self.done = False  # under lockstep: no rank had work in the last iteration
+        self._requests: dict[Hashable, Request] = {}
+        self._gens: dict[Hashable, Generation] = {}
+        self._waiting: deque[Hashable] = deque()
+        self._running: dict[Hashable, RunningSeq] = {}
+        self._ended: list[Delta] = []  # ended outside a step (rejected, aborted): next step's
+        self._t0 = time.perf_counter()
+
+    # ---- the streaming core -----------------------------------------------------------
+
+    def reset_clock(self) -> None:
+        """Start the clock the ``*_at`` times count on, and the step counters (idle only)."""
+        if self.busy:
+            raise RuntimeError("reset_clock while requests are in flight")
+        self.pool, self.peak_allocated, self.step_s, self.iterations = self._new_pool(), 0, 0.0, 0
+        self.done = False
+        self._t0 = time.perf_counter()
+
+    def now(self) -> float:
+        """Seconds on the engine's clock (after the device finished its queued work)."""
+        self.synchronize()
+        return time.perf_counter() - self._t0
+
+    @property
+    def busy(self) -> bool:
+        """Requests waiting or running, or ended ones not yet reported by a step."""
+        return bool(self._waiting or self._running or self._ended)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self._waiting)
+
+    @property
+    def num_running(self) -> int:
+        return len(self._running)
+
+    def add(
+        self,
+        rid: Hashable,
+        req: Request,
+        where: str | None = None,
+        arrived_at: float | None = None,  # None: now, on the engine's clock
+    ) -> Generation:
+        """Queue ``req`` under the id ``rid`` (unique among requests in flight) and return
+        its live :class:`Generation`. A malformed request raises
+        :class:`~xspec.errors.RequestError`; one that can never fit ends at once with
+        ``error`` set (reported by the next :meth:`step`)."""
+        where = where or f"request {rid}"
+        if rid in self._gens:
+            raise RequestError(f"{where}: the id {rid!r} is already in flight")
+        self.check(req, where)
+        now = time.perf_counter() - self._t0 if arrived_at is None else arrived_at
+        gen = Generation(req.prompt_ids, [], now, now, 0, admitted_at=now, arrived_at=now)
+        self._gens[rid] = gen
+        if (problem := self.capacity_problem(req)) is not None:  # rejected alone
+            gen.error, gen.finish_reason = f"{where}: {problem}", "error"
+            self._ended.append(Delta(rid, [], gen))
+            return gen
+        self._requests[rid] = req
+        self._waiting.append(rid)  # admitted in this order
+        return gen
+
+    def abort(self, rid: Hashable) -> bool:
+        """End ``rid`` now (``finish_reason="abort"``; its memory is freed at once, its
+        tokens so far are kept). False when it is not in flight (finished, unknown)."""
+        gen = self._gens.get(rid)
+        if gen is None or gen.finished:
+            return False
+        if rid in self._running:
+            self._finish(rid)
+        else:
+            self._waiting.remove(rid)
+            self._requests.pop(rid)
+        gen.finish_reason = "abort"
+        gen.finished_at = time.perf_counter() - self._t0
+        self._ended.append(Delta(rid, [], gen))
+        return True
+
+    def step(self) -> list[Delta]:
+        """One iteration: admit what fits, then prefill the newcomers or run one decode
+        step of the running requests; the requests that moved or ended. Under lockstep
+        every rank calls it in turn (also without work: it serves the others' MoE rows)
+        until ``done``."""
+        deltas, self._ended = self._ended, []
+        for d in deltas:
+            self._forget(d.rid)
+        running = self._running
+        admitted = self._admit()
+        admitted_at = time.perf_counter() - self._t0  # the last iteration synchronized
+        lock = self.lockstep
+        if lock is not None:  # every rank: the same MoE forwards this iteration
+            if self._agree(lock, admitted):
+                self.done = True
+                return deltas
+            if not admitted and not running:  # it only served the others' MoE rows
+                return deltas
+        elif not admitted and not running:
+            return deltas
+        t_step = time.perf_counter()
+        if admitted:  # prefill the newcomers; the others wait one iteration
+            seqs = [self._start(self._requests[i]) for i in admitted]
+            result = prefill(
+                self.target, self.drafter, seqs, self.capture, self.prefill_chunk, lock
+            )
+            if lock is not None:
+                lock.idle_decode()
+            now = self.now()
+            for i, s in zip(admitted, seqs):
+                gen = self._gens[i]
+                gen.admitted_at, gen.first_token_at, gen.finished_at = admitted_at, now, now
+                running[i] = s
+            stepped = admitted
+        else:
+            stepped = list(running)
+            result = decode_step(
+                self.target,
+                self.drafter,
+                [running[i] for i in stepped],
+                self.capture,
+                self.metrics,
+                lockstep=lock,
+                schedule=self.schedule,
+            )
+            now = self.now()
+            for j, i in enumerate(stepped):
+                gen = self._gens[i]
+                gen.num_steps += 1
+                gen.drafted += result.num_drafts[j]
+                gen.accepted += result.num_accepted[j]
+        self.step_s += self._t0 + now - t_step  # the step itself, up to its synchronize
+        self.iterations += 1
+        if self.measure_memory:
+            self.peak_allocated = max(self.peak_allocated, self._allocated())
+        for j, i in enumerate(stepped):  # only these committed tokens in this iteration
+            gen = self._gens[i]
+            before = len(gen.token_ids)
+            if (error := running[i].error) is not None:  # fails alone, the rest go on
+                gen.error, gen.finished_at, gen.finish_reason = (
+                    f"{self._where(i)}: {error}",
+                    now,
+                    "error",
+                )
+                self._final_text(self._requests[i], gen)
+                self._finish(i)
+            elif self._take(self._requests[i], result.new_tokens[j], gen, now):
+                self._finish(i)
+            deltas.append(Delta(i, gen.token_ids[before:], gen))
+        for d in deltas:
+            if d.finished:
+                self._forget(d.rid)
+        return deltas
+
+    def drain(self) -> Iterator[Delta]:
+        """Step until every request added so far has ended (under lockstep: until no
+        rank has work), yielding each iteration's deltas."""
+        while self.busy or (self.lockstep is not None and not self.done):
+            yield from self.step()
+
+    # ---- the batch run --------------------------------------------------------------------
+
+    def run(self, requests: Sequence[Request], concurrency: int) -> list[Generation]:
+        """Every request arrives at once (the clock starts); their generations in order."""
+        for i, r in enumerate(requests):
+            self.check(r, f"request {i}")
+        self.reset_clock()
+        self.concurrency = concurrency
+        gens = [self.add(i, r, arrived_at=0.0) for i, r in enumerate(requests)]
+        for _ in self.drain():
+            pass
+        self.run_s = time.perf_counter() - self._t0
+        return gens
+
+    # ---- checks ---------------------------------------------------------------------------
 
     def check(self, req: Request, where: str) -> None:
         """A clear error for a malformed request (raised: the caller's input is wrong)."""
@@ -154,98 +370,20 @@ class Engine:
             return self.plan.problem(n, req.max_new_tokens)
         return context_problem(n, req.max_new_tokens, gamma, self.target.max_context)
 
-    def run(self, requests: Sequence[Request], concurrency: int) -> list[Generation]:
-        for i, r in enumerate(requests):
-            self.check(r, f"request {i}")
-        self.pool, self.peak_allocated, self.step_s = self._new_pool(), 0, 0.0
-        self.iterations = 0
-        out: dict[int, Generation] = {}
-        waiting: deque[int] = deque()
-        for i, r in enumerate(requests):
-            if (problem := self.capacity_problem(r)) is not None:  # rejected alone
-                out[i] = Generation(r.prompt_ids, [], 0.0, 0.0, 0, error=f"request {i}: {problem}")
-            else:
-                waiting.append(i)  # admitted in this order
-        running: dict[int, RunningSeq] = {}
-        steps = dict.fromkeys(range(len(requests)), 0)
-        t0 = time.perf_counter()
+    # ---- internals ------------------------------------------------------------------------
 
-        def elapsed() -> float:
-            self.synchronize()
-            return time.perf_counter() - t0
-
-        lock = self.lockstep
-        while waiting or running or lock is not None:
-            admitted = self._admit(requests, waiting, concurrency - len(running), bool(running))
-            admitted_at = time.perf_counter() - t0  # the last iteration synchronized
-            if lock is not None:  # every rank: the same MoE forwards this iteration
-                if self._agree(lock, requests, admitted, running, bool(waiting)):
-                    break
-                if not admitted and not running:  # it only served the others' MoE rows
-                    continue
-            t_step = time.perf_counter()
-            if admitted:  # prefill the newcomers; the others wait one iteration
-                seqs = [self._start(requests[i]) for i in admitted]
-                result = prefill(
-                    self.target, self.drafter, seqs, self.capture, self.prefill_chunk, lock
-                )
-                if lock is not None:
-                    lock.idle_decode()
-                now = elapsed()
-                for i, s in zip(admitted, seqs):
-                    out[i] = Generation(
-                        requests[i].prompt_ids, [], now, now, 0, admitted_at=admitted_at
-                    )
-                    running[i] = s
-                stepped = admitted
-            else:
-                stepped = list(running)
-                result = decode_step(
-                    self.target,
-                    self.drafter,
-                    [running[i] for i in stepped],
-                    self.capture,
-                    self.metrics,
-                    lockstep=lock,
-                    schedule=self.schedule,
-                )
-                now = elapsed()
-                for i in stepped:
-                    steps[i] += 1
-            self.step_s += t0 + now - t_step  # the step itself, up to its synchronize
-            self.iterations += 1
-            if self.measure_memory:
-                self.peak_allocated = max(self.peak_allocated, self._allocated(running))
-            for j, i in enumerate(stepped):  # only these committed tokens in this iteration
-                if (error := running[i].error) is not None:  # fails alone, the rest go on
-                    out[i].error, out[i].finished_at = f"request {i}: {error}", now
-                    self._final_text(requests[i], out[i])
-                    self._finish(i, running)
-                elif self._take(requests[i], result.new_tokens[j], out[i], now):
-                    self._finish(i, running)
-        self.run_s = time.perf_counter() - t0
-        for i, g in out.items():
-            g.num_steps = steps[i]
-        return [out[i] for i in range(len(requests))]
-
-    def _agree(
-        self,
-        lock: Lockstep,
-        requests: Sequence[Request],
-        admitted: list[int],
-        running: dict[int, RunningSeq],
-        waiting: bool,
-    ) -> bool:
+    def _agree(self, lock: Lockstep, admitted: list[Hashable]) -> bool:
         """Agree this iteration's shape with the other ranks (True: no rank has work left)
         and run the idle phases this rank has no work of its own for."""
+        running = self._running
         plan = lock.sync(
             prefill_forwards=prefill_forwards(
-                [len(requests[i].prompt_ids) for i in admitted], self.prefill_chunk
+                [len(self._requests[i].prompt_ids) for i in admitted], self.prefill_chunk
             ),
             draft_tokens=step_gamma(self.drafter, list(running.values()))
             if running and not admitted
             else -1,
-            busy=bool(admitted or running or waiting),
+            busy=bool(admitted or running or self._waiting),
         )
         if plan.done:
             return True
@@ -255,20 +393,19 @@ class Engine:
                 lock.idle_decode()
         return False
 
-    def _admit(
-        self, requests: Sequence[Request], waiting: deque[int], slots: int, busy: bool
-    ) -> list[int]:
+    def _admit(self) -> list[Hashable]:
         """Pop waiting requests in order while a slot and their reservation are free."""
-        admitted: list[int] = []
+        waiting, slots = self._waiting, self.concurrency - len(self._running)
+        admitted: list[Hashable] = []
         while (
             waiting
             and len(admitted) < slots
-            and self.pool.try_reserve(waiting[0], self._reservation(requests[waiting[0]]))
+            and self.pool.try_reserve(waiting[0], self._reservation(self._requests[waiting[0]]))
         ):
             admitted.append(waiting.popleft())
-        if waiting and not admitted and not busy:  # an empty pool holds any checked request
+        if waiting and not admitted and not self._running:  # an empty pool holds any checked one
             raise RuntimeError(
-                f"request {waiting[0]} does not fit an empty memory pool "
+                f"{self._where(waiting[0])} does not fit an empty memory pool "
                 f"({self.pool.reserved} of {self.pool.capacity} bytes still reserved)"
             )
         return admitted
@@ -282,15 +419,23 @@ class Engine:
             return 0
         return self.plan.seq_bytes(len(req.prompt_ids), req.max_new_tokens)
 
-    def _finish(self, i: int, running: dict[int, RunningSeq]) -> None:
-        del running[i]  # its states go with it
-        self.pool.release(i)
+    def _finish(self, rid: Hashable) -> None:
+        del self._running[rid]  # its states go with it
+        self.pool.release(rid)
+
+    def _forget(self, rid: Hashable) -> None:
+        """An ended request leaves the engine (its id may be used again)."""
+        self._gens.pop(rid, None)
+        self._requests.pop(rid, None)
 
     @staticmethod
-    def _allocated(running: dict[int, RunningSeq]) -> int:
+    def _where(rid: Hashable) -> str:
+        return f"request {rid}"
+
+    def _allocated(self) -> int:
         return sum(
             allocated_bytes(s.target_state) + allocated_bytes(s.draft_state)
-            for s in running.values()
+            for s in self._running.values()
         )
 
     def _start(self, req: Request) -> RunningSeq:
@@ -309,17 +454,19 @@ class Engine:
 
     def _take(self, req: Request, new_tokens: list[int], gen: Generation, now: float) -> bool:
         """Append one step's committed tokens, one at a time; True when the request is
-        finished (a stop string, max_new_tokens or a stop id): the tokens after the one
-        that finished it are dropped, also those of the same verify step. With stop
-        strings the engine sets ``gen.text`` (cut before a matched stop string)."""
+        finished (a stop string, max_new_tokens or a stop id; ``gen.finish_reason`` set):
+        the tokens after the one that finished it are dropped, also those of the same
+        verify step. With stop strings the engine sets ``gen.text`` (cut before a
+        matched stop string)."""
         for t in new_tokens:
             gen.token_ids.append(t)
             gen.finished_at = now
             if req.stop and self._reached_stop(req.stop, gen):
+                gen.finish_reason = "stop"
                 return True
-            if len(gen.token_ids) >= req.max_new_tokens or (
-                t in self.stop_ids and not req.ignore_eos
-            ):
+            stop_id = t in self.stop_ids and not req.ignore_eos
+            if len(gen.token_ids) >= req.max_new_tokens or stop_id:
+                gen.finish_reason = "stop" if stop_id else "length"
                 self._final_text(req, gen)
                 return True
         return False

@@ -26,6 +26,7 @@ DeepSeek-V4 ring stack that outlives a finished sequence until its batch-mates r
 
 from __future__ import annotations
 
+from collections.abc import Hashable
 from dataclasses import dataclass
 from typing import Any
 
@@ -203,11 +204,11 @@ class ReservationPool:
 
     def __init__(self, capacity: float) -> None:
         self.capacity = capacity  # math.inf: no limit
-        self.held: dict[int, int] = {}
+        self.held: dict[Hashable, int] = {}  # request id -> bytes
         self.reserved = 0
         self.peak = 0
 
-    def try_reserve(self, key: int, nbytes: int) -> bool:
+    def try_reserve(self, key: Hashable, nbytes: int) -> bool:
         if self.reserved + nbytes > self.capacity:
             return False
         self.held[key] = nbytes
@@ -215,5 +216,5 @@ class ReservationPool:
         self.peak = max(self.peak, self.reserved)
         return True
 
-    def release(self, key: int) -> None:
+    def release(self, key: Hashable) -> None:
         self.reserved -= self.held.pop(key)
