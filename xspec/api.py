@@ -5,6 +5,8 @@
                     overrides={"model.dtype": "float32"})
     out = llm.generate(["Hello"], max_new_tokens=16)
     out[0].token_ids, out[0].text, out[0].ttft_s, out[0].tpot_s
+    for delta in llm.generate(["Hello", "def f"], max_new_tokens=16, stream=True):
+        delta.rid, delta.token_ids, delta.finished   # tokens as each step commits them
     logits = llm.score([1, 2, 3])          # [T, vocab] target logits
 
 A prompt is a ``str`` (encoded with the model's tokenizer) or a sequence of int token ids
@@ -16,15 +18,15 @@ generation arguments, ConfigError for the configuration), never a bare TypeError
 from __future__ import annotations
 
 import numbers
-from collections.abc import Iterable, Mapping, Sequence
-from typing import Any, cast
+from collections.abc import Iterable, Iterator, Mapping, Sequence
+from typing import Any, Literal, cast, overload
 
 import torch
 
 from xspec.build import Built, build
 from xspec.compose import compose_run, overrides_from
 from xspec.config import RunConfig
-from xspec.engine.engine import Generation, Request, seeded
+from xspec.engine.engine import Delta, Generation, Request, seeded
 from xspec.errors import RequestError
 from xspec.metrics import SpecDecodeMetrics
 from xspec.models.base import ForwardBatch
@@ -62,6 +64,37 @@ class LLM:
         self._built.engine.metrics = SpecDecodeMetrics()
         return previous
 
+    @overload
+    def generate(
+        self,
+        prompts: Prompt | Sequence[Prompt],
+        max_new_tokens: int = ...,
+        temperature: float = ...,
+        top_k: int = ...,
+        top_p: float = ...,
+        seed: int | None = ...,
+        ignore_eos: bool = ...,
+        concurrency: int | None = ...,
+        stop: Sequence[str] | None = ...,
+        stream: Literal[False] = ...,
+    ) -> list[Generation]: ...
+
+    @overload
+    def generate(
+        self,
+        prompts: Prompt | Sequence[Prompt],
+        max_new_tokens: int = ...,
+        temperature: float = ...,
+        top_k: int = ...,
+        top_p: float = ...,
+        seed: int | None = ...,
+        ignore_eos: bool = ...,
+        concurrency: int | None = ...,
+        stop: Sequence[str] | None = ...,
+        *,
+        stream: Literal[True],
+    ) -> Iterator[Delta]: ...
+
     def generate(
         self,
         prompts: Prompt | Sequence[Prompt],
@@ -73,16 +106,70 @@ class LLM:
         ignore_eos: bool = False,
         concurrency: int | None = None,
         stop: Sequence[str] | None = None,
-    ) -> list[Generation]:
+        stream: bool = False,
+    ) -> list[Generation] | Iterator[Delta]:
         """One :class:`Generation` per prompt, in order. Request ``i`` samples with
         seed ``seed + i`` (reproducible; ``seed=None`` for fresh randomness). ``stop``:
         strings that end an output (``text`` stops before the first one). A request
         that can never fit (model context, memory plan) comes back with ``error`` set
-        and no tokens; the others run."""
-        items = _as_prompt_list(prompts)
-        max_new_tokens = _integer("max_new_tokens", max_new_tokens, minimum=1)
+        and no tokens; the others run.
+
+        ``stream=True``: an iterator of :class:`~xspec.engine.engine.Delta` instead, as
+        the engine commits tokens (``delta.rid`` is the prompt's index; the last delta
+        of each prompt has ``finished`` set and its final ``generation``, text
+        included). The arguments are checked before the first delta; leaving the loop
+        early aborts what is still running."""
+        requests = self._requests(
+            prompts, max_new_tokens, temperature, top_k, top_p, seed, ignore_eos, stop
+        )
         if concurrency is not None:
             concurrency = _integer("concurrency", concurrency, minimum=1)
+        if not isinstance(stream, bool):
+            raise RequestError(f"stream must be True or False (got {stream!r})")
+        engine = self._built.engine
+        if stream:
+            for i, r in enumerate(requests):
+                engine.check(r, f"request {i}")
+            return self._stream(requests, concurrency or len(requests))
+        outs = engine.run(requests, concurrency or len(requests))
+        for g, r in zip(outs, requests):
+            self._set_text(r, g)
+        return outs
+
+    def _stream(self, requests: list[Request], concurrency: int) -> Iterator[Delta]:
+        engine = self._built.engine
+        engine.reset_clock()
+        engine.concurrency = concurrency
+        try:
+            for i, r in enumerate(requests):
+                engine.add(i, r, arrived_at=0.0)
+            for delta in engine.drain():
+                if delta.finished:
+                    self._set_text(requests[int(cast(int, delta.rid))], delta.generation)
+                yield delta
+        finally:  # the caller left early (or a step raised): nothing stays in flight
+            engine.abort_all()
+            for _ in engine.drain():
+                pass
+
+    def _set_text(self, req: Request, gen: Generation) -> None:
+        if not req.stop:  # with stop strings the engine already cut the text
+            gen.text = self.tokenizer.decode(gen.token_ids)
+
+    def _requests(
+        self,
+        prompts: Prompt | Sequence[Prompt],
+        max_new_tokens: int,
+        temperature: float,
+        top_k: int,
+        top_p: float,
+        seed: int | None,
+        ignore_eos: bool,
+        stop: Sequence[str] | None,
+    ) -> list[Request]:
+        """The checked requests of one ``generate`` call (every bad argument raises)."""
+        items = _as_prompt_list(prompts)
+        max_new_tokens = _integer("max_new_tokens", max_new_tokens, minimum=1)
         if not isinstance(ignore_eos, bool):
             raise RequestError(f"ignore_eos must be True or False (got {ignore_eos!r})")
         params = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed)
@@ -94,15 +181,10 @@ class LLM:
         ):
             raise RequestError(f"stop must be a list of non-empty strings (got {stop!r})")
         stops = list(stop or [])
-        requests = [
+        return [
             Request(self._ids(p, i), max_new_tokens, seeded(params, i), ignore_eos, stop=stops)
             for i, p in enumerate(items)
         ]
-        outs = self._built.engine.run(requests, concurrency or len(requests))
-        if not stops:  # with stop strings the engine already cut the text
-            for g in outs:
-                g.text = self.tokenizer.decode(g.token_ids)
-        return outs
 
     def score(self, token_ids: Prompt) -> torch.Tensor:
         """Target logits ``[T, vocab]`` (float32) for one sequence (ids, or text through the

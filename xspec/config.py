@@ -179,6 +179,22 @@ class MetricsConfig:
     host: str = "127.0.0.1"  # loopback: reachable from this machine only
 
 
+@dataclass(kw_only=True)
+class ServerConfig:
+    """``server``: ``python -m xspec.serve``, the OpenAI-compatible HTTP server
+    (docs/serving.md)."""
+
+    host: str = "127.0.0.1"  # loopback; 0.0.0.0 exposes it to the network
+    port: int = 8000  # 0 = any free port (printed)
+    concurrency: int = 32  # requests decoded together (continuous batching)
+    max_queue: int = 256  # requests waiting beyond those; more get 503 + Retry-After
+    request_timeout_s: float = 600.0  # a request running longer is aborted (504)
+    max_body_bytes: int = 4 * 1024 * 1024  # larger request bodies get 413
+    default_max_tokens: int = 256  # max_tokens when a request leaves it out
+    # the name clients pass as "model" (null: the model option, e.g. dsv4_tiny)
+    served_model_name: str | None = None
+
+
 class MoeExchange(str, enum.Enum):
     """``parallel.moe_exchange``: how expert-parallel MoE layers move token rows."""
 
@@ -213,6 +229,7 @@ class RunConfig:
     metrics: MetricsConfig = field(default_factory=MetricsConfig)
     engine: EngineConfig = field(default_factory=EngineConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    server: ServerConfig = field(default_factory=ServerConfig)
 
 
 _GROUPS: dict[str, type] = {
@@ -224,7 +241,27 @@ _GROUPS: dict[str, type] = {
     "metrics": MetricsConfig,
     "engine": EngineConfig,
     "parallel": ParallelConfig,
+    "server": ServerConfig,
 }
+
+
+def server_problems(v: ServerConfig) -> list[str]:
+    out = []
+    if not 0 <= v.port <= 65535:
+        out.append(f"server.port must be in 0..65535 (got {v.port}; 0 = any free port)")
+    for key, value, low in (
+        ("server.concurrency", v.concurrency, 1),
+        ("server.max_queue", v.max_queue, 0),
+        ("server.max_body_bytes", v.max_body_bytes, 1024),
+        ("server.default_max_tokens", v.default_max_tokens, 1),
+    ):
+        if value < low:
+            out.append(f"{key} must be >= {low} (got {value})")
+    if not v.request_timeout_s > 0:
+        out.append(f"server.request_timeout_s must be > 0 seconds (got {v.request_timeout_s})")
+    if v.served_model_name is not None and not v.served_model_name.strip():
+        out.append("server.served_model_name is empty; give a name or null (the model option)")
+    return out
 
 
 def config_dir() -> Path:
@@ -394,6 +431,7 @@ def validate(cfg: RunConfig) -> None:
     port = cfg.metrics.port
     if port is not None and not 0 <= port <= 65535:
         problems.append(f"metrics.port must be in 0..65535 (got {port}; 0 = any free port)")
+    problems += server_problems(cfg.server)
     if cfg.model.path is None and cfg.model.preset is None:
         problems.append(
             "model.path is required (this model has no built-in preset): set model.path=/dir/of/checkpoint"

@@ -123,11 +123,11 @@ class Delta:
 
     rid: Hashable
     token_ids: list[int]
-    generation: Generation
+    generation: Generation  # the live record: it keeps changing until it ends
+    finished: bool = False  # this delta is the request's last
 
-    @property
-    def finished(self) -> bool:
-        return self.generation.finished
+    def __post_init__(self) -> None:
+        self.finished = self.generation.finished
 
 
 class Engine:
@@ -247,6 +247,11 @@ class Engine:
         gen.finished_at = time.perf_counter() - self._t0
         self._ended.append(Delta(rid, [], gen))
         return True
+
+    def abort_all(self) -> None:
+        """:meth:`abort` every request in flight."""
+        for rid in [r for r, g in self._gens.items() if not g.finished]:
+            self.abort(rid)
 
     def step(self) -> list[Delta]:
         """One iteration: admit what fits, then prefill the newcomers or run one decode

@@ -23,7 +23,7 @@ import errno
 from collections.abc import Callable, Iterable, Iterator
 from wsgiref.simple_server import WSGIServer
 
-from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.exposition import start_wsgi_server
 from prometheus_client.metrics_core import Metric
 from prometheus_client.registry import Collector
@@ -49,8 +49,11 @@ class _CurrentSpecMetrics(Collector):
             yield from metrics.registry.collect()
 
 
-class MetricsExporter:
-    def __init__(self, host: str, port: int) -> None:
+class RequestMetrics:
+    """The registry and its metrics (above), without a server: the HTTP server of
+    ``python -m xspec.serve`` renders it on its own ``/metrics`` (:meth:`render`)."""
+
+    def __init__(self) -> None:
         self.registry = CollectorRegistry()
         reg = self.registry
         self._engine: Engine | None = None
@@ -78,6 +81,37 @@ class MetricsExporter:
         self.errors = Counter(
             "xspec_request_errors", "Requests stopped early with an error", _LABELS, registry=reg
         )
+
+    def render(self) -> bytes:
+        """The Prometheus text exposition of every metric now."""
+        return generate_latest(self.registry)
+
+    def follow(self, engine: Engine) -> None:
+        """Serve this engine's speculative counters from now on (the current job's; read
+        at each scrape, so the reset after the warm-up is followed)."""
+        self._engine = engine
+
+    def observe(self, gens: Iterable[Generation], model: str, spec: str) -> None:
+        """Record finished requests into the histograms."""
+        for g in gens:
+            labels = (model, spec)
+            self.queue.labels(*labels).observe(g.queue_s)
+            self.ttft.labels(*labels).observe(g.ttft_s)
+            if g.tpot_s is not None:
+                self.tpot.labels(*labels).observe(g.tpot_s)
+            self.e2e.labels(*labels).observe(g.latency_s)
+            self.prompt_tokens.labels(*labels).observe(len(g.prompt_ids))
+            self.output_tokens.labels(*labels).observe(len(g.token_ids))
+            if g.error is not None:
+                self.errors.labels(*labels).inc()
+
+
+class MetricsExporter(RequestMetrics):
+    """:class:`RequestMetrics` served at ``http://host:port/metrics`` (the CLI's)."""
+
+    def __init__(self, host: str, port: int) -> None:
+        super().__init__()
+        reg = self.registry
         try:
             self._server, _ = start_wsgi_server(port, addr=host, registry=reg)
         except OSError as e:
@@ -99,25 +133,6 @@ class MetricsExporter:
     @property
     def url(self) -> str:
         return f"http://{self.host}:{self.port}/metrics"
-
-    def follow(self, engine: Engine) -> None:
-        """Serve this engine's speculative counters from now on (the current job's; read
-        at each scrape, so the reset after the warm-up is followed)."""
-        self._engine = engine
-
-    def observe(self, gens: Iterable[Generation], model: str, spec: str) -> None:
-        """Record finished requests into the histograms."""
-        for g in gens:
-            labels = (model, spec)
-            self.queue.labels(*labels).observe(g.queue_s)
-            self.ttft.labels(*labels).observe(g.ttft_s)
-            if g.tpot_s is not None:
-                self.tpot.labels(*labels).observe(g.tpot_s)
-            self.e2e.labels(*labels).observe(g.latency_s)
-            self.prompt_tokens.labels(*labels).observe(len(g.prompt_ids))
-            self.output_tokens.labels(*labels).observe(len(g.token_ids))
-            if g.error is not None:
-                self.errors.labels(*labels).inc()
 
     def close(self) -> None:
         self._server.shutdown()

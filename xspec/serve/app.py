@@ -1,0 +1,466 @@
+"""The FastAPI application: OpenAI's completions and chat endpoints over an
+:class:`~xspec.engine.loop.EngineLoop`.
+
+Each request is checked, turned into an engine :class:`~xspec.engine.engine.Request`
+and submitted; the loop thread hands its deltas to an ``asyncio.Queue`` of the request's
+handler (``call_soon_threadsafe``), which answers with one JSON body or a Server-Sent
+Events stream (``data: {chunk}`` per step that added text, then ``data: [DONE]``).
+A client that disconnects aborts its request (its memory returns to the pool at the next
+step); a request running past ``server.request_timeout_s`` is aborted too.
+
+Status codes: 400 a request the engine cannot take (bad values, a prompt or
+``max_tokens`` past the context, unsupported fields), 404 an unknown model or path, 413 a
+body over ``server.max_body_bytes``, 422 a body of the wrong shape (a field of the wrong
+type, a missing field), 503 a full queue (with ``Retry-After``) or a stopped engine, 504
+the request timeout. Every error uses OpenAI's body (:func:`~xspec.serve.protocol.error_body`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import math
+import time
+import uuid
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from xspec.build import Built
+from xspec.config import RunConfig
+from xspec.engine.engine import Delta, Engine, Generation
+from xspec.engine.engine import Request as EngineRequest
+from xspec.engine.loop import EngineLoop, LoopStopped, QueueFull
+from xspec.errors import RequestError
+from xspec.metrics import SpecDecodeMetrics
+from xspec.run.exporter import RequestMetrics
+from xspec.sampling import SamplingParams
+from xspec.serve.chat import chat_template_for
+from xspec.serve.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    ErrorType,
+    _Sampling,
+    error_body,
+)
+from xspec.serve.text import TextStream
+
+RETRY_AFTER_S = 1  # what a 503 for a full queue tells the client to wait
+
+
+@dataclass
+class ServeContext:
+    """What the handlers need: the loop, the tokenizer's two functions, the chat
+    template, names and limits."""
+
+    loop: EngineLoop
+    encode: Callable[[str], list[int]]
+    decode: Callable[[list[int]], str]
+    chat_prompt: Callable[[list[dict[str, Any]], dict[str, Any]], str]
+    model_name: str
+    spec: str
+    max_context: int
+    default_max_tokens: int
+    max_body_bytes: int
+    request_timeout_s: float
+    metrics: RequestMetrics
+
+
+def warm_up(engine: Engine) -> None:
+    """One short generation before serving (first-call costs: kernels, allocations);
+    its counters are dropped. Under torchrun every rank runs it together."""
+    engine.run([EngineRequest([1, 2, 3, 4], 4, SamplingParams(), ignore_eos=True)], 1)
+    engine.metrics = SpecDecodeMetrics()
+
+
+def context(cfg: RunConfig, built: Built, model_option: str) -> ServeContext:
+    """The handlers' context for a built run and its ``server`` config (the loop is
+    created, not started)."""
+    s = cfg.server
+    loop = EngineLoop(
+        built.engine,
+        concurrency=s.concurrency,
+        max_queue=s.max_queue,
+        parallel=built.parallel,
+        # an idle rank 0 still broadcasts this often: well inside parallel.timeout_s
+        idle_tick_s=max(0.05, min(1.0, cfg.parallel.timeout_s / 10)),
+    )
+    metrics = RequestMetrics()
+    metrics.follow(built.engine)
+    return ServeContext(
+        loop=loop,
+        encode=built.tokenizer.encode,
+        decode=built.tokenizer.decode,
+        chat_prompt=chat_template_for(built),
+        model_name=s.served_model_name or model_option,
+        spec=cfg.spec.method,
+        max_context=built.target.max_context,
+        default_max_tokens=s.default_max_tokens,
+        max_body_bytes=s.max_body_bytes,
+        request_timeout_s=s.request_timeout_s,
+        metrics=metrics,
+    )
+
+
+def asgi_app(ctx: ServeContext) -> BodyLimit:
+    """The application uvicorn serves: the endpoints behind the body-size limit."""
+    return BodyLimit(make_app(ctx), ctx.max_body_bytes)
+
+
+class ApiError(Exception):
+    def __init__(self, status: int, message: str, type_: ErrorType, param: str | None = None):
+        super().__init__(message)
+        self.status, self.type, self.param = status, type_, param
+
+
+def _error(
+    status: int, message: str, type_: ErrorType, param: str | None = None, **kw: Any
+) -> JSONResponse:
+    return JSONResponse(error_body(message, type_, param=param, code=status), status, **kw)
+
+
+class BodyLimit:
+    """ASGI wrapper: a POST body is read whole (at most ``limit`` bytes, else 413 before
+    the application sees it) and replayed to the application; later ``receive`` calls
+    pass through (the handlers' disconnect checks)."""
+
+    def __init__(self, app: Any, limit: int) -> None:
+        self.app, self.limit = app, limit
+
+    async def __call__(self, scope: dict, receive: Callable, send: Callable) -> None:
+        if scope["type"] != "http" or scope.get("method") != "POST":
+            return await self.app(scope, receive, send)
+        length = dict(scope.get("headers", [])).get(b"content-length", b"")
+        if length.isdigit() and int(length) > self.limit:
+            return await self._too_large(int(length), scope, receive, send)
+        chunks, size, more = [], 0, True
+        while more:
+            message = await receive()
+            if message["type"] == "http.disconnect":
+                return None
+            chunks.append(message.get("body", b""))
+            size += len(chunks[-1])
+            if size > self.limit:
+                return await self._too_large(size, scope, receive, send)
+            more = message.get("more_body", False)
+        replayed = False
+
+        async def replay() -> dict:
+            nonlocal replayed
+            if replayed:
+                return await receive()
+            replayed = True
+            return {"type": "http.request", "body": b"".join(chunks), "more_body": False}
+
+        return await self.app(scope, replay, send)
+
+    async def _too_large(self, size: int, scope: dict, receive: Callable, send: Callable) -> None:
+        message = f"request body of {size} bytes exceeds server.max_body_bytes={self.limit}"
+        response = _error(413, message, "invalid_request_error")
+        await response(scope, receive, send)
+
+
+def make_app(ctx: ServeContext) -> FastAPI:
+    app = FastAPI(title="xspec", docs_url=None, redoc_url=None, openapi_url=None)
+
+    @app.exception_handler(ApiError)
+    async def api_error(_: Request, e: ApiError) -> JSONResponse:
+        headers = {"Retry-After": str(RETRY_AFTER_S)} if e.status == 503 else None
+        return _error(e.status, str(e), e.type, e.param, headers=headers)
+
+    @app.exception_handler(RequestValidationError)
+    async def invalid(_: Request, e: RequestValidationError) -> JSONResponse:
+        errors = e.errors()
+        first = errors[0] if errors else {}
+        where = ".".join(str(x) for x in first.get("loc", ()) if x != "body")
+        if first.get("type") == "json_invalid":
+            return _error(
+                400, f"the body is not valid JSON: {first.get('msg')}", "invalid_request_error"
+            )
+        text = "; ".join(
+            f"{'.'.join(str(x) for x in err.get('loc', ()) if x != 'body') or 'body'}: {err.get('msg')}"
+            for err in errors[:5]
+        )
+        return _error(422, f"invalid request body: {text}", "invalid_request_error", where or None)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(_: Request, e: StarletteHTTPException) -> JSONResponse:
+        type_: ErrorType = "not_found_error" if e.status_code == 404 else "invalid_request_error"
+        return _error(e.status_code, str(e.detail), type_)
+
+    @app.get("/health")
+    async def health() -> Response:
+        if not ctx.loop.running:
+            return _error(503, f"the engine is not running: {ctx.loop.failure}", "server_error")
+        return Response(status_code=200)
+
+    @app.get("/v1/models")
+    async def models() -> dict:
+        return {
+            "object": "list",
+            "data": [
+                {
+                    "id": ctx.model_name,
+                    "object": "model",
+                    "created": 0,
+                    "owned_by": "xspec",
+                    "max_model_len": ctx.max_context,
+                }
+            ],
+        }
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        return Response(ctx.metrics.render(), media_type="text/plain; version=0.0.4")
+
+    @app.post("/v1/completions")
+    async def completions(body: CompletionRequest, request: Request) -> Response:
+        prompt = _checked(ctx, body, lambda: body.single_prompt())
+        ids = _encode(ctx, prompt)
+        return await _serve(ctx, request, body, ids, chat=False)
+
+    @app.post("/v1/chat/completions")
+    async def chat(body: ChatCompletionRequest, request: Request) -> Response:
+        messages = [m.model_dump(exclude_none=True) for m in body.messages]
+        kwargs = body.chat_template_kwargs or {}
+        text = _checked(ctx, body, lambda: ctx.chat_prompt(messages, kwargs))
+        return await _serve(ctx, request, body, _encode(ctx, text), chat=True)
+
+    return app
+
+
+def _checked(ctx: ServeContext, body: _Sampling, prompt: Callable[[], Any]) -> Any:
+    """The request's model and supported fields checked; its prompt (RequestError: 400)."""
+    if body.model != ctx.model_name:
+        raise ApiError(
+            404,
+            f"model {body.model!r} does not exist; this server serves {ctx.model_name!r}",
+            "not_found_error",
+            "model",
+        )
+    if problems := body.unsupported():
+        raise ApiError(400, "; ".join(problems), "invalid_request_error")
+    try:
+        return prompt()
+    except RequestError as e:
+        raise ApiError(400, str(e), "invalid_request_error") from None
+
+
+def _encode(ctx: ServeContext, prompt: str | list[int]) -> list[int]:
+    if isinstance(prompt, str):
+        if not prompt:
+            raise ApiError(
+                400, "prompt: empty; give some text or token ids", "invalid_request_error", "prompt"
+            )
+        return ctx.encode(prompt)
+    return list(prompt)
+
+
+def _engine_request(ctx: ServeContext, body: _Sampling, ids: list[int]) -> EngineRequest:
+    limit = body.limit() if isinstance(body, ChatCompletionRequest) else body.max_tokens
+    max_tokens = ctx.default_max_tokens if limit is None else limit
+    if limit is None:  # the default shrinks to what the context leaves
+        max_tokens = max(1, min(max_tokens, ctx.max_context - len(ids) - 8))
+    top_k = 0 if body.top_k == -1 else body.top_k
+    params = SamplingParams(
+        temperature=body.temperature, top_k=top_k, top_p=body.top_p, seed=body.seed
+    )
+    if problems := params.problems():
+        raise ApiError(
+            400, "; ".join(p.replace("sampling.", "") for p in problems), "invalid_request_error"
+        )
+    try:
+        stop = body.stop_list()
+    except RequestError as e:
+        raise ApiError(400, str(e), "invalid_request_error", "stop") from None
+    return EngineRequest(ids, max_tokens, params, body.ignore_eos, stop=stop)
+
+
+async def _serve(
+    ctx: ServeContext, request: Request, body: _Sampling, ids: list[int], *, chat: bool
+) -> Response:
+    req = _engine_request(ctx, body, ids)
+    queue: asyncio.Queue[Delta] = asyncio.Queue()
+    aio = asyncio.get_running_loop()
+    try:
+        rid = ctx.loop.submit(req, lambda d: aio.call_soon_threadsafe(queue.put_nowait, d))
+    except RequestError as e:
+        raise ApiError(400, str(e).replace("request: ", "", 1), "invalid_request_error") from None
+    except QueueFull as e:
+        raise ApiError(503, f"the server is busy: {e}", "overloaded_error") from None
+    except LoopStopped as e:
+        raise ApiError(503, f"the engine is not running: {e}", "server_error") from None
+    reply = _Reply(ctx, body, req, chat, rid)
+    if body.stream:
+        return StreamingResponse(
+            _sse(ctx, request, queue, reply),
+            media_type="text/event-stream",
+            headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
+        )
+    try:
+        gen = await _wait(ctx, request, queue, rid, reply)
+    finally:
+        ctx.loop.abort(rid)  # no-op once it ended; a cancelled handler frees its slot
+    if gen is None:  # the client left: nobody reads this
+        return Response(status_code=499)
+    return JSONResponse(reply.whole(gen))
+
+
+async def _next(queue: asyncio.Queue[Delta], deadline: float, poll_s: float = math.inf) -> Delta:
+    """The next delta; TimeoutError at ``deadline`` or after ``poll_s``."""
+    left = min(deadline - time.monotonic(), poll_s)
+    if left <= 0:
+        raise TimeoutError
+    return await asyncio.wait_for(queue.get(), timeout=left)
+
+
+async def _wait(
+    ctx: ServeContext, request: Request, queue: asyncio.Queue[Delta], rid: int, reply: _Reply
+) -> Generation | None:
+    """The finished generation (None: the client disconnected first)."""
+    deadline = time.monotonic() + ctx.request_timeout_s
+    while True:
+        try:
+            d = await _next(queue, deadline, poll_s=1.0)
+        except TimeoutError:
+            if time.monotonic() >= deadline:
+                raise ApiError(
+                    504,
+                    f"the request ran past server.request_timeout_s={ctx.request_timeout_s:g}",
+                    "timeout",
+                ) from None
+            if await request.is_disconnected():
+                return None
+            continue
+        if d.finished:
+            reply.done(d.generation)
+            return d.generation
+
+
+async def _sse(
+    ctx: ServeContext, request: Request, queue: asyncio.Queue[Delta], reply: _Reply
+) -> AsyncIterator[str]:
+    """The SSE body; when the client goes away Starlette cancels it and ``finally``
+    aborts the request."""
+    deadline = time.monotonic() + ctx.request_timeout_s
+    text = TextStream(ctx.decode, reply.req.stop)
+    try:
+        if reply.chat:
+            yield _data(reply.chunk({"role": "assistant", "content": ""}, None))
+        while True:
+            try:
+                d = await _next(queue, deadline)
+            except TimeoutError:
+                yield _data(
+                    error_body(
+                        f"the request ran past server.request_timeout_s={ctx.request_timeout_s:g}",
+                        "timeout",
+                        code=504,
+                    )
+                )
+                break
+            if d.finished:  # the final text, cut before a stop string its tokens completed
+                gen = d.generation
+                reply.done(gen)
+                if gen.finish_reason == "error":
+                    yield _data(error_body(gen.error or "failed", "server_error", code=500))
+                    break
+                piece = text.finish(reply.final_text(gen))
+                yield _data(reply.chunk(piece, reply.finish_reason(gen)))
+                if reply.include_usage:
+                    yield _data(reply.usage_chunk(gen))
+                break
+            if piece := text.push(d.token_ids):
+                yield _data(reply.chunk(piece, None))
+        yield "data: [DONE]\n\n"
+    finally:
+        ctx.loop.abort(reply.rid)
+
+
+def _data(obj: dict) -> str:
+    return f"data: {json.dumps(obj, ensure_ascii=False, separators=(',', ':'))}\n\n"
+
+
+class _Reply:
+    """The OpenAI response objects of one request."""
+
+    def __init__(
+        self, ctx: ServeContext, body: _Sampling, req: EngineRequest, chat: bool, rid: int
+    ):
+        self.ctx, self.req, self.chat, self.rid = ctx, req, chat, rid
+        self.id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
+        self.created = int(time.time())
+        self.include_usage = bool(body.stream_options and body.stream_options.include_usage)
+
+    def done(self, gen: Generation) -> None:
+        self.ctx.metrics.observe([gen], self.ctx.model_name, self.ctx.spec)
+
+    def final_text(self, gen: Generation) -> str:
+        return (
+            gen.text
+            if self.req.stop and gen.finish_reason == "stop"
+            else self.ctx.decode(gen.token_ids)
+        )
+
+    @staticmethod
+    def finish_reason(gen: Generation) -> str:
+        return "length" if gen.finish_reason == "length" else "stop"
+
+    def usage(self, gen: Generation) -> dict:
+        steps = gen.num_steps
+        return {
+            "prompt_tokens": len(gen.prompt_ids),
+            "completion_tokens": len(gen.token_ids),
+            "total_tokens": len(gen.prompt_ids) + len(gen.token_ids),
+            "spec_decode": {  # per request, as vLLM's --per-request-spec-decode-metrics
+                "num_drafts": steps if gen.drafted else 0,
+                "num_draft_tokens": gen.drafted,
+                "num_accepted_tokens": gen.accepted,
+                # vLLM / SGLang: accepted drafts + the 1 bonus token, per decode step
+                "acceptance_length": (gen.accepted + steps) / steps if steps else None,
+            },
+        }
+
+    def _head(self) -> dict:
+        return {
+            "id": self.id,
+            "object": ("chat.completion" if self.chat else "text_completion"),
+            "created": self.created,
+            "model": self.ctx.model_name,
+        }
+
+    def whole(self, gen: Generation) -> dict:
+        if gen.finish_reason == "error":
+            raise ApiError(500, gen.error or "the request failed", "server_error")
+        text = self.final_text(gen)
+        reason = self.finish_reason(gen)
+        if self.chat:
+            choice: dict = {
+                "index": 0,
+                "message": {"role": "assistant", "content": text},
+                "finish_reason": reason,
+            }
+        else:
+            choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": reason}
+        return {**self._head(), "choices": [choice], "usage": self.usage(gen)}
+
+    def chunk(self, piece: str | dict, reason: str | None) -> dict:
+        head = self._head()
+        if self.chat:
+            head["object"] = "chat.completion.chunk"
+            delta = piece if isinstance(piece, dict) else ({"content": piece} if piece else {})
+            choice: dict = {"index": 0, "delta": delta, "finish_reason": reason}
+        else:
+            choice = {"index": 0, "text": piece, "logprobs": None, "finish_reason": reason}
+        return {**head, "choices": [choice]}
+
+    def usage_chunk(self, gen: Generation) -> dict:
+        head = self._head()
+        if self.chat:
+            head["object"] = "chat.completion.chunk"
+        return {**head, "choices": [], "usage": self.usage(gen)}
