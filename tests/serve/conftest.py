@@ -8,8 +8,10 @@ import threading
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
+from typing import Any
 
 import httpx
+import openai
 import pytest
 import uvicorn
 
@@ -29,9 +31,7 @@ class LiveServer:
     def name(self) -> str:
         return self.ctx.model_name
 
-    def openai(self, **kw: object):  # noqa: ANN201 - the openai client
-        import openai
-
+    def openai(self, **kw: Any) -> openai.OpenAI:
         return openai.OpenAI(base_url=self.url + "/v1", api_key="none", max_retries=0, **kw)
 
     def stop(self) -> None:
@@ -40,9 +40,7 @@ class LiveServer:
         self.ctx.loop.close()
 
 
-def start_server(
-    model: str, spec: str, overrides: dict[str, object] | None = None
-) -> LiveServer:
+def start_server(model: str, spec: str, overrides: dict[str, object] | None = None) -> LiveServer:
     llm = xspec.LLM(model=model, spec=spec, platform="cpu", overrides=overrides)
     built = llm._built
     warm_up(built.engine)

@@ -4,9 +4,13 @@ live server: greedy outputs equal ``LLM.generate`` token for token (text and cou
 
 from __future__ import annotations
 
+import threading
+
 import pytest
 
 from tests.serve.conftest import LiveServer
+from xspec.engine.engine import Delta, Generation, Request
+from xspec.sampling import SamplingParams
 
 FP32 = {"model.dtype": "float32"}
 PROMPTS = ["def fibonacci(n):\n", "import os\nimport sys\n\n", "class Stack:\n    def push(self"]
@@ -22,15 +26,10 @@ def expected(live: LiveServer, prompt: str | list[int]) -> tuple[str, int]:
     return llm.tokenizer.decode(gen.token_ids), len(gen.token_ids)
 
 
-def _through_loop(live: LiveServer, ids: list[int]):  # noqa: ANN202
-    import threading
-
-    from xspec.engine.engine import Request
-    from xspec.sampling import SamplingParams
-
+def _through_loop(live: LiveServer, ids: list[int]) -> Generation:
     done, box = threading.Event(), []
 
-    def take(d) -> None:  # noqa: ANN001
+    def take(d: Delta) -> None:
         if d.finished:
             box.append(d.generation)
             done.set()
@@ -138,7 +137,11 @@ def test_stop_strings_are_never_streamed(served: LiveServer) -> None:
     pieces = [
         c.text
         for chunk in client.completions.create(
-            model=served.name, prompt=PROMPTS[1], max_tokens=N, temperature=0, stop=stop,
+            model=served.name,
+            prompt=PROMPTS[1],
+            max_tokens=N,
+            temperature=0,
+            stop=stop,
             stream=True,
         )
         for c in chunk.choices

@@ -51,6 +51,7 @@ from xspec.serve.protocol import (
 from xspec.serve.text import TextStream
 
 RETRY_AFTER_S = 1  # what a 503 for a full queue tells the client to wait
+DISCONNECT_POLL_S = 0.5  # how often a plain (not streamed) request checks for its client
 
 
 @dataclass
@@ -324,9 +325,10 @@ async def _wait(
 ) -> Generation | None:
     """The finished generation (None: the client disconnected first)."""
     deadline = time.monotonic() + ctx.request_timeout_s
+    checked = time.monotonic()
     while True:
         try:
-            d = await _next(queue, deadline, poll_s=1.0)
+            d = await _next(queue, deadline, poll_s=DISCONNECT_POLL_S)
         except TimeoutError:
             if time.monotonic() >= deadline:
                 raise ApiError(
@@ -334,12 +336,14 @@ async def _wait(
                     f"the request ran past server.request_timeout_s={ctx.request_timeout_s:g}",
                     "timeout",
                 ) from None
+        else:
+            if d.finished:
+                reply.done(d.generation)
+                return d.generation
+        if time.monotonic() - checked >= DISCONNECT_POLL_S:  # deltas may never pause
+            checked = time.monotonic()
             if await request.is_disconnected():
                 return None
-            continue
-        if d.finished:
-            reply.done(d.generation)
-            return d.generation
 
 
 async def _sse(

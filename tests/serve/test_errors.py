@@ -1,0 +1,143 @@
+"""Bad requests get the right status and OpenAI's error body, and the server keeps
+serving: malformed JSON, wrong field types, an unknown model, max_tokens past the context,
+a negative temperature, unsupported fields, an oversize body, a full queue."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+
+import httpx
+import pytest
+
+from tests.serve.conftest import LiveServer, start_server
+
+
+@pytest.fixture(scope="module")
+def live() -> Iterator[LiveServer]:
+    server = start_server(
+        "qwen3_tiny",
+        "none",
+        {
+            "model.dtype": "float32",
+            "server.concurrency": 1,
+            "server.max_queue": 0,
+            "server.max_body_bytes": 4096,
+        },
+    )
+    yield server
+    server.stop()
+
+
+def post(live: LiveServer, body: object | bytes, path: str = "/v1/completions") -> httpx.Response:
+    if isinstance(body, bytes):
+        return httpx.post(
+            live.url + path, content=body, headers={"content-type": "application/json"}
+        )
+    return httpx.post(live.url + path, json=body, timeout=60)
+
+
+def error_of(r: httpx.Response, status: int) -> dict:
+    assert r.status_code == status, r.text
+    err = r.json()["error"]
+    assert set(err) == {"message", "type", "param", "code"} and err["code"] == status
+    assert err["message"]
+    return err
+
+
+def ok(live: LiveServer) -> None:
+    r = post(live, {"model": live.name, "prompt": [1, 2, 3], "max_tokens": 2})
+    assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 2
+
+
+@pytest.mark.parametrize(
+    ("body", "status", "words"),
+    [
+        (b"{not json", 400, "not valid JSON"),
+        ({"model": "x", "prompt": "a"}, 404, "does not exist"),
+        ({"prompt": "a"}, 422, "model"),
+        ({"model": "M", "prompt": {"a": 1}}, 422, "prompt"),
+        ({"model": "M", "prompt": "a", "max_tokens": "many"}, 422, "max_tokens"),
+        ({"model": "M", "prompt": "a", "max_tokens": 10**6}, 400, "context"),
+        ({"model": "M", "prompt": "a", "max_tokens": 0}, 400, "max_new_tokens"),
+        ({"model": "M", "prompt": "a", "temperature": -1}, 400, "temperature"),
+        ({"model": "M", "prompt": "a", "top_p": 0}, 400, "top_p"),
+        ({"model": "M", "prompt": [10**9]}, 400, "vocabulary"),
+        ({"model": "M", "prompt": ""}, 400, "empty"),
+        ({"model": "M", "prompt": ["a", "b"]}, 400, "one prompt"),
+        ({"model": "M", "prompt": "a", "n": 2}, 400, "n=2"),
+        ({"model": "M", "prompt": "a", "logprobs": 3}, 400, "logprobs"),
+        ({"model": "M", "prompt": "a", "stop": [""]}, 400, "stop"),
+    ],
+)
+def test_bad_completion_requests(live: LiveServer, body: object, status: int, words: str) -> None:
+    if isinstance(body, dict) and body.get("model") == "M":
+        body = {**body, "model": live.name}
+    err = error_of(post(live, body), status)
+    assert words in err["message"], err
+    ok(live)  # the server keeps serving
+
+
+def test_bad_chat_requests(live: LiveServer) -> None:
+    path = "/v1/chat/completions"
+    error_of(post(live, {"model": live.name, "messages": []}, path), 422)
+    error_of(post(live, {"model": live.name, "messages": [{"content": "hi"}]}, path), 422)
+    err = error_of(
+        post(live, {"model": live.name, "messages": [{"role": "user", "content": "a"}],
+                    "tools": [{"type": "function"}]}, path),
+        400,
+    )  # fmt: skip
+    assert "tools" in err["message"]
+    ok(live)
+
+
+def test_unknown_path_and_oversize_body(live: LiveServer) -> None:
+    assert error_of(httpx.get(live.url + "/v1/nothing"), 404)["type"] == "not_found_error"
+    big = {"model": live.name, "prompt": "x" * 10_000}
+    assert "max_body_bytes" in error_of(post(live, big), 413)["message"]
+
+    def chunks() -> Iterator[bytes]:  # no content-length: counted as it arrives
+        yield b'{"model": "m", "prompt": "'
+        for _ in range(10):
+            yield b"y" * 1000
+        yield b'"}'
+
+    r = httpx.post(live.url + "/v1/completions", content=chunks())
+    assert "max_body_bytes" in error_of(r, 413)["message"]
+    ok(live)
+
+
+def test_a_full_queue_answers_503_with_retry_after(live: LiveServer) -> None:
+    """concurrency 1, max_queue 0: while one request streams, the next gets 503."""
+    client = live.openai()
+    stream = client.completions.create(
+        model=live.name, prompt=[1, 2, 3], max_tokens=400, stream=True, temperature=0,
+        extra_body={"ignore_eos": True},
+    )  # fmt: skip
+    next(iter(stream))  # it runs
+    r = post(live, {"model": live.name, "prompt": "a", "max_tokens": 2})
+    err = error_of(r, 503)
+    assert err["type"] == "overloaded_error" and r.headers["retry-after"] == "1"
+    stream.close()  # the client leaves: its request is aborted, its slot freed
+    loop = live.ctx.loop
+    for _ in range(200):
+        if loop.in_flight == 0:
+            break
+        time.sleep(0.05)
+    assert loop.in_flight == 0 and live.llm._built.engine.pool.reserved == 0
+    ok(live)
+
+
+def test_a_client_that_leaves_a_plain_request_aborts_it(live: LiveServer) -> None:
+    """No stream: the handler notices the disconnect (it polls every second) and aborts
+    the request, whose slot and memory return."""
+    body = {"model": live.name, "prompt": [1, 2, 3], "max_tokens": 2000, "ignore_eos": True}
+    with pytest.raises(httpx.TimeoutException):
+        httpx.post(live.url + "/v1/completions", json=body, timeout=0.5)
+    loop = live.ctx.loop
+    for _ in range(100):
+        if loop.in_flight == 0:
+            break
+        time.sleep(0.05)
+    assert loop.in_flight == 0 and live.llm._built.engine.pool.reserved == 0
+    ok(live)
