@@ -181,7 +181,7 @@ def test_special_tokens_tojson_and_loop_controls(tmp_path: Path) -> None:
         )
     )
     template = load_chat_template(model(tmp_path), tmp_path)
-    assert (template.bos_token, template.special_tokens["eos_token"]) == ("<s>", "</s>")
+    assert template.special_tokens == {"bos_token": "<s>", "eos_token": "</s>"}
     text = chat_prompt([SYSTEM, {"role": "user", "content": "<é>"}], template=template)
     assert text == '<s>{"role": "user", "content": "<é>"}</s>'  # no HTML escaping, no \\u
 
@@ -346,6 +346,25 @@ def test_one_bos_when_template_and_tokenizer_both_write_it(tmp_path: Path) -> No
     tok = dsv4_tokenizer(tmp_path / "tokenizer.json")
     ids = chat_prompt_ids([{"role": "user", "content": "hi"}], template=DEEPSEEK_V4, tokenizer=tok)
     assert ids == [2, 4, 1, 5, 7]  # BOS <｜User｜> hi <｜Assistant｜> </think>
+    assert tok.encode("hi") == [2, 1]  # while a plain prompt gets the tokenizer's BOS
+
+
+@pytest.mark.parametrize("name", sorted(CONVERSATIONS))
+def test_jinja_ids_equal_transformers_tokenized_chat(tmp_path: Path, name: str) -> None:
+    """Token for token as apply_chat_template(tokenize=True): the tokenizer's BOS (the tiny
+    tokenizer prepends <|bos|>) is not added to a template's prompt (Qwen3 writes none)."""
+    from transformers import PreTrainedTokenizerFast
+
+    template = qwen3_checkpoint(tmp_path)
+    tok = load_tokenizer(TINY, 1024, 0, 1)
+    hf = PreTrainedTokenizerFast(tokenizer_file=str(TINY / "tokenizer.json"))
+    messages = CONVERSATIONS[name]
+    out = hf.apply_chat_template(
+        messages, chat_template=QWEN3_TEMPLATE, tokenize=True, add_generation_prompt=True
+    )
+    theirs = list(out["input_ids"] if hasattr(out, "keys") else out)
+    assert chat_prompt_ids(messages, template=template, tokenizer=tok) == theirs
+    assert theirs[0] != tok.bos_id
     byte = ByteTokenizer(300, bos_id=2, stop_ids=[3])  # adds no BOS: the text keeps its own
     text = chat_prompt([{"role": "user", "content": "hi"}], template=DEEPSEEK_V4)
     assert chat_prompt_ids([{"role": "user", "content": "hi"}], template=DEEPSEEK_V4,

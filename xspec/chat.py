@@ -2,7 +2,7 @@
 
 One :class:`ChatTemplate` per model, chosen once by :func:`load_chat_template`; then
 :func:`chat_prompt` renders each request's messages (:func:`chat_prompt_ids`: to token ids,
-with one BOS). Four formats:
+as transformers' ``apply_chat_template`` tokenizes them). Four formats:
 
 * ``jinja``: the checkpoint's own template, ``chat_template.jinja`` (newer checkpoints) or
   ``tokenizer_config.json``'s ``chat_template`` (Qwen3); the file wins, as in transformers.
@@ -88,7 +88,6 @@ class ChatTemplate:
     source: str
     text: str = ""  # the Jinja source (format jinja)
     special_tokens: dict[str, str] = field(default_factory=dict)  # Jinja variables
-    bos_token: str = ""  # the BOS text a rendered prompt starts with ("" if none)
 
 
 PLAIN = ChatTemplate(ChatFormat.plain, "xspec's plain format for the built-in presets")
@@ -210,17 +209,18 @@ def chat_prompt_ids(
     add_generation_prompt: bool = True,
     options: Mapping[str, Any] | None = None,
 ) -> list[int]:
-    """:func:`chat_prompt` as token ids with exactly one BOS: a template that writes the
-    BOS text itself (DeepSeek-V4, ``{{ bos_token }}`` templates) loses it when the
-    tokenizer prepends its own BOS id anyway."""
+    """:func:`chat_prompt` as token ids. A Jinja or DeepSeek-V4 prompt already holds every
+    special token the model expects (its BOS text too, or none: Qwen3), so the BOS id the
+    tokenizer prepends to plain prompts is left off, as ``apply_chat_template`` tokenizes
+    (no special tokens added). The plain format keeps it: the presets were trained with it."""
     text = chat_prompt(
         messages, template=template, add_generation_prompt=add_generation_prompt, options=options
     )
-    bos = template.bos_token
+    ids = tokenizer.encode(text)
     adds_bos = tokenizer.bos_id is not None and tokenizer.encode("")[:1] == [tokenizer.bos_id]
-    if bos and adds_bos and text.startswith(bos):
-        text = text[len(bos) :]
-    return tokenizer.encode(text)
+    if template.format is not ChatFormat.plain and adds_bos:
+        ids = ids[1:]  # [bos] + the text's ids: keep the text's
+    return ids
 
 
 def _raise_exception(message: str) -> None:
@@ -371,7 +371,6 @@ DSV4_EFFORT_MAX = (
 DEEPSEEK_V4 = ChatTemplate(
     ChatFormat.deepseek_v4,
     "DeepSeek-V4 encoding (built in, from the checkpoint's encoding/README.md)",
-    bos_token=DSV4_BOS,
 )
 
 
@@ -514,7 +513,4 @@ def load_chat_template(model_cfg: ModelConfig, checkpoint_dir: Path | None) -> C
         _compiled(text)
     except Exception as e:  # jinja2.TemplateSyntaxError, with its line
         raise CheckpointError(f"the chat template {source} does not parse: {e}") from None
-    specials = _special_tokens(config)
-    return ChatTemplate(
-        ChatFormat.jinja, source, text, specials, bos_token=specials.get("bos_token", "")
-    )
+    return ChatTemplate(ChatFormat.jinja, source, text, _special_tokens(config))
