@@ -1,4 +1,4 @@
-"""Chat templates (xspec/chat.py): Qwen3's real Jinja template renders exactly as
+"""Chat templates (xspec/chat/): Qwen3's real Jinja template renders exactly as
 transformers' apply_chat_template does, DeepSeek-V4's encoding against hand-written
 strings, the plain format of the tiny presets, the sandbox, and bad messages."""
 

@@ -6,14 +6,11 @@ as transformers' ``apply_chat_template`` tokenizes them). Four formats:
 
 * ``jinja``: the checkpoint's own template, ``chat_template.jinja`` (newer checkpoints) or
   ``tokenizer_config.json``'s ``chat_template`` (Qwen3); the file wins, as in transformers.
-  A template is a stranger's code, so it runs in jinja2's ``ImmutableSandboxedEnvironment``:
-  it reads the messages and cannot reach Python. It gets what Hugging Face templates expect
-  (transformers' ``utils/chat_template_utils.py``): ``trim_blocks`` / ``lstrip_blocks``, the
-  ``loopcontrols`` extension, ``raise_exception``, a ``tojson`` filter that does not escape
-  HTML, ``strftime_now``, ``namespace``, ``dict``, the ``{% generation %}`` tag, and the
-  tokenizer's special tokens (``bos_token``, ``eos_token``, ...) as variables;
-* ``deepseek_v4``: DeepSeek-V4's encoding, written here from its documentation (see
-  :func:`render_deepseek_v4`) for ``deepseek_v4`` checkpoints without a Jinja template; the
+  A template is a stranger's code: it runs in a sandbox (:mod:`xspec.chat.jinja`) with what
+  Hugging Face templates expect, the tokenizer's special tokens (``bos_token``,
+  ``eos_token``, ...) among its variables;
+* ``deepseek_v4``: DeepSeek-V4's encoding, written in Python from its documentation
+  (:mod:`xspec.chat.deepseek_v4`) for ``deepseek_v4`` checkpoints without a Jinja template; the
   ``encoding/`` Python folder such checkpoints ship is never imported or run;
 * ``plain``: the built-in presets (``dsv4_tiny``, ``qwen3_tiny``, ...). They were trained on
   raw Python files and know no chat markers (their only specials are bos / eos / noise /
@@ -37,18 +34,16 @@ from __future__ import annotations
 
 import enum
 import json
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from dataclasses import dataclass, field
-from datetime import datetime
-from functools import lru_cache
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from xspec.chat import jinja
+from xspec.chat.deepseek_v4 import render as render_deepseek_v4
 from xspec.errors import CheckpointError, RequestError
 
 if TYPE_CHECKING:
-    import jinja2
-
     from xspec.config import ModelConfig
     from xspec.tokenizer import Tokenizer
 
@@ -91,6 +86,10 @@ class ChatTemplate:
 
 
 PLAIN = ChatTemplate(ChatFormat.plain, "xspec's plain format for the built-in presets")
+DEEPSEEK_V4 = ChatTemplate(
+    ChatFormat.deepseek_v4,
+    "DeepSeek-V4 encoding (built in, from the checkpoint's encoding/README.md)",
+)
 
 
 # -- messages --------------------------------------------------------------------------
@@ -189,7 +188,10 @@ def chat_prompt(
     :class:`~xspec.errors.RequestError`."""
     msgs, opts = check_messages(messages), _options(options)
     if template.format is ChatFormat.jinja:
-        return _render_jinja(template, msgs, add_generation_prompt, opts)
+        return jinja.render(
+            template.text, template.source, template.special_tokens, msgs,
+            add_generation_prompt, opts,
+        )  # fmt: skip
     if template.format is ChatFormat.deepseek_v4:
         return render_deepseek_v4(msgs, add_generation_prompt=add_generation_prompt, options=opts)
     if template.format is ChatFormat.plain:
@@ -221,222 +223,6 @@ def chat_prompt_ids(
     if template.format is not ChatFormat.plain and adds_bos:
         ids = ids[1:]  # [bos] + the text's ids: keep the text's
     return ids
-
-
-def _raise_exception(message: str) -> None:
-    import jinja2
-
-    raise jinja2.exceptions.TemplateError(message)
-
-
-def _tojson(
-    x: Any,
-    ensure_ascii: bool = False,
-    indent: int | None = None,
-    separators: tuple[str, str] | None = None,
-    sort_keys: bool = False,
-) -> str:
-    """JSON without Jinja's HTML escaping (what chat templates are written against)."""
-    return json.dumps(
-        x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys
-    )
-
-
-def _strftime_now(fmt: str) -> str:
-    return datetime.now().strftime(fmt)
-
-
-@lru_cache(maxsize=1)
-def _environment() -> jinja2.Environment:
-    """The sandbox templates render in (built once; jinja2 is imported on first use)."""
-    import jinja2
-    from jinja2 import nodes
-    from jinja2.ext import Extension
-    from jinja2.sandbox import ImmutableSandboxedEnvironment
-    from jinja2.utils import Namespace
-
-    class GenerationTag(Extension):
-        """``{% generation %}...{% endgeneration %}`` marks assistant text for training
-        masks in transformers; rendering keeps its body (in a call block's scope, as there)."""
-
-        tags = {"generation"}  # noqa: RUF012
-
-        def parse(self, parser: Any) -> nodes.Node:
-            lineno = next(parser.stream).lineno
-            body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
-            call = self.call_method("_body")
-            return nodes.CallBlock(call, [], [], body).set_lineno(lineno)
-
-        def _body(self, caller: Any) -> str:
-            return str(caller())
-
-    class SafeNamespace(Namespace):
-        """``namespace()`` that refuses underscore attributes (no path to CPython internals)."""
-
-        def __init__(*args: Any, **kwargs: Any) -> None:
-            self, rest = args[0], args[1:]
-            attrs = dict(*rest, **kwargs)
-            for name in attrs:
-                SafeNamespace._check(name)
-            Namespace.__init__(self, attrs)
-
-        def __setitem__(self, name: str, value: Any) -> None:
-            SafeNamespace._check(name)
-            Namespace.__setitem__(self, name, value)
-
-        @staticmethod
-        def _check(name: Any) -> None:
-            if isinstance(name, str) and name.startswith("_"):
-                raise jinja2.exceptions.SecurityError(
-                    f"a chat template cannot set the underscore attribute {name!r}"
-                )
-
-    class DictMaker:
-        """``dict(...)`` / ``dict.fromkeys(...)`` without handing the template the type."""
-
-        def __call__(self, *args: Any, **kwargs: Any) -> dict[Any, Any]:
-            return dict(*args, **kwargs)
-
-        def fromkeys(self, *args: Any) -> dict[Any, Any]:
-            return dict.fromkeys(*args)
-
-    env = ImmutableSandboxedEnvironment(
-        trim_blocks=True,
-        lstrip_blocks=True,
-        extensions=[GenerationTag, "jinja2.ext.loopcontrols"],
-    )
-    env.filters["tojson"] = _tojson
-    env.globals.update(
-        raise_exception=_raise_exception,
-        strftime_now=_strftime_now,
-        namespace=SafeNamespace,
-        dict=DictMaker(),
-    )
-    return env
-
-
-@lru_cache(maxsize=8)
-def _compiled(text: str) -> jinja2.Template:
-    return _environment().from_string(text)
-
-
-def _render_jinja(
-    template: ChatTemplate,
-    messages: list[dict[str, Any]],
-    add_generation_prompt: bool,
-    options: dict[str, Any],
-) -> str:
-    """Render as ``apply_chat_template(..., tokenize=False)`` does: special tokens, then
-    the request's kwargs over them, then the messages."""
-    import jinja2
-
-    context = {
-        **template.special_tokens,
-        "tools": None,
-        "documents": None,
-        **options,
-        "messages": messages,
-        "add_generation_prompt": add_generation_prompt,
-    }
-    try:
-        return _compiled(template.text).render(**context)
-    except jinja2.TemplateError as e:  # raise_exception(...) in the template, or the sandbox
-        raise RequestError(
-            f"the chat template ({template.source}) refused these messages: {e}"
-        ) from None
-    except Exception as e:  # the template tripped on the input (a stranger's code)
-        raise RequestError(
-            f"the chat template ({template.source}) failed on these messages: "
-            f"{type(e).__name__}: {e}"
-        ) from None
-
-
-# -- DeepSeek-V4 -----------------------------------------------------------------------
-
-DSV4_BOS = "<｜begin▁of▁sentence｜>"
-DSV4_EOS = "<｜end▁of▁sentence｜>"
-DSV4_USER = "<｜User｜>"
-DSV4_ASSISTANT = "<｜Assistant｜>"
-DSV4_THINK, DSV4_END_THINK = "<think>", "</think>"
-# the preamble reasoning_effort="max" puts before the first message (the reference text)
-DSV4_EFFORT_MAX = (
-    "Reasoning Effort: Absolute maximum with no shortcuts permitted.\n"
-    "You MUST be very thorough in your thinking and comprehensively decompose the problem to "
-    "resolve the root cause, rigorously stress-testing your logic against all potential paths, "
-    "edge cases, and adversarial scenarios.\n"
-    "Explicitly write out your entire deliberation process, documenting every intermediate "
-    "step, considered alternative, and rejected hypothesis to ensure absolutely no assumption "
-    "is left unchecked.\n\n"
-)
-DEEPSEEK_V4 = ChatTemplate(
-    ChatFormat.deepseek_v4,
-    "DeepSeek-V4 encoding (built in, from the checkpoint's encoding/README.md)",
-)
-
-
-def _dsv4_mode(options: dict[str, Any]) -> tuple[bool, str | None]:
-    """(thinking, reasoning_effort) from ``chat_template_kwargs``: ``thinking`` (or its
-    alias ``enable_thinking``, as vLLM reads them; default false: chat mode) and
-    ``reasoning_effort`` (null, ``"high"`` or ``"max"``; only ``"max"`` changes the prompt)."""
-    thinking = options.get("thinking", options.get("enable_thinking", False))
-    if not isinstance(thinking, bool):
-        raise RequestError(f"chat_template_kwargs.thinking must be true or false, got {thinking!r}")
-    effort = options.get("reasoning_effort")
-    if effort not in (None, "high", "max"):
-        raise RequestError(
-            f'chat_template_kwargs.reasoning_effort must be null, "high" or "max", got {effort!r}'
-        )
-    return thinking, effort
-
-
-def render_deepseek_v4(
-    messages: Sequence[dict[str, Any]],
-    *,
-    add_generation_prompt: bool = True,
-    options: Mapping[str, Any] | None = None,
-) -> str:
-    """DeepSeek-V4's chat encoding for checked messages (:func:`check_messages`).
-
-    Source: the ``encoding/README.md`` of the DeepSeek-V4 checkpoints (e.g.
-    huggingface.co/deepseek-ai/DeepSeek-V4-Flash) and its reference ``encode_messages``
-    (``thinking_mode``, ``drop_thinking=True``, no tools), which SGLang mirrors in
-    ``python/sglang/srt/entrypoints/openai/encoding_dsv4.py``. Written anew here::
-
-        <｜begin▁of▁sentence｜>{system}<｜User｜>{user}<｜Assistant｜></think>{answer}<｜end▁of▁sentence｜>
-        <｜User｜>{user}<｜Assistant｜></think>                       chat mode
-        <｜User｜>{user}<｜Assistant｜><think>                        thinking mode
-
-    A user message followed by the assistant (or ending the conversation, with
-    ``add_generation_prompt``) gets ``<｜Assistant｜>`` and ``</think>``; in thinking mode
-    the turns after the last user message get ``<think>`` instead, and an assistant message
-    there writes ``{reasoning_content}</think>`` before its content (earlier turns drop
-    their reasoning). ``reasoning_effort="max"`` in thinking mode puts a fixed preamble
-    before the first message. Tool calls (DeepSeek's DSML) are not implemented: a ``tool``
-    message or ``tool_calls`` is refused.
-    """
-    thinking, effort = _dsv4_mode(dict(options or {}))
-    for i, m in enumerate(messages):
-        if m["role"] == "tool" or m.get("tool_calls"):
-            raise RequestError(
-                f"messages[{i}]: tool calls are not supported with DeepSeek-V4's chat format "
-                "in xspec (its DSML tool encoding is not implemented)"
-            )
-    last_user = max((i for i, m in enumerate(messages) if m["role"] == "user"), default=-1)
-    parts = [DSV4_BOS, DSV4_EFFORT_MAX if thinking and effort == "max" else ""]
-    for i, m in enumerate(messages):
-        role, content = m["role"], m.get("content", "")
-        if role == "system":
-            parts.append(content)
-        elif role == "user":
-            parts.append(DSV4_USER + content)
-        else:  # assistant; its reasoning is kept only after the last user message
-            reasoning = m.get("reasoning_content", "") + DSV4_END_THINK
-            parts.append((reasoning if thinking and i > last_user else "") + content + DSV4_EOS)
-        nxt = messages[i + 1]["role"] if i + 1 < len(messages) else None
-        if role == "user" and (nxt == "assistant" or (nxt is None and add_generation_prompt)):
-            opens_thinking = thinking and i >= last_user
-            parts.append(DSV4_ASSISTANT + (DSV4_THINK if opens_thinking else DSV4_END_THINK))
-    return "".join(parts)
 
 
 # -- loading ---------------------------------------------------------------------------
@@ -510,7 +296,7 @@ def load_chat_template(model_cfg: ModelConfig, checkpoint_dir: Path | None) -> C
             f"{directory} has no {CHAT_TEMPLATE_FILE} and no chat_template in {TOKENIZER_CONFIG}",
         )
     try:
-        _compiled(text)
+        jinja.compile_template(text)
     except Exception as e:  # jinja2.TemplateSyntaxError, with its line
         raise CheckpointError(f"the chat template {source} does not parse: {e}") from None
     return ChatTemplate(ChatFormat.jinja, source, text, _special_tokens(config))
