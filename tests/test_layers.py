@@ -14,7 +14,7 @@ XSPEC = Path(__file__).resolve().parents[1] / "xspec"
 LAYERS: list[tuple[str, ...]] = [
     ("xspec", "xspec.errors", "xspec.atomic", "xspec.cache", "xspec.capture"),  # xspec: the package root (__version__)
     ("xspec.config", "xspec.compose", "xspec.registry", "xspec.sampling", "xspec.tokenizer",
-     "xspec.metrics"),
+     "xspec.chat", "xspec.metrics"),
     ("xspec.parallel",),
     ("xspec.models.ops",),
     ("xspec.platforms",),

@@ -9,7 +9,7 @@ import pytest
 import torch
 from prometheus_client.parser import text_string_to_metric_families
 
-from xspec.metrics import SpecDecodeMetrics
+from xspec.metrics import SpecDecodeMetrics, acceptance_length
 
 NAMES = [
     "xspec_spec_decode_num_drafts_total",
@@ -18,7 +18,18 @@ NAMES = [
     "xspec_spec_decode_num_committed_tokens_total",
     "xspec_spec_decode_num_accepted_tokens_per_pos_total",
     "xspec_spec_decode_mean_tokens_per_step",
+    "xspec_spec_decode_acceptance_length",
 ]
+
+# vLLM's spec-decode counters and the xspec counters that mirror them (docs/metrics.md)
+VLLM_MIRRORS = {
+    "vllm:spec_decode_num_drafts": "xspec_spec_decode_num_drafts_total",
+    "vllm:spec_decode_num_draft_tokens": "xspec_spec_decode_num_draft_tokens_total",
+    "vllm:spec_decode_num_accepted_tokens": "xspec_spec_decode_num_accepted_tokens_total",
+    "vllm:spec_decode_num_accepted_tokens_per_pos": (
+        "xspec_spec_decode_num_accepted_tokens_per_pos_total"
+    ),
+}
 
 
 def _scrape(metrics: SpecDecodeMetrics) -> dict[tuple[str, str], float]:
@@ -236,3 +247,56 @@ def test_absorbed_replicas_equal_one_engine_over_all_rows() -> None:
         k: v for k, v in vars(ref).items() if k not in skip
     }
     assert _scrape(halves[0]) == pytest.approx(_scrape(whole))
+
+
+def test_acceptance_length_is_vllms_and_sglangs_definition() -> None:
+    """Hand-counted, over two steps with a baseline row: vLLM's ``1 + accepted / drafts``
+    (drafting rows only, bonus included), one more than xspec's mean accepted length, and
+    not the committed tokens per row once a row carried no drafts."""
+    m = SpecDecodeMetrics()
+    # step 1, gamma 2: full block (2 accepted + bonus), rejected first draft (0 + correction)
+    m.observe_step(torch.tensor([[1, 2, 3], [4, -1, -1]]), torch.tensor([2, 2]))
+    # step 2, gamma 3: 1 of 3 accepted, 3 of 3 accepted, a baseline row (no drafts)
+    out = torch.tensor([[5, 6, -1, -1], [7, 8, 9, 10], [11, -1, -1, -1]])
+    m.observe_step(out, torch.tensor([3, 3, 0]))
+    r = m.report()
+    # drafting rows: 4; accepted drafts 2 + 0 + 1 + 3 = 6; committed 3 + 1 + 2 + 4 + 1 = 11
+    assert (r.num_drafts, r.num_accepted_tokens, r.num_committed_tokens) == (4, 6, 11)
+    assert r.acceptance_length == 1 + 6 / 4 == 2.5
+    assert r.mean_accepted_length == 6 / 4
+    assert r.acceptance_length == r.mean_accepted_length + 1
+    assert r.mean_tokens_per_step == 11 / 5  # the baseline row pulls this one down
+    assert r.accepted_per_position == [3, 2, 1]  # rows with >= 1, >= 2, >= 3 accepted
+    got = _scrape(m)
+    assert got[("xspec_spec_decode_acceptance_length", "")] == 2.5
+    line = next(x for x in r.format().splitlines() if x.startswith("acceptance length (vLLM)"))
+    assert line.split()[-1] == "2.5000"
+    assert acceptance_length(6, 4) == 2.5 and acceptance_length(0, 0) == 1.0
+
+
+def test_acceptance_length_when_every_row_drafts_equals_tokens_per_step() -> None:
+    m = SpecDecodeMetrics()
+    m.observe_step(torch.tensor([[1, 2, -1], [3, -1, -1], [4, 5, 6]]), torch.tensor([2, 2, 2]))
+    r = m.report()
+    assert r.acceptance_length == r.mean_tokens_per_step == 2.0  # (2 + 1 + 3) / 3
+
+
+def test_baseline_acceptance_length_is_one() -> None:
+    m = SpecDecodeMetrics()
+    m.observe_step(torch.tensor([[4], [5]]), torch.tensor([0, 0]))
+    assert m.report().acceptance_length == 1.0
+    assert _scrape(m)[("xspec_spec_decode_acceptance_length", "")] == 1.0
+
+
+def test_vllm_counters_are_mirrored_with_a_position_label() -> None:
+    """Each vLLM spec-decode counter has its xspec twin holding the same count: 2 drafting
+    rows, 4 draft tokens, 3 accepted (2 + 1), per position [2, 1]."""
+    m = SpecDecodeMetrics()
+    m.observe_step(torch.tensor([[1, 2, 3], [4, 5, -1]]), torch.tensor([2, 2]))
+    got = _scrape(m)
+    want = {"num_drafts": 2.0, "num_draft_tokens": 4.0, "num_accepted_tokens": 3.0}
+    for vllm_name, ours in VLLM_MIRRORS.items():
+        if vllm_name.endswith("per_pos"):
+            assert (got[(ours, "0")], got[(ours, "1")]) == (2.0, 1.0)
+        else:
+            assert got[(ours, "")] == want[vllm_name.removeprefix("vllm:spec_decode_")]

@@ -16,12 +16,20 @@ Semantics follow vLLM's ``vllm:spec_decode_*`` counters:
 - ``num_accepted_tokens_per_pos{position=k}``: rows whose accepted prefix has >= k+1
   tokens, so ``per_pos[k] / num_drafts`` is the survival probability through k;
 - gauge ``mean_tokens_per_step``: committed tokens / row-steps so far;
+- gauge ``acceptance_length``: :func:`acceptance_length` so far, vLLM's and SGLang's
+  figure (SGLang exports it as ``sglang:spec_accept_length``; vLLM derives it from
+  ``1 + num_accepted_tokens / num_drafts``);
 - ``num_target_rows``: rows the target scored in verification (anchor + verified drafts
   per row; xspec's, for adaptive verification), ``num_wasted_target_rows``: verified
   drafts that were rejected (draft tokens - accepted tokens).
 
 A baseline row (0 draft tokens) commits one token: it adds to committed tokens and
 row-steps, never to drafts.
+
+Two "lengths" differ by exactly 1, and dashboards mean the second one:
+``mean_accepted_length`` = accepted / drafts (xspec's: draft tokens a drafting row keeps)
+and ``acceptance_length`` = 1 + accepted / drafts (vLLM's and SGLang's: tokens a drafting
+row commits per step, the correction/bonus token included). docs/metrics.md has the table.
 """
 
 from __future__ import annotations
@@ -34,7 +42,7 @@ import torch
 from prometheus_client import CollectorRegistry, Counter, Gauge
 from torch import Tensor
 
-__all__ = ["AcceptanceReport", "SpecDecodeMetrics"]
+__all__ = ["AcceptanceReport", "SpecDecodeMetrics", "acceptance_length"]
 
 _PREFIX = "xspec_spec_decode"
 
@@ -42,6 +50,15 @@ _PREFIX = "xspec_spec_decode"
 def _ratio(num: float, den: float) -> float:
     """num / den, defined as 0.0 when nothing was drafted (den == 0): no NaN in reports."""
     return num / den if den else 0.0
+
+
+def acceptance_length(num_accepted_tokens: int, num_drafts: int) -> float:
+    """vLLM's and SGLang's acceptance length: ``1 + accepted / drafts``, the tokens a verify
+    row that carried drafts commits (its accepted drafts plus the correction/bonus token),
+    averaged over those rows. 1.0 when nothing was drafted (each step then commits one
+    token). It equals xspec's ``mean_accepted_length + 1``; per request, pass that
+    request's counts."""
+    return 1.0 + _ratio(num_accepted_tokens, num_drafts)
 
 
 @dataclass(frozen=True)
@@ -59,6 +76,7 @@ class AcceptanceReport:
     accepted_per_position: list[int]  # [k] rows whose accepted prefix has >= k+1 tokens
     acceptance_rate: float  # accepted / draft tokens
     mean_accepted_length: float  # accepted / drafts (bonus excluded; vLLM's "length" is this + 1)
+    acceptance_length: float  # 1 + accepted / drafts: vLLM's / SGLang's (bonus included)
     mean_tokens_per_step: float  # committed / row-steps: tokens per request per step
     survival: list[float]  # accepted_per_position[k] / drafts
     full_block_fraction: float  # full blocks / drafts
@@ -88,6 +106,7 @@ class AcceptanceReport:
             ("committed tokens", str(self.num_committed_tokens)),
             ("acceptance rate", f"{self.acceptance_rate:.4f}"),
             ("mean accepted length", f"{self.mean_accepted_length:.4f}"),
+            ("acceptance length (vLLM)", f"{self.acceptance_length:.4f}"),
             ("mean tokens per step", f"{self.mean_tokens_per_step:.4f}"),
             ("full-block fraction", f"{self.full_block_fraction:.4f}"),
             ("zero-accept fraction", f"{self.zero_accept_fraction:.4f}"),
@@ -162,6 +181,11 @@ class SpecDecodeMetrics:
             "Committed tokens per verify row so far",
             registry=reg,
         )
+        self._acceptance_length = Gauge(
+            f"{_PREFIX}_acceptance_length",
+            "1 + accepted tokens / drafts so far (vLLM's and SGLang's acceptance length)",
+            registry=reg,
+        )
         # Python totals mirror the counters: the report reads these, not the registry.
         self._steps = 0
         self._row_steps = 0
@@ -221,6 +245,7 @@ class SpecDecodeMetrics:
         self._target_rows.inc(int((drafted + 1).sum()))
         self._wasted_rows.inc(int((drafted - accepted).sum()))
         self._tokens_per_step.set(_ratio(self._num_committed, self._row_steps))
+        self._acceptance_length.set(acceptance_length(self._num_accepted, self._num_drafts))
 
     def _observe_confidence(self, confidence: Tensor, accepted: Tensor, drafted: Tensor) -> None:
         """Predicted survival ``prod_{i<=k} c_i`` vs realised acceptance, per position.
@@ -282,6 +307,7 @@ class SpecDecodeMetrics:
         self._target_rows.inc(t["target_rows"])
         self._wasted_rows.inc(t["draft_tokens"] - t["accepted"])
         self._tokens_per_step.set(_ratio(self._num_committed, self._row_steps))
+        self._acceptance_length.set(acceptance_length(self._num_accepted, self._num_drafts))
 
     def report(self) -> AcceptanceReport:
         drafts = self._num_drafts
@@ -298,6 +324,7 @@ class SpecDecodeMetrics:
             accepted_per_position=list(self._per_position),
             acceptance_rate=_ratio(self._num_accepted, self._num_draft_tokens),
             mean_accepted_length=_ratio(self._num_accepted, drafts),
+            acceptance_length=acceptance_length(self._num_accepted, drafts),
             mean_tokens_per_step=_ratio(self._num_committed, self._row_steps),
             survival=[_ratio(c, drafts) for c in self._per_position],
             full_block_fraction=_ratio(self._num_full, drafts),

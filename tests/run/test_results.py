@@ -67,6 +67,10 @@ def test_results_schema(oracle_job: dict) -> None:
     acc = j["acceptance"]
     assert acc["aggregate"] == 1.0 and acc["per_position"] == [1.0, 1.0, 1.0]
     assert (acc["full_block"], acc["zero_accept"]) == (1.0, 0.0)
+    # every step verifies 3 drafts and keeps them all: 3 accepted + the bonus per row-step
+    assert (acc["acceptance_length"], acc["mean_accepted_length"]) == (4.0, 3.0)
+    assert j["spec_decode"]["acceptance_length"] == 4.0
+    assert summary_rows([j])[0]["acceptance_length"] == 4.0
     assert "calibration" not in acc  # the oracle has no confidence head
     assert j["mean_committed_per_step"] == 4.0
     assert j["spec_decode"]["num_committed_tokens"] == 3 * 2 * 8  # the exported counters

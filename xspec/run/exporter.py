@@ -6,7 +6,11 @@ One exporter per process (a multirun's jobs share it). It serves, at
 * the speculative counters of the running job's engine (``xspec_spec_decode_*``, see
   :mod:`xspec.metrics`), read at scrape time from the engine's current
   :class:`~xspec.metrics.SpecDecodeMetrics` (they restart at each job, like a restarted
-  server's: Prometheus' ``rate`` handles counter resets);
+  server's: Prometheus' ``rate`` handles counter resets). They mirror vLLM's
+  ``vllm:spec_decode_num_drafts``, ``_num_draft_tokens``, ``_num_accepted_tokens`` and
+  ``_num_accepted_tokens_per_pos{position}``, plus the gauge
+  ``xspec_spec_decode_acceptance_length`` (SGLang's ``spec_accept_length``);
+  docs/metrics.md maps each name;
 * per-request histograms recorded from each finished :class:`Generation`, labelled
   with the job's ``model`` and ``spec``: ``xspec_request_queue_seconds`` (arrival to
   admission), ``xspec_request_ttft_seconds``, ``xspec_request_tpot_seconds`` (requests

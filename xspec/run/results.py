@@ -99,6 +99,9 @@ def job_results(
     if gamma > 0:
         acceptance = {
             "aggregate": rep.acceptance_rate,
+            # vLLM's / SGLang's acceptance length (bonus included) and xspec's (excluded)
+            "acceptance_length": rep.acceptance_length,
+            "mean_accepted_length": rep.mean_accepted_length,
             "per_position": rep.survival,
             "full_block": rep.full_block_fraction,
             "zero_accept": rep.zero_accept_fraction,
@@ -184,6 +187,7 @@ def summary_rows(jobs: list[dict[str, Any]]) -> list[dict[str, Any]]:
                 **{k: j[k] for k in ("num_requests", "num_repeats", *FIGURES)},
                 "half_range": j["half_range"],
                 "acceptance": acc["aggregate"] if acc is not None else None,
+                "acceptance_length": acc.get("acceptance_length") if acc is not None else None,
                 "mean_committed_per_step": j["mean_committed_per_step"],
                 "speedup_tpot": _ratio(
                     None if base is None else base["tpot_ms_mean"], j["tpot_ms_mean"]

@@ -32,6 +32,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from xspec.build import Built
+from xspec.chat import chat_prompt_ids, load_chat_template
 from xspec.config import RunConfig
 from xspec.engine.engine import Delta, Engine, Generation
 from xspec.engine.engine import Request as EngineRequest
@@ -40,7 +41,6 @@ from xspec.errors import RequestError
 from xspec.metrics import SpecDecodeMetrics
 from xspec.run.exporter import RequestMetrics
 from xspec.sampling import SamplingParams
-from xspec.serve.chat import chat_template_for
 from xspec.serve.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -62,7 +62,7 @@ class ServeContext:
     loop: EngineLoop
     encode: Callable[[str], list[int]]
     decode: Callable[[list[int]], str]
-    chat_prompt: Callable[[list[dict[str, Any]], dict[str, Any]], str]
+    chat_ids: Callable[[list[dict[str, Any]], dict[str, Any]], list[int]]  # messages -> prompt
     model_name: str
     spec: str
     max_context: int
@@ -93,11 +93,18 @@ def context(cfg: RunConfig, built: Built, model_option: str) -> ServeContext:
     )
     metrics = RequestMetrics()
     metrics.follow(built.engine)
+    template = load_chat_template(cfg.model, built.target.checkpoint_dir)
+
+    def chat_ids(messages: list[dict[str, Any]], options: dict[str, Any]) -> list[int]:
+        return chat_prompt_ids(
+            messages, template=template, tokenizer=built.tokenizer, options=options
+        )
+
     return ServeContext(
         loop=loop,
         encode=built.tokenizer.encode,
         decode=built.tokenizer.decode,
-        chat_prompt=chat_template_for(built),
+        chat_ids=chat_ids,
         model_name=s.served_model_name or model_option,
         spec=cfg.spec.method,
         max_context=built.target.max_context,
@@ -229,8 +236,8 @@ def make_app(ctx: ServeContext) -> FastAPI:
     async def chat(body: ChatCompletionRequest, request: Request) -> Response:
         messages = [m.model_dump(exclude_none=True) for m in body.messages]
         kwargs = body.chat_template_kwargs or {}
-        text = _checked(ctx, body, lambda: ctx.chat_prompt(messages, kwargs))
-        return await _serve(ctx, request, body, _encode(ctx, text), chat=True)
+        ids = _checked(ctx, body, lambda: ctx.chat_ids(messages, kwargs))
+        return await _serve(ctx, request, body, ids, chat=True)
 
     return app
 
