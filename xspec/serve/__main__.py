@@ -11,11 +11,14 @@ loop: open requests end with an error, new ones get 503, and the server exits wi
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import os
+import signal
 import socket
 import sys
 import threading
+from collections.abc import Iterator
 from typing import Any
 
 
@@ -46,6 +49,8 @@ def serve(cfg: Any, built: Any, sock: socket.socket | None, model_option: str) -
     from xspec.parallel.runtime import PEER_FAILURE_EXIT, PeerFailure
     from xspec.serve.app import asgi_app, context, warm_up
 
+    _Server = _server_class()
+
     try:
         warm_up(built.engine)
         ctx = context(cfg, built, model_option)
@@ -55,7 +60,7 @@ def serve(cfg: Any, built: Any, sock: socket.socket | None, model_option: str) -
     except PeerFailure as e:
         print(f"xspec.serve: error: {e}", file=sys.stderr, flush=True)
         os._exit(PEER_FAILURE_EXIT)
-    server = uvicorn.Server(
+    server = _Server(
         uvicorn.Config(
             asgi_app(ctx), log_level="warning", access_log=False, timeout_graceful_shutdown=5
         )
@@ -82,6 +87,30 @@ def serve(cfg: Any, built: Any, sock: socket.socket | None, model_option: str) -
             os._exit(PEER_FAILURE_EXIT)  # never wait on the dead peer again
         return 1
     return 0
+
+
+def _server_class() -> type:
+    import uvicorn
+
+    class Server(uvicorn.Server):
+        """uvicorn's server, except that SIGINT / SIGTERM only stop serving (uvicorn
+        re-raises them afterwards, which would skip closing the engine loop that the
+        other ranks follow)."""
+
+        @contextlib.contextmanager
+        def capture_signals(self) -> Iterator[None]:
+            if threading.current_thread() is not threading.main_thread():
+                yield
+                return
+            sigs = (signal.SIGINT, signal.SIGTERM)
+            previous = {s: signal.signal(s, self.handle_exit) for s in sigs}
+            try:
+                yield
+            finally:
+                for s, handler in previous.items():
+                    signal.signal(s, handler)
+
+    return Server
 
 
 def _stop_when_loop_dies(loop: Any, server: Any) -> None:
