@@ -141,3 +141,20 @@ def test_a_client_that_leaves_a_plain_request_aborts_it(live: LiveServer) -> Non
         time.sleep(0.05)
     assert loop.in_flight == 0 and live.llm._built.engine.pool.reserved == 0
     ok(live)
+
+
+def test_a_request_past_the_timeout_gets_504_and_is_aborted() -> None:
+    live = start_server(
+        "qwen3_tiny", "none", {"model.dtype": "float32", "server.request_timeout_s": 0.5}
+    )
+    try:
+        body = {"model": live.name, "prompt": [1, 2, 3], "max_tokens": 2000, "ignore_eos": True}
+        err = error_of(post(live, body), 504)
+        assert err["type"] == "timeout" and "request_timeout_s" in err["message"]
+        for _ in range(100):
+            if live.ctx.loop.in_flight == 0:
+                break
+            time.sleep(0.05)
+        assert live.ctx.loop.in_flight == 0 and live.llm._built.engine.pool.reserved == 0
+    finally:
+        live.stop()
