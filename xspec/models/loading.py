@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import math
 import os
 import shutil
 import struct
@@ -84,8 +85,8 @@ def _read_json(file: Path) -> dict:
     return data
 
 
-def _read_header(file: Path) -> dict[str, tuple[list[int], str, int]]:
-    """Parse one safetensors header: ``{name: (shape, dtype code, data offset)}``."""
+def _read_header(file: Path) -> dict[str, tuple[list[int], str, int, int]]:
+    """Parse one safetensors header: ``{name: (shape, dtype code, data start, data end)}``."""
     try:
         with open(file, "rb") as f:
             (n,) = struct.unpack("<Q", f.read(8))
@@ -94,7 +95,12 @@ def _read_header(file: Path) -> dict[str, tuple[list[int], str, int]]:
             header = json.loads(f.read(n))
         header.pop("__metadata__", None)
         out = {
-            name: (list(info["shape"]), info["dtype"], int(info["data_offsets"][0]))
+            name: (
+                list(info["shape"]),
+                info["dtype"],
+                int(info["data_offsets"][0]),
+                int(info["data_offsets"][1]),
+            )
             for name, info in header.items()
         }
         end = max((int(info["data_offsets"][1]) for info in header.values()), default=0)
@@ -151,7 +157,7 @@ class Checkpoint:
             )
         self.config: dict = _read_json(config_file)
         self._file_of: dict[str, Path] = {}
-        self._headers: dict[Path, dict[str, tuple[list[int], str, int]]] = {}
+        self._headers: dict[Path, dict[str, tuple[list[int], str, int, int]]] = {}
         self._handles: dict[Path, Any] = {}  # open safe_open handles, see _open
         self._index_files()
 
@@ -268,8 +274,13 @@ class Checkpoint:
 
     def meta(self, name: str) -> tuple[list[int], str]:
         """(shape, safetensors dtype code such as "F32", "BF16", "I8") without reading data."""
-        shape, code, _ = self._headers[self.file_of(name)][name]
+        shape, code, _, _ = self._headers[self.file_of(name)][name]
         return list(shape), code
+
+    def nbytes(self, name: str) -> int:
+        """Bytes ``name`` occupies in its shard (the header's data offsets; no data read)."""
+        _, _, start, end = self._headers[self.file_of(name)][name]
+        return end - start
 
     def iter_tensors(
         self, names: Iterable[str] | None = None
@@ -308,6 +319,41 @@ class Checkpoint:
                 self._handles.pop(next(iter(self._handles)))
             self._handles[file] = safe_open(str(file), framework="pt", device="cpu")
         return self._handles[file]
+
+
+# safetensors dtype codes -> the format names the memory plan reports
+FORMAT_NAMES = {
+    "F64": "fp64",
+    "F32": "fp32",
+    "F16": "fp16",
+    "BF16": "bf16",
+    "F8_E4M3": "fp8",
+    "F8_E5M2": "fp8",
+    "F8_E8M0": "ue8m0",
+    "I64": "int",
+    "I32": "int",
+    "I16": "int",
+    "I8": "int",
+    "U8": "int",
+    "BOOL": "int",
+}
+_FLOAT_WIDTHS = {2: "bf16", 4: "fp32", 8: "fp64"}
+
+
+def held_bytes(ckpt: Checkpoint, name: str, itemsize: int) -> tuple[str, int]:
+    """(format, bytes) an unquantised tensor holds once loaded, from its header: a float
+    tensor is cast to the model dtype (``itemsize`` bytes per element), so it holds at
+    least that many per element (a wider stored tensor is counted at its own width: the
+    fp32 parameters a model keeps); an integer tensor (an index table) as stored."""
+    shape, code = ckpt.meta(name)
+    stored = ckpt.nbytes(name)
+    if _kind(code) != "float" or code.startswith("F8"):
+        return FORMAT_NAMES.get(code, code.lower()), stored
+    numel = math.prod(shape)
+    width = max(itemsize, stored // max(numel, 1))
+    if width * numel == stored:
+        return FORMAT_NAMES[code], stored
+    return _FLOAT_WIDTHS.get(width, f"{8 * width}-bit float"), width * numel
 
 
 def require_config_keys(config: dict, keys: Iterable[str], where: Path) -> None:

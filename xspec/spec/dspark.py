@@ -25,7 +25,7 @@ from typing import Any
 
 from xspec.config import Calibration
 from xspec.errors import ConfigError
-from xspec.models.base import StepOptions
+from xspec.models.base import Footprint, StepOptions
 from xspec.models.block_draft import BlockDrafts, BlockLayout, LoadedDraft
 from xspec.registry import families_where, family_named
 from xspec.spec.block import BlockDrafter, resolve_gamma
@@ -96,6 +96,11 @@ class DSparkDrafter(BlockDrafter):
         if problems:
             return problems
         return _adaptive_problems(cls, family, spec_cfg, model_cfg)
+
+    @classmethod
+    def footprint(cls, spec_cfg: Any, model_cfg: Any, gamma: int) -> Footprint | None:
+        family = _family(cls.method, model_cfg.arch)
+        return None if isinstance(family, str) else family.footprint(cls.method, spec_cfg, model_cfg, gamma)
 
     # spec.adaptive works with this drafter when its checkpoint has a confidence head
     supports_adaptive = True
