@@ -27,6 +27,7 @@ half-written checkpoint that a later run would trust.
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import math
 import os
@@ -86,7 +87,24 @@ def _read_json(file: Path) -> dict:
 
 
 def _read_header(file: Path) -> dict[str, tuple[list[int], str, int, int]]:
-    """Parse one safetensors header: ``{name: (shape, dtype code, data start, data end)}``."""
+    """Parse one safetensors header: ``{name: (shape, dtype code, data start, data end)}``
+    (shared, read-only: parsed once per version of the file, see :func:`_parse_header`)."""
+    try:
+        st = file.stat()
+    except OSError as e:
+        raise CheckpointError(
+            f"{file} is not a readable safetensors file ({e}); {_refetch_hint(file)}"
+        ) from e
+    return _parse_header(file, st.st_size, st.st_mtime_ns, st.st_ino)
+
+
+@functools.lru_cache(maxsize=256)
+def _parse_header(
+    file: Path, size: int, mtime_ns: int, inode: int
+) -> dict[str, tuple[list[int], str, int, int]]:
+    """:func:`_read_header` of one version of ``file`` (size, mtime and inode are the
+    cache key): the target, its drafters and the memory plan each open the checkpoint,
+    and a real one's headers describe ~10^5 tensors."""
     try:
         with open(file, "rb") as f:
             (n,) = struct.unpack("<Q", f.read(8))
@@ -104,7 +122,6 @@ def _read_header(file: Path) -> dict[str, tuple[list[int], str, int, int]]:
             for name, info in header.items()
         }
         end = max((int(info["data_offsets"][1]) for info in header.values()), default=0)
-        size = file.stat().st_size
     except (OSError, ValueError, struct.error, TypeError, KeyError, IndexError) as e:
         raise CheckpointError(
             f"{file} is not a readable safetensors file ({e}); {_refetch_hint(file)}"
@@ -200,20 +217,21 @@ class Checkpoint:
             raise CheckpointError(f"{index_file} has no 'weight_map' object naming the shards")
         self._check_shard_paths(index_file, weight_map)  # before any file outside is touched
         problems = []
-        for shard in sorted(set(weight_map.values())):
-            file = self.path / shard
+        # one Path and one header per shard: a real index names ~10^5 tensors in ~50 shards
+        files = {shard: self.path / shard for shard in sorted(set(weight_map.values()))}
+        headers: dict[str, dict] = {}
+        for shard, file in files.items():
             if not file.is_file():
                 names = [n for n, s in weight_map.items() if s == shard]
                 problems.append(f"shard {shard} (holding e.g. {names[0]!r}) is missing")
                 continue
-            self._headers[file] = _read_header(file)
+            headers[shard] = self._headers[file] = _read_header(file)
         for name, shard in weight_map.items():
-            file = self.path / shard
-            if file in self._headers and name not in self._headers[file]:
+            if shard in headers and name not in headers[shard]:
                 problems.append(
                     f"{index_file.name} puts {name!r} in {shard}, but that shard lacks it"
                 )
-            self._file_of[name] = file
+            self._file_of[name] = files[shard]
         if problems:
             raise CheckpointError(
                 f"checkpoint {self.path} does not match its index {index_file.name}; "
@@ -230,12 +248,12 @@ class Checkpoint:
         problems: list[str] = []
         seen: set[str] = set()
         for name, shard in weight_map.items():
+            if isinstance(shard, str) and shard in seen:
+                continue  # one line per shard: the first tensor that names it
             entry = f"{json.dumps(name)}: {json.dumps(shard)}"  # the index line
             if not isinstance(shard, str):
                 problems.append(f"{entry}: a shard entry must be a file name")
                 continue
-            if shard in seen:
-                continue  # one line per shard: the first tensor that names it
             seen.add(shard)
             rel = Path(shard)
             if rel.is_absolute():
