@@ -91,8 +91,11 @@ def plan_text(argv: list[str]) -> tuple[str, dict, str | None, str | None]:
             f"model.arch={cfg.model.arch}: its family cannot count its weights from the "
             "checkpoint headers (ModelFamily.footprint), so there is nothing to plan"
         )
-    return plan.describe(context), plan.to_json(context), plan.problem(cfg.model.dtype.value), (
-        args.json_path
+    return (
+        plan.describe(context),
+        plan.to_json(context),
+        plan.problem(cfg.model.dtype.value),
+        (args.json_path),
     )
 
 

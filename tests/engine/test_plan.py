@@ -18,14 +18,14 @@ from pathlib import Path
 import pytest
 
 from tests.clirun import run_cli_in_process
-from tests.test_cli import ROOT
 from tests.models.deepseek_v4.flash_headers import allocated_bytes, write_flash_0731
+from tests.test_cli import ROOT
 from xspec.plan import main as plan_main
 
 GIB = 1 << 30
-# DeepSeek-V4-Flash-0731 (dsv4_arch.md 1.1)
+# DeepSeek-V4-Flash-0731: its config.json (flash_headers.flash_0731_config)
 V, D, H, HD, QR, G, OLR = 129280, 4096, 64, 512, 1024, 8, 1024
-E, I, TOPK, IH, IHD, HC, RANK, STAGES = 256, 2048, 6, 64, 128, 4, 256, 3
+E, INTER, TOPK, IH, IHD, HC, RANK, STAGES = 256, 2048, 6, 64, 128, 4, 256, 3
 RATIOS = [0, 0] + [4, 128] * 20 + [4]
 GAMMA, ROLLBACK, WINDOW = 5, 8, 128  # dspark_block_size; max(gamma, 8) rows of rollback
 
@@ -47,7 +47,7 @@ def hand_weights(fmt: str, ep: int) -> dict[str, int]:
     def add(key: str, nbytes: int) -> None:
         held[key] = held.get(key, 0) + nbytes
 
-    ffn = [(I, D), (D, I), (I, D)]  # w1, w2, w3
+    ffn = [(INTER, D), (D, INTER), (INTER, D)]  # w1, w2, w3
     attn = [(QR, D), (H * HD, QR), (HD, D)]  # wq_a, wq_b, wkv: quantised in both formats
     wo = [(G * OLR, H * HD // G), (D, G * OLR)]  # wo_a, wo_b: FP8 in the official release
     hc = 2 * (24 * HC * D + 24 + 3)  # hc_attn / hc_ffn fn, base, scale (fp32)
@@ -86,7 +86,8 @@ def hand_weights(fmt: str, ep: int) -> dict[str, int]:
 
 
 def hand_kv() -> tuple[int, float, int]:
-    """(target fixed, target bytes per token, draft fixed) in bf16 (dsv4_arch.md 3.3)."""
+    """(target fixed, target bytes per token, draft fixed) in bf16. Per token: 21 CSA
+    layers x (512 / 4 + 128 / 4) x 2 B + 20 HCA layers x 512 / 128 x 2 B."""
     per_token = 21 * (HD * 2 / 4 + IHD * 2 / 4) + 20 * (HD * 2 / 128)
     fixed = 43 * (WINDOW + ROLLBACK) * HD * 2  # the SWA rings (+ rollback rows)
     for ratio in RATIOS:  # fp32 compressor state rows, kv + score
@@ -156,6 +157,7 @@ def test_flash_0731_w8a8_on_4_ranks_does_not_fit(
 ) -> None:
     ckpt = flash_0731["w8a8"]
     code, data, text, err = _plan(tmp_path, ckpt, "parallel.dp=4", "parallel.ep=4", "--world=16")
+    assert "0 per DP replica, 0 in all" in text
     weights = sum(hand_weights("w8a8", 4).values())
     assert code == 2 and data["ranks"][0]["max_sequences"] == 0  # the plan is still written
     assert f"{int(0.9 * 64 * GIB)} bytes available but at least" in err
@@ -199,7 +201,9 @@ def test_too_small_budget_is_refused_before_any_tensor_is_read(tmp_path: Path) -
         assert "NaN" not in r.stderr and "Traceback" not in r.stderr
     assert results[0].stderr.replace(str(intact), "") == results[1].stderr.replace(str(garbled), "")
     # with room for it the garbled one is loaded, and its first tensor fails
-    ok = run_cli_in_process(*args[:-1], f"model.path={garbled}", "workload.num_requests=1", cwd=tmp_path)
+    ok = run_cli_in_process(
+        *args[:-1], f"model.path={garbled}", "workload.num_requests=1", cwd=tmp_path
+    )
     assert ok.returncode == 2 and "NaN or Inf" in ok.stderr
 
 

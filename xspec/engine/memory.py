@@ -207,9 +207,7 @@ def budget_of(engine: Any, free_before: int, default: float) -> tuple[int, str]:
         return int(value), f"engine.memory_budget={value:.0f}"
     total = free_before if device is None else int(device * GIB)
     fraction = default if value is None else value
-    setting = "engine.memory_budget=null (the platform's default)" if value is None else (
-        "engine.memory_budget"
-    )
+    setting = "engine.memory_budget" if value is not None else "the platform's default"
     what = "the free memory" if device is None else f"engine.device_memory_gib={device:g}"
     budget = resolve_budget(fraction, total, 0, default)
     return budget, f"{setting} {fraction:g} x {what} ({_b(total)})"

@@ -100,7 +100,11 @@ class DSparkDrafter(BlockDrafter):
     @classmethod
     def footprint(cls, spec_cfg: Any, model_cfg: Any, gamma: int) -> Footprint | None:
         family = _family(cls.method, model_cfg.arch)
-        return None if isinstance(family, str) else family.footprint(cls.method, spec_cfg, model_cfg, gamma)
+        return (
+            None
+            if isinstance(family, str)
+            else family.footprint(cls.method, spec_cfg, model_cfg, gamma)
+        )
 
     # spec.adaptive works with this drafter when its checkpoint has a confidence head
     supports_adaptive = True

@@ -129,7 +129,11 @@ class MtpDrafter(Drafter):
     @classmethod
     def footprint(cls, spec_cfg: Any, model_cfg: Any, gamma: int) -> Footprint | None:
         family = _mtp_family(model_cfg.arch)
-        return None if isinstance(family, str) else family.footprint_mtp(spec_cfg, model_cfg, gamma=gamma)
+        return (
+            None
+            if isinstance(family, str)
+            else family.footprint_mtp(spec_cfg, model_cfg, gamma=gamma)
+        )
 
     # -- Drafter protocol ---------------------------------------------------------------
 

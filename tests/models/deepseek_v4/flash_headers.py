@@ -3,9 +3,9 @@ complete, its data section a sparse hole (the file is truncated up to its full s
 nothing is written and reading a tensor would give zeros). Only a reader that never
 touches tensor data can use them: the memory planner.
 
-The geometry is the official Flash-0731 config.json (``../shared/reference/dsv4_arch.md``
-section 1): 43 layers (SWA, SWA, then CSA / HCA alternating, CSA last), 256 routed
-experts x 2048, hidden 4096, 64 heads x 512, three DSpark stages ``mtp.0..2``. Storage:
+The geometry is the official Flash-0731 config.json: 43 layers (SWA, SWA, then CSA /
+HCA alternating, CSA last), 256 routed experts x 2048, hidden 4096, 64 heads x 512,
+three DSpark stages ``mtp.0..2``. Storage:
 
 * ``w8a8`` (msModelSlim W8A8_DYNAMIC): the attention projections ``wq_a``, ``wq_b``,
   ``wkv``, ``indexer.wq_b`` and every expert / shared-expert ``w1..w3`` int8 with fp32
@@ -36,11 +36,13 @@ MARKOV_RANK = 256
 ITEMSIZE = {"BF16": 2, "F32": 4, "I32": 4, "I8": 1, "F8_E4M3": 1, "F8_E8M0": 1}
 FP32 = re.compile(r"(attn_sink|hc_\w+|gate\.bias|\.ape)$")
 EXPERT = re.compile(r"\.ffn\.experts\.\d+\.w[123]\.weight$")
-LINEAR = re.compile(r"\.(attn\.(wq_a|wq_b|wkv|wo_a|wo_b|indexer\.wq_b)|ffn\.shared_experts\.w[123])\.weight$")
+LINEAR = re.compile(
+    r"\.(attn\.(wq_a|wq_b|wkv|wo_a|wo_b|indexer\.wq_b)|ffn\.shared_experts\.w[123])\.weight$"
+)
 
 
 def flash_0731_config(layers: int = 43) -> dict:
-    """config.json of DeepSeek-V4-Flash-0731 (dsv4_arch.md 1.1): the target + DSpark keys;
+    """config.json of DeepSeek-V4-Flash-0731 (the official values): the target + DSpark keys;
     ``layers`` < 43: the first layers alone (a slice, without DSpark stages)."""
     ratios = ([0, 0] + [4, 128] * 20 + [4])[:layers]
     stages = STAGES if layers == 43 else 0
@@ -138,7 +140,11 @@ def write_header_only(path: Path, tensors: dict[str, tuple[str, list[int]]]) -> 
         header, offset = {}, 0
         for name, (code, shape) in members.items():
             nbytes = math.prod(shape) * ITEMSIZE[code]
-            header[name] = {"dtype": code, "shape": shape, "data_offsets": [offset, offset + nbytes]}
+            header[name] = {
+                "dtype": code,
+                "shape": shape,
+                "data_offsets": [offset, offset + nbytes],
+            }
             offset += nbytes
             weight_map[name] = file
         blob = json.dumps(header).encode()

@@ -118,7 +118,11 @@ def footprint(cfg: Any, *, max_rollback: int) -> Footprint:
     config.json and the headers (see :class:`~xspec.models.base.Footprint`)."""
     from xspec.models.base import Footprint, KvBytes
     from xspec.models.deepseek_v4.state import kv_bytes
-    from xspec.models.deepseek_v4.weights import check_checkpoint, expected_tensors, stored_footprint
+    from xspec.models.deepseek_v4.weights import (
+        check_checkpoint,
+        expected_tensors,
+        stored_footprint,
+    )
     from xspec.models.loading import CONFIG_NAME, Checkpoint
 
     ckpt = Checkpoint(checkpoint_path(cfg))

@@ -59,7 +59,6 @@ from xspec.models.deepseek_v4.state import Ring, scatter_rows, stack_rings
 from xspec.models.deepseek_v4.weights import load_drafter, stored_footprint
 from xspec.models.draft_heads import ConfidenceHead, MarkovHead
 from xspec.models.loading import CONFIG_NAME, Checkpoint
-from xspec.models.presets import dtype_name
 from xspec.models.ops import (
     EAGER_STEPS,
     REFERENCE_OPS,
@@ -69,6 +68,7 @@ from xspec.models.ops import (
     StepOptions,
     eager,
 )
+from xspec.models.presets import dtype_name
 
 if TYPE_CHECKING:
     from xspec.parallel.expert import ExpertParallel
