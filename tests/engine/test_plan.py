@@ -233,3 +233,53 @@ def test_flash_slice_refused_with_small_rss(tmp_path: Path, xspec_cache: Path) -
     assert "4000000000 bytes available but at least" in proc.stderr
     assert "(w8a8 " in proc.stderr and "refused before any tensor is read" in proc.stderr
     assert rss_gib < 2, f"peak RSS {rss_gib:.2f} GiB"
+
+
+@pytest.mark.parametrize(
+    ("model", "spec"),
+    [("dsv4_tiny_random", "dspark"), ("dsv4_tiny_random", "mtp"), ("qwen3_tiny", "dflash")],
+)
+def test_footprint_agrees_with_the_loaded_models(model: str, spec: str) -> None:
+    """What the headers say equals what the loaded target + drafter report: KV, workspace,
+    context exactly; weights up to the few buffers no checkpoint stores."""
+    from xspec.build import build, layout_plan
+    from xspec.compose import compose_run
+
+    cfg = compose_run([f"model={model}", f"spec={spec}", "platform=cpu"])
+    before = layout_plan(cfg, free_before=1 << 34, default_fraction=0.5).rank_plan(0)
+    after = build(cfg).engine.plan
+    assert after is not None
+    assert (before.target, before.draft) == (after.target, after.draft)
+    assert (before.workspace, before.gamma, before.max_context) == (
+        after.workspace,
+        after.gamma,
+        after.max_context,
+    )
+    assert 0 <= after.weights - before.weights <= 1024
+
+
+def test_expert_parallel_ranks_split_the_routed_experts() -> None:
+    from xspec.build import layout_plan
+    from xspec.compose import compose_run
+
+    cfg = compose_run(["model=dsv4_tiny_random", "spec=mtp", "platform=cpu"])
+    whole = layout_plan(cfg, free_before=1 << 34, default_fraction=0.5)
+    cfg.parallel.ep = 2
+    split = layout_plan(cfg, free_before=1 << 34, default_fraction=0.5, world=2)
+    assert whole is not None and split is not None and split.routed_experts > 0
+    assert split.routed_experts == whole.routed_experts
+    for r in range(2):  # 4 of the 8 experts of every MoE layer (target + MTP block)
+        held = sum(split.weights(r).values())
+        assert held == sum(whole.weights(0).values()) - whole.routed_experts // 2
+
+
+def test_plan_needs_the_device_memory(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    assert plan_main(["model=dsv4_tiny_random", "spec=none", "parallel.ep=2"]) == 2
+    assert "set engine.device_memory_gib" in capsys.readouterr().err
+    assert plan_main(["model=dsv4_tiny_random", "engine.device_memory_gib=-1"]) == 2
+    assert "engine.device_memory_gib must be > 0" in capsys.readouterr().err
+    code = plan_main(
+        ["model=dsv4_tiny_random", "spec=none", "engine.memory_budget=4e9", "--json", "-"]
+    )
+    data = json.loads(capsys.readouterr().out)
+    assert code == 0 and data["budget"] == 4_000_000_000 and data["layout"]["world"] == 1
