@@ -2,21 +2,23 @@
 
 Two steps. :func:`check` finds every problem that can be found cheaply (config values,
 registry names, the target checkpoint's headers, platform limits at the drafter's
-effective gamma, the drafter's checkpoint) without allocating weights or caches, and
-returns them as a list; the CLI runs it on every job of a sweep before the first job
-starts. :func:`build` raises them together, then loads and wires the objects.
+effective gamma, the drafter's checkpoint, and whether the weights counted from the
+headers plus one sequence fit the memory budget: :func:`layout_plan`) without reading a
+tensor or allocating weights or caches, and returns them as a list; the CLI runs it on
+every job of a sweep before the first job starts. :func:`build` raises them together, then loads and wires the objects.
 
 What it asks, it asks through two typed interfaces (plugins implement the same ones):
 
 * the target's :class:`~xspec.models.family.ModelFamily` (``models.get(model.arch)``):
-  ``preflight`` (the checkpoint from headers), ``num_routed_experts`` and
+  ``preflight`` (the checkpoint from headers), ``footprint`` (its weights and KV from
+  headers, for the memory check), ``num_routed_experts`` and
   ``supports_expert_parallel`` (``parallel.ep``), ``checkpoint_path`` (the directory
   whose config.json and tokenizer :func:`xspec.run.fit.context_fit` reads), and
   ``load(..., steps=...)``;
 * the method's :class:`~xspec.spec.drafter.Drafter` subclass
   (``spec_methods.get(spec.method)``): ``preflight``, ``default_gamma`` (the gamma it
-  will draft when ``spec.num_speculative_tokens`` is null), ``supports_adaptive``,
-  ``supports_expert_parallel``, then ``cls(spec_cfg, *, target, model_cfg, platform,
+  will draft when ``spec.num_speculative_tokens`` is null), ``footprint``,
+  ``supports_adaptive``, ``supports_expert_parallel``, then ``cls(spec_cfg, *, target, model_cfg, platform,
   steps)`` and the instance's ``calibration`` / ``calibration_file``.
 
 The platform's step options are computed once and handed to both constructors.
@@ -126,7 +128,7 @@ def _checks(cfg: RunConfig) -> list[tuple[type[UserError], str]]:
     try:
         plan = layout_plan(
             cfg,
-            free_before=platform.memory_available(),
+            free_before=_free_memory(cfg, platform),
             default_fraction=platform.default_memory_fraction,
         )
     except UserError as e:
@@ -134,6 +136,18 @@ def _checks(cfg: RunConfig) -> list[tuple[type[UserError], str]]:
     if plan is not None and (problem := plan.problem(cfg.model.dtype.value)):
         problems.append((MemoryBudgetError, problem))
     return problems
+
+
+def _free_memory(cfg: RunConfig, platform: Platform) -> int:
+    """The memory free on this rank's device now, when the budget depends on it (asked of
+    the device the rank will use, as :func:`build` picks it); 0 when it does not."""
+    budget, device = cfg.engine.memory_budget, cfg.engine.device_memory_gib
+    if device is not None or (budget is not None and budget > 1):
+        return 0
+    if launch().world > 1:  # one device per process: not the first device of the node
+        index = platform.rank_device_index(launch().local_rank)
+        platform = get_platform(replace(cfg.platform, device_index=index))
+    return platform.memory_available()
 
 
 def layout_plan(

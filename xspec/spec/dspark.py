@@ -13,6 +13,8 @@ layout in ``ModelFamily.block_layouts`` provides its draft model through
   (the platform answers device and SAS-mode questions); ``layout`` is the method's, the
   returned ``LoadedDraft.layout`` the one the checkpoint was trained on, which the
   drafter runs (a family refuses a checkpoint the method cannot use, naming the other);
+* ``footprint(layout, spec_cfg, model_cfg, gamma) -> Footprint``: the draft's own tensors
+  by format and its per-sequence cache, from headers (the memory check before loading);
 * ``draft_dir(spec_cfg, model_cfg) -> Path`` and ``has_confidence_head(layout, spec_cfg,
   model_cfg) -> bool | None`` (headers only): where the draft is read from (its
   ``confidence_calibration.json`` sits there) and whether it scores its drafts, for
