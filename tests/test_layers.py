@@ -23,7 +23,7 @@ LAYERS: list[tuple[str, ...]] = [
     ("xspec.engine",),
     ("xspec.build",),
     ("xspec.run", "xspec.api", "xspec.bench"),
-    ("xspec.__main__", "xspec.train", "xspec.serve"),
+    ("xspec.__main__", "xspec.plan", "xspec.train", "xspec.serve"),
 ]  # fmt: skip
 
 # Lazy (function-level) imports that go up, each with its reason in docs/architecture.md.

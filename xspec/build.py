@@ -2,21 +2,23 @@
 
 Two steps. :func:`check` finds every problem that can be found cheaply (config values,
 registry names, the target checkpoint's headers, platform limits at the drafter's
-effective gamma, the drafter's checkpoint) without allocating weights or caches, and
-returns them as a list; the CLI runs it on every job of a sweep before the first job
-starts. :func:`build` raises them together, then loads and wires the objects.
+effective gamma, the drafter's checkpoint, and whether the weights counted from the
+headers plus one sequence fit the memory budget: :func:`layout_plan`) without reading a
+tensor or allocating weights or caches, and returns them as a list; the CLI runs it on
+every job of a sweep before the first job starts. :func:`build` raises them together, then loads and wires the objects.
 
 What it asks, it asks through two typed interfaces (plugins implement the same ones):
 
 * the target's :class:`~xspec.models.family.ModelFamily` (``models.get(model.arch)``):
-  ``preflight`` (the checkpoint from headers), ``num_routed_experts`` and
+  ``preflight`` (the checkpoint from headers), ``footprint`` (its weights and KV from
+  headers, for the memory check), ``num_routed_experts`` and
   ``supports_expert_parallel`` (``parallel.ep``), ``checkpoint_path`` (the directory
   whose config.json and tokenizer :func:`xspec.run.fit.context_fit` reads), and
   ``load(..., steps=...)``;
 * the method's :class:`~xspec.spec.drafter.Drafter` subclass
   (``spec_methods.get(spec.method)``): ``preflight``, ``default_gamma`` (the gamma it
-  will draft when ``spec.num_speculative_tokens`` is null), ``supports_adaptive``,
-  ``supports_expert_parallel``, then ``cls(spec_cfg, *, target, model_cfg, platform,
+  will draft when ``spec.num_speculative_tokens`` is null), ``footprint``,
+  ``supports_adaptive``, ``supports_expert_parallel``, then ``cls(spec_cfg, *, target, model_cfg, platform,
   steps)`` and the instance's ``calibration`` / ``calibration_file``.
 
 The platform's step options are computed once and handed to both constructors.
@@ -33,9 +35,9 @@ import torch
 
 from xspec.config import RunConfig, validate
 from xspec.engine.engine import Engine
-from xspec.engine.memory import MemoryPlan, plan_memory, resolve_budget, weight_bytes
+from xspec.engine.memory import LayoutPlan, MemoryPlan, budget_of, plan_memory, weight_bytes
 from xspec.engine.parallel import ParallelEngine
-from xspec.errors import CheckpointError, ConfigError, UserError
+from xspec.errors import CheckpointError, ConfigError, MemoryBudgetError, UserError
 from xspec.models.base import CapturePoint, TargetModel, modules_of
 from xspec.models.family import ModelFamily
 from xspec.parallel.expert import ExpertParallel, routed_expert_bytes
@@ -119,11 +121,65 @@ def _checks(cfg: RunConfig) -> list[tuple[type[UserError], str]]:
             )
         )
     if cfg.parallel.ep > 1:
-        problems += [(ConfigError, p) for p in _expert_parallel_problems(cfg, family, drafter_cls)]
+        problems += [(ConfigError, p) for p in expert_parallel_problems(cfg, family, drafter_cls)]
+    if problems:
+        return problems
+    # the weights (from the headers) and one sequence must fit, before any tensor is read
+    try:
+        plan = layout_plan(
+            cfg,
+            free_before=_free_memory(cfg, platform),
+            default_fraction=platform.default_memory_fraction,
+        )
+    except UserError as e:
+        return [(type(e), str(e))]
+    if plan is not None and (problem := plan.problem(cfg.model.dtype.value)):
+        problems.append((MemoryBudgetError, problem))
     return problems
 
 
-def _expert_parallel_problems(
+def _free_memory(cfg: RunConfig, platform: Platform) -> int:
+    """The memory free on this rank's device now, when the budget depends on it (asked of
+    the device the rank will use, as :func:`build` picks it); 0 when it does not."""
+    budget, device = cfg.engine.memory_budget, cfg.engine.device_memory_gib
+    if device is not None or (budget is not None and budget > 1):
+        return 0
+    if launch().world > 1:  # one device per process: not the first device of the node
+        index = platform.rank_device_index(launch().local_rank)
+        platform = get_platform(replace(cfg.platform, device_index=index))
+    return platform.memory_available()
+
+
+def layout_plan(
+    cfg: RunConfig, *, free_before: int, default_fraction: float, world: int | None = None
+) -> LayoutPlan | None:
+    """The memory plan of every EP rank of ``cfg``'s layout, from config.json and the
+    safetensors headers only (the family's and the drafter's ``footprint``); None when the
+    family cannot say before loading. ``free_before``: the device memory free now (a
+    fractional budget's base unless ``engine.device_memory_gib`` is set);
+    ``default_fraction``: the platform's; ``world``: the ranks planned for (None: this
+    launch's). Call it on a config whose checks passed."""
+    family = models.get(cfg.model.arch)
+    drafter_cls = spec_methods.get(cfg.spec.method)
+    gamma = effective_gamma(drafter_cls, cfg.spec, cfg.model)
+    target = family.footprint(cfg.model, max_rollback=max(gamma, DEFAULT_MAX_ROLLBACK))
+    if target is None:
+        return None
+    draft = drafter_cls.footprint(cfg.spec, cfg.model, gamma)
+    budget, source = budget_of(cfg.engine, free_before, default_fraction)
+    return LayoutPlan(
+        target,
+        draft,
+        gamma=gamma,
+        budget=budget,
+        budget_source=source,
+        dp=cfg.parallel.dp,
+        ep=cfg.parallel.ep,
+        world=world if world is not None else launch().world,
+    )
+
+
+def expert_parallel_problems(
     cfg: RunConfig, family: ModelFamily, drafter_cls: type[Drafter]
 ) -> list[str]:
     """``parallel.ep > 1``: the target loader and the drafter must support it, and ``ep``
@@ -276,12 +332,8 @@ def _plan(cfg: RunConfig, platform: Platform, target: TargetModel, drafter: Draf
     """The memory plan under ``engine.memory_budget``; MemoryBudgetError when not even one
     short sequence fits beside the weights."""
     weights = weight_bytes(target, drafter)
-    budget = resolve_budget(
-        cfg.engine.memory_budget,
-        platform.memory_available(),
-        weights,
-        platform.default_memory_fraction,
-    )
+    free_before = platform.memory_available() + weights
+    budget, _ = budget_of(cfg.engine, free_before, platform.default_memory_fraction)
     plan = plan_memory(target, drafter, budget, weights)
     plan.check_one_sequence()
     return plan

@@ -169,6 +169,10 @@ class EngineConfig:
     # memory free before loading when in (0, 1]; null = the platform's default fraction
     # (CPU: 0.5 of available RAM)
     memory_budget: float | None = None
+    # the memory of one device (GiB) that a fractional memory_budget is taken of; null =
+    # what the platform reports free before loading. Set it to plan for another machine
+    # (python -m xspec.plan) or to pin the budget of a shared host
+    device_memory_gib: float | None = None
 
 
 @dataclass(kw_only=True)
@@ -326,8 +330,9 @@ def to_typed(cfg: DictConfig) -> RunConfig:
     return typed
 
 
-def parallel_problems(p: ParallelConfig) -> list[str]:
-    """The ``parallel`` section against itself and the launch (torchrun's world size)."""
+def parallel_problems(p: ParallelConfig, world: int | None = None) -> list[str]:
+    """The ``parallel`` section against itself and the world size (None: the launch's,
+    torchrun's; ``python -m xspec.plan`` names the world it plans for)."""
     from xspec.parallel.topology import launch
 
     problems = [
@@ -341,18 +346,20 @@ def parallel_problems(p: ParallelConfig) -> list[str]:
         problems.append("parallel.backend must be auto or a torch.distributed backend name")
     if problems:
         return problems
-    world = launch().world
+    planned = world is not None
+    world = launch().world if world is None else world
     for key, value in (("dp", p.dp), ("ep", p.ep)):
-        if world == 1 and value > 1:
+        if world == 1 and value > 1 and not planned:
             problems.append(
                 f"parallel.{key}={value} needs {value}+ processes, but this is a single "
                 f"process: launch with torchrun --nproc-per-node N -m xspec parallel.{key}={value} "
                 "(N a multiple of it)"
             )
         elif world % value:
+            source = "the planned world" if planned else "torchrun --nnodes x --nproc-per-node"
             problems.append(
-                f"parallel.{key}={value} does not divide the world size {world} (torchrun "
-                f"--nnodes x --nproc-per-node); use a divisor of {world}"
+                f"parallel.{key}={value} does not divide the world size {world} ({source}); "
+                f"use a divisor of {world}"
             )
     return problems
 
@@ -377,8 +384,9 @@ def nonfinite_problems(node: Any, prefix: str = "") -> list[str]:
     return []
 
 
-def validate(cfg: RunConfig) -> None:
-    """Every config-level problem at once (registry names, ranges)."""
+def validate(cfg: RunConfig, *, world: int | None = None) -> None:
+    """Every config-level problem at once (registry names, ranges); ``world``: the world
+    size ``parallel`` must fit (None: the launch's)."""
     from xspec.registry import models, platforms, spec_methods
 
     problems: list[str] = []
@@ -426,6 +434,9 @@ def validate(cfg: RunConfig) -> None:
             f"engine.memory_budget must be > 0: bytes, or a fraction of free memory in (0, 1] "
             f"(got {budget})"
         )
+    device = cfg.engine.device_memory_gib
+    if device is not None and device <= 0:
+        problems.append(f"engine.device_memory_gib must be > 0 GiB or null (got {device})")
     if w.warmup_requests < 0:
         problems.append(f"workload.warmup_requests must be >= 0 (got {w.warmup_requests})")
     port = cfg.metrics.port
@@ -438,7 +449,7 @@ def validate(cfg: RunConfig) -> None:
         )
     if cfg.model.max_context is not None and cfg.model.max_context < 2:
         problems.append(f"model.max_context must be >= 2 (got {cfg.model.max_context})")
-    problems += parallel_problems(cfg.parallel)
+    problems += parallel_problems(cfg.parallel, world)
     s = cfg.sampling
     from xspec.sampling import SamplingParams
 

@@ -18,6 +18,14 @@ what is *allocated* grows lazily inside it: states are built with
 length, so a state's allocated bytes never exceed its reservation (tested within 2% at
 full length).
 
+**Before loading** (:class:`LayoutPlan`): the same plan per expert-parallel rank, with
+the weights counted from the checkpoints' safetensors headers instead of the loaded
+modules (:class:`~xspec.models.base.Footprint`: stored bytes per format, quantised
+weights with their scales; routed experts split among the ``parallel.ep`` ranks as
+:mod:`xspec.parallel.expert` shards them, everything else replicated). ``build.check``
+refuses a run whose weights plus one sequence do not fit before any tensor is read, and
+``python -m xspec.plan`` prints it for a DP x EP layout without loading anything.
+
 Not covered by the plan (documented, not hidden): the prefill's transient logits
 ``[prompt chunk rows, V]`` and activations, the allocator's own fragmentation, and a
 DeepSeek-V4 ring stack that outlives a finished sequence until its batch-mates restack
@@ -26,12 +34,15 @@ DeepSeek-V4 ring stack that outlives a finished sequence until its batch-mates r
 
 from __future__ import annotations
 
+import math
 from collections.abc import Hashable
 from dataclasses import dataclass
 from typing import Any
 
 from xspec.errors import ConfigError, MemoryBudgetError
-from xspec.models.base import KvBytes, TargetModel, modules_of
+from xspec.models.base import Footprint, KvBytes, TargetModel, modules_of
+from xspec.parallel.expert import expert_of
+from xspec.parallel.topology import expert_range
 from xspec.spec.drafter import Drafter
 
 # Verify-step activations kept per scored row besides the vocabulary-wide rows: fp32
@@ -39,6 +50,7 @@ from xspec.spec.drafter import Drafter
 # MoE temporaries). An estimate, deliberately generous.
 HIDDEN_COPIES_PER_ROW = 16
 FP32 = 4
+GIB = 1 << 30
 
 
 def verify_workspace(vocab_size: int, hidden_size: int, gamma: int) -> int:
@@ -184,6 +196,204 @@ def resolve_budget(value: float | None, free_bytes: int, weights: int, default: 
     if value <= 1:
         return int(value * (free_bytes + weights))
     return int(value)
+
+
+def budget_of(engine: Any, free_before: int, default: float) -> tuple[int, str]:
+    """(bytes, where they come from) of the ``engine`` section's budget: bytes as given
+    (``memory_budget`` > 1), else a fraction (null: the platform's ``default``) of
+    ``device_memory_gib`` when set, else of ``free_before`` (the memory free before the
+    weights were loaded)."""
+    value, device = engine.memory_budget, engine.device_memory_gib
+    if value is not None and value > 1:
+        return int(value), f"engine.memory_budget={value:.0f}"
+    total = free_before if device is None else int(device * GIB)
+    fraction = default if value is None else value
+    setting = "engine.memory_budget" if value is not None else "the platform's default"
+    what = "the free memory" if device is None else f"engine.device_memory_gib={device:g}"
+    budget = resolve_budget(fraction, total, 0, default)
+    return budget, f"{setting} {fraction:g} x {what} ({_b(total)})"
+
+
+class LayoutPlan:
+    """The memory plan of every EP rank of a ``dp`` x ``ep`` layout over ``world`` ranks,
+    before anything is loaded: weights from the headers (``target`` and ``draft``
+    :class:`~xspec.models.base.Footprint`), KV and verify workspace analytic, the same
+    ``budget`` per rank. Rank ``r`` of the world is EP rank ``r % ep``; the ranks of a DP
+    replica decode the same sequences, so each holds their KV. ``draft`` None: the
+    drafter's share is not known before loading (counted as nothing)."""
+
+    def __init__(
+        self,
+        target: Footprint,
+        draft: Footprint | None,
+        *,
+        gamma: int,
+        budget: int,
+        budget_source: str,
+        dp: int = 1,
+        ep: int = 1,
+        world: int | None = None,
+    ) -> None:
+        self.target, self.draft, self.gamma = target, draft, gamma
+        self.budget, self.budget_source = budget, budget_source
+        self.dp, self.ep = dp, ep
+        self.world = world if world is not None else math.lcm(dp, ep)
+        self.replicated: dict[str, int] = {}  # format -> bytes every rank holds
+        self.experts: list[dict[str, int]] = [{} for _ in range(ep)]  # per EP rank
+        for part in [target] if draft is None else [target, draft]:
+            ranks = self._rank_of_expert(part.num_experts)
+            for name, (fmt, nbytes) in part.tensors.items():
+                expert = expert_of(name)
+                held = self.replicated if expert is None else self.experts[ranks[expert]]
+                held[fmt] = held.get(fmt, 0) + nbytes
+
+    def _rank_of_expert(self, num_experts: int | None) -> dict[int, int]:
+        if not num_experts:
+            return {}
+        return {e: r for r in range(self.ep) for e in expert_range(r, self.ep, num_experts)}
+
+    def weights(self, ep_rank: int) -> dict[str, int]:
+        """Bytes by format EP rank ``ep_rank`` holds: the replicated tensors + its experts."""
+        out = dict(self.replicated)
+        for fmt, nbytes in self.experts[ep_rank].items():
+            out[fmt] = out.get(fmt, 0) + nbytes
+        return dict(sorted(out.items(), key=lambda kv: -kv[1]))
+
+    @property
+    def routed_experts(self) -> int:
+        """Bytes of every routed expert (all EP ranks together)."""
+        return sum(sum(held.values()) for held in self.experts)
+
+    def rank_plan(self, ep_rank: int) -> MemoryPlan:
+        """:class:`MemoryPlan` of EP rank ``ep_rank`` (its weights counted from headers)."""
+        t = self.target
+        return MemoryPlan(
+            budget=self.budget,
+            weights=sum(self.weights(ep_rank).values()),
+            target=t.kv,
+            draft=self.draft.kv if self.draft is not None else KvBytes(),
+            workspace=verify_workspace(t.vocab_size, t.hidden_size, self.gamma),
+            gamma=self.gamma,
+            max_context=t.max_context,
+        )
+
+    def heaviest(self) -> int:
+        """The EP rank holding the most weight bytes (the one that fits last)."""
+        return max(range(self.ep), key=lambda r: sum(self.weights(r).values()))
+
+    def problem(self, dtype: str) -> str | None:
+        """Why the heaviest rank cannot hold its weights plus one short sequence (1 prompt
+        + 1 new token + gamma draft rows, KV + verify workspace), or None. ``dtype``: the
+        model dtype, named in the advice."""
+        r = self.heaviest()
+        plan = self.rank_plan(r)
+        one = plan.seq_bytes(1, 1)
+        need = plan.weights + one
+        if need <= self.budget:
+            return None
+        t, d = plan.target, plan.draft
+        fixes = []
+        if self.routed_experts:
+            fixes.append(
+                f"raise parallel.ep (now {self.ep}; the routed experts are "
+                f"{_b(self.routed_experts)} of the weights, divided among the EP ranks)"
+            )
+        fixes += [
+            "raise engine.memory_budget (bytes, or a fraction of engine.device_memory_gib / "
+            "the free memory)",
+            f"or use a narrower model.dtype (now {dtype}: KV caches and float weights)",
+        ]
+        rank = f" on EP rank {r} of {self.ep}" if self.ep > 1 else ""
+        return (
+            f"engine.memory_budget: {self.budget} bytes available but at least {need} are "
+            f"needed{rank}, so the run is refused before any tensor is read: weights "
+            f"{_b(plan.weights)} counted from the checkpoint headers ({_formats(self.weights(r))})"
+            f" + one sequence {_b(one)} (KV {t.per_token + d.per_token:.0f} B/token: target "
+            f"{t.per_token:.0f}, draft {d.per_token:.0f}; fixed {_b(t.fixed + d.fixed)}; verify "
+            f"workspace {_b(plan.workspace)}); budget {_b(self.budget)} = {self.budget_source}. "
+            f"To fix: {', '.join(fixes)}"
+        )
+
+    def ranks(self, context: int) -> list[dict[str, Any]]:
+        """Per EP rank, JSON-ready: the world ranks it stands for, weights by format, what
+        is left for KV, bytes per sequence and the most sequences at ``context`` tokens
+        (prompt + generated; each is charged ``context + gamma``)."""
+        out = []
+        for r in range(self.ep):
+            plan = self.rank_plan(r)
+            out.append(
+                {
+                    "ep_rank": r,
+                    "ranks": list(range(r, self.world, self.ep)),
+                    "weights": self.weights(r),
+                    "weights_total": plan.weights,
+                    "available": max(0, plan.available),
+                    "seq_bytes": plan.seq_bytes(context, 0),
+                    "max_sequences": plan.max_seqs(context, 0),
+                }
+            )
+        return out
+
+    def to_json(self, context: int) -> dict[str, Any]:
+        """The plan as data (``python -m xspec.plan --json``)."""
+        ranks = self.ranks(context)
+        t, d = self.target.kv, self.draft.kv if self.draft is not None else KvBytes()
+        per_replica = min(row["max_sequences"] for row in ranks)
+        return {
+            "layout": {"world": self.world, "dp": self.dp, "ep": self.ep},
+            "budget": self.budget,
+            "budget_source": self.budget_source,
+            "gamma": self.gamma,
+            "context": context,
+            "kv": {
+                "target": {"fixed": t.fixed, "per_token": t.per_token},
+                "draft": {"fixed": d.fixed, "per_token": d.per_token},
+                "draft_known": self.draft is not None,
+            },
+            "verify_workspace": self.rank_plan(0).workspace,
+            "routed_experts": self.routed_experts,
+            "ranks": ranks,
+            "max_sequences_per_replica": per_replica,
+            "max_sequences": per_replica * self.dp,
+        }
+
+    def describe(self, context: int) -> str:
+        """The printed plan: layout, budget, KV per sequence, one row per EP rank."""
+        data = self.to_json(context)
+        t, d = self.target.kv, self.draft.kv if self.draft is not None else KvBytes()
+        replica = self.world // self.dp
+        experts = self.target.num_experts
+        share = f" (each {experts // self.ep} of {experts} routed experts)" if experts else ""
+        lines = [
+            "memory plan before loading (config.json and safetensors headers; no tensor read)",
+            f"  layout: {self.world} ranks = {self.dp} DP replica(s) x {replica} rank(s); EP "
+            f"groups of {self.ep}{share}",
+            f"  budget per rank: {_b(self.budget)} ({self.budget_source})",
+            f"  KV per sequence: {t.per_token + d.per_token:.0f} B/token (target "
+            f"{t.per_token:.0f}, draft {d.per_token:.0f}) + fixed {_b(t.fixed + d.fixed)} "
+            f"(target {_b(t.fixed)}, draft {_b(d.fixed)})"
+            + ("" if self.draft is not None else " [draft weights and KV unknown before loading]"),
+            f"  verify workspace {_b(data['verify_workspace'])} per sequence (gamma {self.gamma})",
+            f"  at {context} tokens per sequence (+ {self.gamma} draft rows): "
+            f"{_b(data['ranks'][0]['seq_bytes'])} per sequence",
+        ]
+        for row in data["ranks"]:
+            ranks = row["ranks"]
+            which = ", ".join(map(str, ranks[:4])) + (", ..." if len(ranks) > 4 else "")
+            lines.append(
+                f"  EP rank {row['ep_rank']} (ranks {which}): weights "
+                f"{_b(row['weights_total'])} = {_formats(row['weights'])}; "
+                f"{_b(row['available'])} left -> at most {row['max_sequences']} sequences"
+            )
+        lines.append(
+            f"  largest concurrency at {context} tokens: {data['max_sequences_per_replica']} "
+            f"per DP replica, {data['max_sequences']} in all ({self.dp} replica(s))"
+        )
+        return "\n".join(lines)
+
+
+def _formats(weights: dict[str, int]) -> str:
+    return ", ".join(f"{fmt} {_b(n)}" for fmt, n in weights.items()) or "none"
 
 
 def plan_memory(target: TargetModel, drafter: Drafter, budget: int, weights: int) -> MemoryPlan:

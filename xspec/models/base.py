@@ -85,6 +85,30 @@ class KvBytes:
         return KvBytes(self.fixed + other.fixed, self.per_token + other.per_token)
 
 
+@dataclass(frozen=True)
+class Footprint:
+    """What one part of a run (the target, or a drafter) will hold, known from config.json
+    and the safetensors headers alone, before any tensor is read (the memory planner's
+    input: :mod:`xspec.engine.memory`).
+
+    ``tensors``: checkpoint tensor -> (format, bytes it holds once loaded): a quantised
+    weight its stored bytes with its scale / offset siblings (``fp8``, ``mxfp4``,
+    ``w8a8``), a float tensor at the model dtype (``bf16``, ``fp32``), an index table as
+    stored (``int``). Tensors shared with the target (a drafter's embedding and head) are
+    not listed again. ``kv``: the analytic per-sequence cache bytes, as ``kv_bytes()``
+    of the loaded model reports them. ``num_experts``: routed experts per MoE layer
+    (``parallel.ep`` ranks split the ``ffn.experts.{e}.`` tensors), None without MoE.
+    The target's also carries what the verify workspace and the context depend on.
+    """
+
+    tensors: dict[str, tuple[str, int]] = field(default_factory=dict)
+    kv: KvBytes = field(default_factory=KvBytes)
+    num_experts: int | None = None
+    vocab_size: int = 0
+    hidden_size: int = 0
+    max_context: int = 0
+
+
 @runtime_checkable
 class DecodeState(Protocol):
     """Per-sequence decoding state (KV caches, compressor state...)."""

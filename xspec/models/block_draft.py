@@ -13,7 +13,7 @@ from typing import Any, Protocol, runtime_checkable
 
 import torch
 
-from xspec.models.base import KvBytes
+from xspec.models.base import Footprint, KvBytes
 from xspec.models.draft_heads import ConfidenceHead, MarkovHead
 
 
@@ -95,6 +95,13 @@ class BlockDrafts(Protocol):
         self, layout: BlockLayout, spec_cfg: Any, model_cfg: Any, /
     ) -> bool | None:
         """Whether the draft scores its drafts (for ``spec.adaptive``)."""
+        ...
+
+    def footprint(
+        self, layout: BlockLayout, spec_cfg: Any, model_cfg: Any, gamma: int, /
+    ) -> Footprint:
+        """The draft's own tensors and per-sequence cache, from headers only (for the
+        memory check before loading); called on a draft ``preflight_block_draft`` passed."""
         ...
 
     def draft_dir(self, spec_cfg: Any, model_cfg: Any, /) -> Path:

@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 if TYPE_CHECKING:
     import torch
 
-    from xspec.models.base import StepOptions, TargetModel
+    from xspec.models.base import Footprint, StepOptions, TargetModel
     from xspec.models.block_draft import BlockDrafts
 
 
@@ -67,6 +67,13 @@ class ModelFamily(abc.ABC):
         unknown or unreadable (``preflight`` reports why)."""
         return None
 
+    def footprint(self, cfg: Any, *, max_rollback: int) -> Footprint | None:
+        """What the target will hold (weights by format, per-sequence KV), from config.json
+        and the headers only, for the memory check before loading
+        (:mod:`xspec.engine.memory`); None when the family cannot say (that check then
+        waits for the loaded model). Called only on a checkpoint ``preflight`` passed."""
+        return None
+
     # -- the drafters the family offers ---------------------------------------------
 
     def block_drafts(self) -> BlockDrafts:
@@ -76,6 +83,10 @@ class ModelFamily(abc.ABC):
 
     def preflight_mtp(self, spec_cfg: Any, model_cfg: Any) -> list[str]:
         """``spec=mtp``: problems of the MTP layer's checkpoint, from headers only."""
+        raise NotImplementedError(f"{type(self).__name__} offers no MTP layer")
+
+    def footprint_mtp(self, spec_cfg: Any, model_cfg: Any, *, gamma: int) -> Footprint:
+        """``spec=mtp``: the MTP layer's :meth:`footprint` (its own tensors, its cache)."""
         raise NotImplementedError(f"{type(self).__name__} offers no MTP layer")
 
     def load_mtp(self, spec_cfg: Any, *, target: TargetModel, model_cfg: Any) -> Any:

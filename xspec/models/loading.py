@@ -27,7 +27,9 @@ half-written checkpoint that a later run would trust.
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
+import math
 import os
 import shutil
 import struct
@@ -84,8 +86,25 @@ def _read_json(file: Path) -> dict:
     return data
 
 
-def _read_header(file: Path) -> dict[str, tuple[list[int], str, int]]:
-    """Parse one safetensors header: ``{name: (shape, dtype code, data offset)}``."""
+def _read_header(file: Path) -> dict[str, tuple[list[int], str, int, int]]:
+    """Parse one safetensors header: ``{name: (shape, dtype code, data start, data end)}``
+    (shared, read-only: parsed once per version of the file, see :func:`_parse_header`)."""
+    try:
+        st = file.stat()
+    except OSError as e:
+        raise CheckpointError(
+            f"{file} is not a readable safetensors file ({e}); {_refetch_hint(file)}"
+        ) from e
+    return _parse_header(file, st.st_size, st.st_mtime_ns, st.st_ino)
+
+
+@functools.lru_cache(maxsize=256)
+def _parse_header(
+    file: Path, size: int, mtime_ns: int, inode: int
+) -> dict[str, tuple[list[int], str, int, int]]:
+    """:func:`_read_header` of one version of ``file`` (size, mtime and inode are the
+    cache key): the target, its drafters and the memory plan each open the checkpoint,
+    and a real one's headers describe ~10^5 tensors."""
     try:
         with open(file, "rb") as f:
             (n,) = struct.unpack("<Q", f.read(8))
@@ -94,11 +113,15 @@ def _read_header(file: Path) -> dict[str, tuple[list[int], str, int]]:
             header = json.loads(f.read(n))
         header.pop("__metadata__", None)
         out = {
-            name: (list(info["shape"]), info["dtype"], int(info["data_offsets"][0]))
+            name: (
+                list(info["shape"]),
+                info["dtype"],
+                int(info["data_offsets"][0]),
+                int(info["data_offsets"][1]),
+            )
             for name, info in header.items()
         }
         end = max((int(info["data_offsets"][1]) for info in header.values()), default=0)
-        size = file.stat().st_size
     except (OSError, ValueError, struct.error, TypeError, KeyError, IndexError) as e:
         raise CheckpointError(
             f"{file} is not a readable safetensors file ({e}); {_refetch_hint(file)}"
@@ -151,7 +174,7 @@ class Checkpoint:
             )
         self.config: dict = _read_json(config_file)
         self._file_of: dict[str, Path] = {}
-        self._headers: dict[Path, dict[str, tuple[list[int], str, int]]] = {}
+        self._headers: dict[Path, dict[str, tuple[list[int], str, int, int]]] = {}
         self._handles: dict[Path, Any] = {}  # open safe_open handles, see _open
         self._index_files()
 
@@ -194,20 +217,21 @@ class Checkpoint:
             raise CheckpointError(f"{index_file} has no 'weight_map' object naming the shards")
         self._check_shard_paths(index_file, weight_map)  # before any file outside is touched
         problems = []
-        for shard in sorted(set(weight_map.values())):
-            file = self.path / shard
+        # one Path and one header per shard: a real index names ~10^5 tensors in ~50 shards
+        files = {shard: self.path / shard for shard in sorted(set(weight_map.values()))}
+        headers: dict[str, dict] = {}
+        for shard, file in files.items():
             if not file.is_file():
                 names = [n for n, s in weight_map.items() if s == shard]
                 problems.append(f"shard {shard} (holding e.g. {names[0]!r}) is missing")
                 continue
-            self._headers[file] = _read_header(file)
+            headers[shard] = self._headers[file] = _read_header(file)
         for name, shard in weight_map.items():
-            file = self.path / shard
-            if file in self._headers and name not in self._headers[file]:
+            if shard in headers and name not in headers[shard]:
                 problems.append(
                     f"{index_file.name} puts {name!r} in {shard}, but that shard lacks it"
                 )
-            self._file_of[name] = file
+            self._file_of[name] = files[shard]
         if problems:
             raise CheckpointError(
                 f"checkpoint {self.path} does not match its index {index_file.name}; "
@@ -224,12 +248,12 @@ class Checkpoint:
         problems: list[str] = []
         seen: set[str] = set()
         for name, shard in weight_map.items():
+            if isinstance(shard, str) and shard in seen:
+                continue  # one line per shard: the first tensor that names it
             entry = f"{json.dumps(name)}: {json.dumps(shard)}"  # the index line
             if not isinstance(shard, str):
                 problems.append(f"{entry}: a shard entry must be a file name")
                 continue
-            if shard in seen:
-                continue  # one line per shard: the first tensor that names it
             seen.add(shard)
             rel = Path(shard)
             if rel.is_absolute():
@@ -268,8 +292,13 @@ class Checkpoint:
 
     def meta(self, name: str) -> tuple[list[int], str]:
         """(shape, safetensors dtype code such as "F32", "BF16", "I8") without reading data."""
-        shape, code, _ = self._headers[self.file_of(name)][name]
+        shape, code, _, _ = self._headers[self.file_of(name)][name]
         return list(shape), code
+
+    def nbytes(self, name: str) -> int:
+        """Bytes ``name`` occupies in its shard (the header's data offsets; no data read)."""
+        _, _, start, end = self._headers[self.file_of(name)][name]
+        return end - start
 
     def iter_tensors(
         self, names: Iterable[str] | None = None
@@ -308,6 +337,41 @@ class Checkpoint:
                 self._handles.pop(next(iter(self._handles)))
             self._handles[file] = safe_open(str(file), framework="pt", device="cpu")
         return self._handles[file]
+
+
+# safetensors dtype codes -> the format names the memory plan reports
+FORMAT_NAMES = {
+    "F64": "fp64",
+    "F32": "fp32",
+    "F16": "fp16",
+    "BF16": "bf16",
+    "F8_E4M3": "fp8",
+    "F8_E5M2": "fp8",
+    "F8_E8M0": "ue8m0",
+    "I64": "int",
+    "I32": "int",
+    "I16": "int",
+    "I8": "int",
+    "U8": "int",
+    "BOOL": "int",
+}
+_FLOAT_WIDTHS = {2: "bf16", 4: "fp32", 8: "fp64"}
+
+
+def held_bytes(ckpt: Checkpoint, name: str, itemsize: int) -> tuple[str, int]:
+    """(format, bytes) an unquantised tensor holds once loaded, from its header: a float
+    tensor is cast to the model dtype (``itemsize`` bytes per element), so it holds at
+    least that many per element (a wider stored tensor is counted at its own width: the
+    fp32 parameters a model keeps); an integer tensor (an index table) as stored."""
+    shape, code = ckpt.meta(name)
+    stored = ckpt.nbytes(name)
+    if _kind(code) != "float" or code.startswith("F8"):
+        return FORMAT_NAMES.get(code, code.lower()), stored
+    numel = math.prod(shape)
+    width = max(itemsize, stored // max(numel, 1))
+    if width * numel == stored:
+        return FORMAT_NAMES[code], stored
+    return _FLOAT_WIDTHS.get(width, f"{8 * width}-bit float"), width * numel
 
 
 def require_config_keys(config: dict, keys: Iterable[str], where: Path) -> None:

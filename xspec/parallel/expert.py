@@ -40,6 +40,13 @@ _EXPERT_TENSOR = re.compile(r"(?:^|\.)ffn\.experts\.(\d+)\.")
 ExpertCompute = Callable[[torch.Tensor, torch.Tensor, list[int]], torch.Tensor]
 
 
+def expert_of(name: str) -> int | None:
+    """The routed expert a tensor belongs to (checkpoint name or state_dict key), or None
+    for every tensor EP ranks replicate."""
+    m = _EXPERT_TENSOR.search(name)
+    return None if m is None else int(m.group(1))
+
+
 class ExpertParallel:
     """This rank's place in its EP group (``parallel.ep > 1``)."""
 
@@ -57,8 +64,8 @@ class ExpertParallel:
 
     def holds(self, name: str, num_experts: int) -> bool:
         """Whether tensor ``name`` is loaded here: everything but other ranks' experts."""
-        m = _EXPERT_TENSOR.search(name)
-        return m is None or int(m.group(1)) in self.local(num_experts)
+        expert = expert_of(name)
+        return expert is None or expert in self.local(num_experts)
 
     def run(
         self,

@@ -7,7 +7,7 @@ from typing import Any
 import torch
 
 from xspec.errors import ConfigError
-from xspec.models.base import KvBytes, StepOptions
+from xspec.models.base import Footprint, KvBytes, StepOptions
 from xspec.spec.drafter import CommittedRows, Drafter, DraftProposal, DraftRequest
 
 
@@ -34,6 +34,10 @@ class NoDrafter(Drafter):
     @classmethod
     def default_gamma(cls, spec_cfg: Any, model_cfg: Any = None) -> int:
         return 0
+
+    @classmethod
+    def footprint(cls, spec_cfg: Any, model_cfg: Any, gamma: int) -> Footprint:
+        return Footprint()  # no weights, no state
 
     # expert parallelism (xspec/parallel/lockstep.py): no draft model, no MoE forwards
     # (the Drafter defaults: moe_module None, no observe / propose forwards)

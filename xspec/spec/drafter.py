@@ -27,6 +27,8 @@ class declares what :mod:`xspec.build` reads before anything is loaded, with def
 ``preflight(spec_cfg, model_cfg) -> list[str]`` (checkpoint problems from headers),
 ``default_gamma(spec_cfg, model_cfg) -> int`` (the gamma it will use when
 ``spec.num_speculative_tokens`` is null; checked against the platform's limits),
+``footprint(spec_cfg, model_cfg, gamma)`` (its weights and cache from headers, for the
+memory check before loading),
 ``supports_adaptive`` (it can score its drafts for ``spec.adaptive``), and
 ``calibration`` / ``calibration_file`` (a loaded confidence calibration and its file).
 
@@ -54,7 +56,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 
-from xspec.models.base import KvBytes
+from xspec.models.base import Footprint, KvBytes
 from xspec.sampling import SamplingParams
 
 if TYPE_CHECKING:
@@ -158,6 +160,14 @@ class Drafter(abc.ABC):
     def default_gamma(cls, spec_cfg: Any, model_cfg: Any) -> int:
         """The gamma it will draft: the configured value, else 1."""
         return int(spec_cfg.num_speculative_tokens or 1)
+
+    @classmethod
+    def footprint(cls, spec_cfg: Any, model_cfg: Any, gamma: int) -> Footprint | None:
+        """The draft's own tensors and per-sequence cache at ``gamma``, from headers only
+        (:class:`~xspec.models.base.Footprint`; the memory check before loading). None:
+        not known before loading (the check counts the target alone; the plan after
+        loading counts everything). Called only when :meth:`preflight` found nothing."""
+        return None
 
     # -- expert parallelism: MoE forwards per call (xspec/parallel/lockstep.py) ----------
 

@@ -13,6 +13,8 @@ layout in ``ModelFamily.block_layouts`` provides its draft model through
   (the platform answers device and SAS-mode questions); ``layout`` is the method's, the
   returned ``LoadedDraft.layout`` the one the checkpoint was trained on, which the
   drafter runs (a family refuses a checkpoint the method cannot use, naming the other);
+* ``footprint(layout, spec_cfg, model_cfg, gamma) -> Footprint``: the draft's own tensors
+  by format and its per-sequence cache, from headers (the memory check before loading);
 * ``draft_dir(spec_cfg, model_cfg) -> Path`` and ``has_confidence_head(layout, spec_cfg,
   model_cfg) -> bool | None`` (headers only): where the draft is read from (its
   ``confidence_calibration.json`` sits there) and whether it scores its drafts, for
@@ -25,7 +27,7 @@ from typing import Any
 
 from xspec.config import Calibration
 from xspec.errors import ConfigError
-from xspec.models.base import StepOptions
+from xspec.models.base import Footprint, StepOptions
 from xspec.models.block_draft import BlockDrafts, BlockLayout, LoadedDraft
 from xspec.registry import families_where, family_named
 from xspec.spec.block import BlockDrafter, resolve_gamma
@@ -96,6 +98,15 @@ class DSparkDrafter(BlockDrafter):
         if problems:
             return problems
         return _adaptive_problems(cls, family, spec_cfg, model_cfg)
+
+    @classmethod
+    def footprint(cls, spec_cfg: Any, model_cfg: Any, gamma: int) -> Footprint | None:
+        family = _family(cls.method, model_cfg.arch)
+        return (
+            None
+            if isinstance(family, str)
+            else family.footprint(cls.method, spec_cfg, model_cfg, gamma)
+        )
 
     # spec.adaptive works with this drafter when its checkpoint has a confidence head
     supports_adaptive = True

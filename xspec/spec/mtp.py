@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from xspec.errors import ConfigError
-from xspec.models.base import KvBytes, StepOptions, TargetModel
+from xspec.models.base import Footprint, KvBytes, StepOptions, TargetModel
 from xspec.models.family import ModelFamily
 from xspec.registry import families_where, family_named
 from xspec.sampling import logits_to_probs, sample
@@ -125,6 +125,15 @@ class MtpDrafter(Drafter):
         if isinstance(family, str):
             return [*problems, family]
         return problems + family.preflight_mtp(spec_cfg, model_cfg)
+
+    @classmethod
+    def footprint(cls, spec_cfg: Any, model_cfg: Any, gamma: int) -> Footprint | None:
+        family = _mtp_family(model_cfg.arch)
+        return (
+            None
+            if isinstance(family, str)
+            else family.footprint_mtp(spec_cfg, model_cfg, gamma=gamma)
+        )
 
     # -- Drafter protocol ---------------------------------------------------------------
 

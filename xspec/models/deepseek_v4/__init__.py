@@ -24,7 +24,7 @@ from xspec.models.presets import dtype_name
 if TYPE_CHECKING:
     import torch
 
-    from xspec.models.base import StepOptions, TargetModel
+    from xspec.models.base import Footprint, StepOptions, TargetModel
     from xspec.models.block_draft import BlockDrafts
     from xspec.models.deepseek_v4.model import DeepseekV4Model
     from xspec.models.deepseek_v4.mtp import MtpBlock
@@ -113,6 +113,45 @@ def num_routed_experts(cfg: Any) -> int | None:
     return value if isinstance(value, int) else None
 
 
+def footprint(cfg: Any, *, max_rollback: int) -> Footprint:
+    """The target's tensors (by format, at ``cfg.dtype``) and per-sequence KV, from
+    config.json and the headers (see :class:`~xspec.models.base.Footprint`)."""
+    from xspec.models.base import Footprint, KvBytes
+    from xspec.models.deepseek_v4.state import kv_bytes
+    from xspec.models.deepseek_v4.weights import (
+        check_checkpoint,
+        expected_tensors,
+        stored_footprint,
+    )
+    from xspec.models.loading import CONFIG_NAME, Checkpoint
+
+    ckpt = Checkpoint(checkpoint_path(cfg))
+    args = DeepseekV4Args.from_config(ckpt.config, ckpt.path / CONFIG_NAME)
+    dequant = check_checkpoint(ckpt, args)
+    dtype = _torch_dtype(cfg)
+    return Footprint(
+        tensors=stored_footprint(ckpt, expected_tensors(args), dequant, dtype.itemsize),
+        kv=KvBytes(*kv_bytes(args, dtype, max_rollback)),
+        num_experts=args.n_routed_experts,
+        vocab_size=args.vocab_size,
+        hidden_size=args.hidden_size,
+        max_context=cfg.max_context or args.max_position_embeddings,
+    )
+
+
+def _torch_dtype(cfg: Any) -> torch.dtype:
+    import torch
+
+    return getattr(torch, dtype_name(cfg.dtype))
+
+
+def _target_args(model_cfg: Any) -> DeepseekV4Args:
+    from xspec.models.loading import CONFIG_NAME, Checkpoint
+
+    ckpt = Checkpoint(checkpoint_path(model_cfg))
+    return DeepseekV4Args.from_config(ckpt.config, ckpt.path / CONFIG_NAME)
+
+
 class DeepseekV4Family(ModelFamily):
     """DeepSeek-V4 targets: expert parallel, DSpark stages (:mod:`.dspark`), the MTP
     layer (:mod:`.mtp`)."""
@@ -149,6 +188,9 @@ class DeepseekV4Family(ModelFamily):
     def num_routed_experts(self, cfg: Any) -> int | None:
         return num_routed_experts(cfg)
 
+    def footprint(self, cfg: Any, *, max_rollback: int) -> Footprint:
+        return footprint(cfg, max_rollback=max_rollback)
+
     def block_drafts(self) -> BlockDrafts:
         from xspec.models.deepseek_v4 import dspark
 
@@ -173,6 +215,23 @@ class DeepseekV4Family(ModelFamily):
             where = f"spec.draft_path={draft_dir}" if spec_cfg.draft_path else f"target {draft_dir}"
             return [f"{where}: {p}" for p in e.problems] or [str(e)]
         return []
+
+    def footprint_mtp(self, spec_cfg: Any, model_cfg: Any, *, gamma: int) -> Footprint:
+        """The MTP block's own tensors and its layer cache (SWA ring, ``gamma - 1`` rows
+        of rollback), as :meth:`load_mtp` and ``MtpDrafter.kv_bytes`` would hold them."""
+        from xspec.models.base import Footprint, KvBytes
+        from xspec.models.deepseek_v4.mtp import plan_mtp
+        from xspec.models.deepseek_v4.state import layer_kv_bytes
+        from xspec.models.deepseek_v4.weights import stored_footprint
+
+        target_dir = checkpoint_path(model_cfg)
+        plan = plan_mtp(Path(spec_cfg.draft_path or target_dir), _target_args(model_cfg))
+        dtype = _torch_dtype(model_cfg)
+        return Footprint(
+            tensors=stored_footprint(plan.ckpt, plan.names, plan.dequant, dtype.itemsize),
+            kv=KvBytes(*layer_kv_bytes(plan.args, 0, dtype, gamma - 1)),  # ratio 0: SWA only
+            num_experts=plan.args.n_routed_experts,
+        )
 
     def load_mtp(self, spec_cfg: Any, *, target: TargetModel, model_cfg: Any) -> MtpBlock:
         from xspec.errors import ConfigError

@@ -46,7 +46,7 @@ import torch
 from torch import nn
 
 from xspec.errors import CheckpointError, UserError
-from xspec.models.base import KvBytes
+from xspec.models.base import Footprint, KvBytes
 from xspec.models.block_draft import BlockLayout, LoadedDraft
 from xspec.models.deepseek_v4.args import DeepseekV4Args
 from xspec.models.deepseek_v4.attention import sparse_attention
@@ -56,7 +56,7 @@ from xspec.models.deepseek_v4.mhc import HyperHead, RMSNorm
 from xspec.models.deepseek_v4.model import Block, init_random
 from xspec.models.deepseek_v4.presets import PRESET_DRAFTS, checkpoint_path
 from xspec.models.deepseek_v4.state import Ring, scatter_rows, stack_rings
-from xspec.models.deepseek_v4.weights import load_drafter
+from xspec.models.deepseek_v4.weights import load_drafter, stored_footprint
 from xspec.models.draft_heads import ConfidenceHead, MarkovHead
 from xspec.models.loading import CONFIG_NAME, Checkpoint
 from xspec.models.ops import (
@@ -68,6 +68,7 @@ from xspec.models.ops import (
     StepOptions,
     eager,
 )
+from xspec.models.presets import dtype_name
 
 if TYPE_CHECKING:
     from xspec.parallel.expert import ExpertParallel
@@ -683,6 +684,21 @@ def preflight_block_draft(layout: Any, spec_cfg: Any, model_cfg: Any) -> list[st
         where = f"spec.draft_path={spec_cfg.draft_path}: " if spec_cfg.draft_path else ""
         problems += [f"{where}{p}" for p in e.problems] or [f"{where}{e}"]
     return problems
+
+
+def footprint(layout: Any, spec_cfg: Any, model_cfg: Any, gamma: int) -> Footprint:
+    """The stages' own tensors (shared vocabulary counted with the target) and their
+    context rings, as :func:`load_block_draft` and :meth:`DSparkDraft.kv_bytes` hold them."""
+    target = Checkpoint(checkpoint_path(model_cfg))
+    target_args = DeepseekV4Args.from_config(target.config, target.path / CONFIG_NAME)
+    plan = plan_dspark(draft_dir(spec_cfg, model_cfg), target_args)
+    itemsize = getattr(torch, dtype_name(model_cfg.dtype)).itemsize
+    a = plan.args
+    return Footprint(
+        tensors=stored_footprint(plan.ckpt, plan.names, plan.dequant, itemsize),
+        kv=KvBytes(plan.num_stages * a.sliding_window * a.head_dim * itemsize, 0.0),
+        num_experts=a.n_routed_experts,
+    )
 
 
 def trained_block_size(layout: Any, spec_cfg: Any, model_cfg: Any) -> int | None:

@@ -52,7 +52,7 @@ from torch import nn
 from xspec.errors import CheckpointError
 from xspec.models.deepseek_v4.args import DeepseekV4Args
 from xspec.models.deepseek_v4.quant import dequant_mxfp4, mxfp4_shape_problem
-from xspec.models.loading import CONFIG_NAME, Checkpoint, load_params
+from xspec.models.loading import CONFIG_NAME, Checkpoint, held_bytes, load_params
 from xspec.models.ops import EAGER_STEPS, StepOptions
 
 if TYPE_CHECKING:
@@ -408,6 +408,34 @@ def mxfp4_problem(ckpt: Checkpoint, name: str, want: list[int]) -> str | None:
 def _fp8_block(config: dict) -> list[int]:
     block = (config.get("quantization_config") or {}).get("weight_block_size", [128, 128])
     return [int(b) for b in block]
+
+
+# -- what the loaded tensors hold (the memory plan) ---------------------------------------
+
+# a quantised weight's siblings that are loaded with it (the others are skipped)
+HELD_SIBLINGS = {"w8a8": ("weight_scale", "weight_offset"), "fp8": ("scale",), "mxfp4": ("scale",)}
+
+
+def stored_footprint(
+    ckpt: Checkpoint, names: Iterable[str], dequant: dict[str, str], itemsize: int
+) -> dict[str, tuple[str, int]]:
+    """Checkpoint tensor -> (format, bytes it holds once loaded), from headers only.
+
+    ``names``: the tensors the loader reads; ``dequant``: their schemes as
+    :func:`check_checkpoint` / the drafters' plans detect them. A quantised weight holds
+    its stored bytes plus its scale / offset siblings (``fp8``, ``mxfp4``, ``w8a8``:
+    quantised weights stay resident as stored); any other tensor what
+    :func:`~xspec.models.loading.held_bytes` says at the model dtype's ``itemsize``."""
+    out: dict[str, tuple[str, int]] = {}
+    for name in names:
+        scheme = dequant.get(name)
+        if scheme is None:
+            out[name] = held_bytes(ckpt, name, itemsize)
+            continue
+        base = name.removesuffix(".weight")
+        siblings = [f"{base}.{s}" for s in HELD_SIBLINGS[scheme] if f"{base}.{s}" in ckpt]
+        out[name] = (scheme, ckpt.nbytes(name) + sum(ckpt.nbytes(s) for s in siblings))
+    return out
 
 
 # -- dequantisation ------------------------------------------------------------------------

@@ -27,7 +27,7 @@ from xspec.models.qwen3.presets import PRESETS, checkpoint_path
 if TYPE_CHECKING:
     import torch
 
-    from xspec.models.base import StepOptions
+    from xspec.models.base import Footprint, StepOptions
     from xspec.models.block_draft import BlockDrafts
     from xspec.models.loading import Checkpoint
     from xspec.models.qwen3.model import Qwen3Model, Qwen3State
@@ -97,6 +97,28 @@ def preflight(cfg: Any) -> list[str]:
     return []
 
 
+def footprint(cfg: Any) -> Footprint:
+    """The target's tensors at ``cfg.dtype`` and its K/V per token, from config.json and
+    the headers (Qwen3 checkpoints are float; see :class:`~xspec.models.base.Footprint`)."""
+    import torch
+
+    from xspec.models.base import Footprint, KvBytes
+    from xspec.models.loading import Checkpoint, held_bytes
+
+    ckpt = Checkpoint(checkpoint_path(cfg))
+    args = Qwen3Args.from_config(ckpt.config, ckpt.path / "config.json")
+    itemsize = getattr(torch, dtype_name(cfg.dtype)).itemsize
+    names = [n for n in ckpt.names() if checkpoint_key(n, args) is not None]
+    per_token = args.num_hidden_layers * 2 * args.num_key_value_heads * args.head_dim * itemsize
+    return Footprint(
+        tensors={n: held_bytes(ckpt, n, itemsize) for n in names},
+        kv=KvBytes(0, float(per_token)),  # as Qwen3Model.kv_bytes: full attention
+        vocab_size=args.vocab_size,
+        hidden_size=args.hidden_size,
+        max_context=cfg.max_context or args.max_position_embeddings,
+    )
+
+
 class Qwen3Family(ModelFamily):
     """Qwen3 / Qwen3-MoE targets, with DSpark and DFlash block drafts (:mod:`.dspark`)."""
 
@@ -124,6 +146,9 @@ class Qwen3Family(ModelFamily):
 
     def checkpoint_path(self, cfg: Any) -> Path:
         return checkpoint_path(cfg)
+
+    def footprint(self, cfg: Any, *, max_rollback: int) -> Footprint:
+        return footprint(cfg)  # full attention: rollback needs no extra rows
 
     def block_drafts(self) -> BlockDrafts:
         from xspec.models.qwen3 import dspark

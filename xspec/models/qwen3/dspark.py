@@ -42,10 +42,11 @@ import torch.nn.functional as F
 from torch import nn
 
 from xspec.errors import CheckpointError, UserError
-from xspec.models.base import KvBytes
+from xspec.models.base import Footprint, KvBytes
 from xspec.models.block_draft import BlockLayout, LoadedDraft
 from xspec.models.draft_heads import ConfidenceHead, MarkovHead
-from xspec.models.loading import CONFIG_NAME, Checkpoint, check_params, load_params
+from xspec.models.loading import CONFIG_NAME, Checkpoint, check_params, held_bytes, load_params
+from xspec.models.presets import dtype_name
 from xspec.models.qwen3.args import Qwen3Args
 from xspec.models.qwen3.draft_config import DraftConfig, parse_config
 from xspec.models.qwen3.model import (
@@ -384,6 +385,21 @@ def _config_plan(method: BlockLayout, spec_cfg: Any, model_cfg: Any) -> DraftPla
     except UserError:
         return None
     return plan_for(layout, cfg, own_vocab=False)
+
+
+def footprint(method: BlockLayout, spec_cfg: Any, model_cfg: Any, gamma: int) -> Footprint:
+    """The draft's own tensors (its vocabulary only when it stores one) and its context
+    K/V per token, as :func:`load_block_draft` and ``Qwen3BlockDraft.kv_bytes`` hold them."""
+    target = Checkpoint(checkpoint_path(model_cfg))
+    target_args = Qwen3Args.from_config(target.config, target.path / CONFIG_NAME)
+    ckpt, plan = plan_draft(method, draft_dir(spec_cfg, model_cfg), target_args)
+    itemsize = getattr(torch, dtype_name(model_cfg.dtype)).itemsize
+    a = plan.cfg.args
+    names = [n for n in ckpt.names() if plan.rename(n) is not None]
+    per_token = a.num_hidden_layers * 2 * a.num_key_value_heads * a.head_dim * itemsize
+    return Footprint(
+        tensors={n: held_bytes(ckpt, n, itemsize) for n in names}, kv=KvBytes(0, float(per_token))
+    )
 
 
 def trained_block_size(method: BlockLayout, spec_cfg: Any, model_cfg: Any) -> int | None:
