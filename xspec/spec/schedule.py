@@ -31,6 +31,12 @@ and drafts per request ``x = (B - R) / R``, and a step uses its own R's slice: S
 that R, as Algorithm 1 needs. Between measured points the step time is linear in x and
 in R; beyond the ends it is clamped to the nearest measured value (so a step of more
 requests than profiled sees the largest profiled batch's cost: profile what you run).
+With ``draft_seconds`` the draft forward is its own term: ``seconds`` is then the
+verify side alone and a step of R requests of which D draft costs
+``verify(R, B) + draft(D)`` (``draft(0) = 0``: nobody drafts, no draft forward).
+
+:class:`OnlineStepCost` is what ``spec.adaptive`` predicts with at run time: the
+profile, corrected from the step times measured on the running workload.
 """
 
 from __future__ import annotations
@@ -42,7 +48,7 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["AdaptiveVerify", "StepCost", "schedule_verify"]
+__all__ = ["AdaptiveVerify", "OnlineStepCost", "StepCost", "schedule_verify"]
 
 
 def _lerp(xs: Sequence[float], ys: Sequence[float], x: float) -> float:
@@ -59,11 +65,16 @@ def _lerp(xs: Sequence[float], ys: Sequence[float], x: float) -> float:
 @dataclass(frozen=True)
 class StepCost:
     """Measured seconds of one decode step: ``seconds[i][k]`` for ``requests[i]`` requests
-    verifying ``drafts[k]`` drafts each (``requests[i] * (drafts[k] + 1)`` rows)."""
+    verifying ``drafts[k]`` drafts each (``requests[i] * (drafts[k] + 1)`` rows).
+
+    ``draft_seconds[i]``: one draft forward for ``requests[i]`` drafting requests; then
+    ``seconds`` leaves the draft out (the verify side of the step). None: ``seconds``
+    is the whole step, drafting included (an older profile, or a test's table)."""
 
     requests: list[int]  # ascending, >= 1
     drafts: list[int]  # ascending, >= 0 (drafts per request)
     seconds: list[list[float]]  # [len(requests)][len(drafts)], > 0
+    draft_seconds: list[float] | None = None  # [len(requests)] >= 0, or None
 
     def __post_init__(self) -> None:
         problems = []
@@ -77,18 +88,36 @@ class StepCost:
             )
         elif any(not s > 0 for row in self.seconds for s in row):
             problems.append("seconds must all be > 0")
+        d = self.draft_seconds
+        if d is not None and (len(d) != len(self.requests) or any(not s >= 0 for s in d)):
+            problems.append(f"draft_seconds must be {len(self.requests)} values >= 0, got {d}")
         if problems:
             raise ValueError("invalid step-cost table: " + "; ".join(problems))
 
-    def seconds_at(self, requests: int, rows: int) -> float:
-        """Step seconds for ``rows`` verify rows over ``requests`` requests (interpolated)."""
+    def verify_seconds(self, requests: int, rows: int) -> float:
+        """The ``seconds`` table at ``rows`` verify rows over ``requests`` requests
+        (interpolated; the draft included unless ``draft_seconds`` is given)."""
         x = (rows - requests) / requests  # drafts per request
         per_r = [_lerp(self.drafts, row, x) for row in self.seconds]  # at each profiled R
         return _lerp(self.requests, per_r, requests)
 
-    def sps(self, requests: int) -> Callable[[int], float]:
-        """SPS(B) for a step of ``requests`` requests: steps per second at B rows."""
-        return lambda rows: 1.0 / self.seconds_at(requests, rows)
+    def draft_at(self, drafting: int) -> float:
+        """Seconds of the draft forward for ``drafting`` requests (0 for none, and 0
+        when the table has no separate draft term)."""
+        if drafting <= 0 or self.draft_seconds is None:
+            return 0.0
+        return _lerp(self.requests, self.draft_seconds, drafting)
+
+    def seconds_at(self, requests: int, rows: int, drafting: int | None = None) -> float:
+        """Step seconds for ``rows`` verify rows over ``requests`` requests of which
+        ``drafting`` drafted (None: all of them)."""
+        d = requests if drafting is None else drafting
+        return self.verify_seconds(requests, rows) + self.draft_at(d)
+
+    def sps(self, requests: int, drafting: int | None = None) -> Callable[[int], float]:
+        """SPS(B) for a step of ``requests`` requests (``drafting`` of them drafted):
+        steps per second at B rows."""
+        return lambda rows: 1.0 / self.seconds_at(requests, rows, drafting)
 
 
 def survivals(confidence: torch.Tensor) -> torch.Tensor:
@@ -138,3 +167,93 @@ class AdaptiveVerify:
         small confidence matrix to the host: the one extra sync of an adaptive step (the
         ragged verify batch needs its row counts on the host anyway)."""
         return schedule_verify(confidence.cpu(), max_drafts, self.cost.sps(len(max_drafts)))
+
+
+class OnlineStepCost:
+    """The step-cost model ``spec.adaptive`` predicts with: the measured profile, then
+    corrected from the step times of the running workload.
+
+    Two corrections, both from measured decode steps: a scale per kind of step (with or
+    without a draft forward), an EMA of measured / profiled seconds that carries what the
+    profile could not see (longer contexts, another load on the machine) to every batch
+    shape; and per bucket ``(requests, rows, drafting)`` an EMA of the measured seconds,
+    blended with the scaled profile by its number of samples (``prior_weight`` samples of
+    the profile, so one noisy step moves a prediction only part way)."""
+
+    def __init__(self, profile: StepCost, *, decay: float = 0.9, prior_weight: float = 2.0) -> None:
+        self.profile = profile
+        self.decay = decay
+        self.prior_weight = prior_weight
+        self.buckets: dict[tuple[int, int, int], tuple[float, float]] = {}  # -> (ema, samples)
+        self.scale = {False: 1.0, True: 1.0}  # drafting? -> EMA of measured / profiled
+        self._scale_n = {False: 0, True: 0}
+        # predicted vs measured over the steps seen (the report)
+        self.num_steps = 0
+        self.predicted_s = 0.0
+        self.measured_s = 0.0
+        self.abs_error_s = 0.0
+
+    def line(self, requests: int) -> Callable[[int, int], float]:
+        """Predicted seconds ``f(rows, drafting)`` for a step of ``requests`` requests;
+        the profile's slice for this R is interpolated once, so a decision over many
+        candidates costs one small interpolation each."""
+        p = self.profile
+        at_r = [
+            _lerp(p.requests, [row[k] for row in p.seconds], requests) for k in range(len(p.drafts))
+        ]  # verify seconds at this R for each profiled x
+        draft_cache: dict[int, float] = {}
+
+        def seconds(rows: int, drafting: int) -> float:
+            if drafting not in draft_cache:
+                draft_cache[drafting] = p.draft_at(drafting)
+            base = _lerp(p.drafts, at_r, (rows - requests) / requests) + draft_cache[drafting]
+            return self._blend((requests, rows, drafting), base * self.scale[drafting > 0])
+
+        return seconds
+
+    def seconds_at(self, requests: int, rows: int, drafting: int) -> float:
+        """Predicted seconds of one step (see :meth:`line`)."""
+        return self.line(requests)(rows, drafting)
+
+    def sps(self, requests: int, drafting: int) -> Callable[[int], float]:
+        """SPS(B) for Algorithm 1 in a step of ``requests`` requests, ``drafting`` drafted."""
+        f = self.line(requests)
+        return lambda rows: 1.0 / f(rows, drafting)
+
+    def _blend(self, key: tuple[int, int, int], prior: float) -> float:
+        seen = self.buckets.get(key)
+        if seen is None:
+            return prior
+        ema, n = seen
+        w = min(n, 1.0 / (1.0 - self.decay))
+        return (w * ema + self.prior_weight * prior) / (w + self.prior_weight)
+
+    def update(self, requests: int, rows: int, drafting: int, seconds: float) -> float:
+        """Take in one measured step; returns what was predicted for it (before the update)."""
+        predicted = self.seconds_at(requests, rows, drafting)
+        self.num_steps += 1
+        self.predicted_s += predicted
+        self.measured_s += seconds
+        self.abs_error_s += abs(predicted - seconds)
+        key = (requests, rows, drafting)
+        ema, n = self.buckets.get(key, (seconds, 0.0))
+        alpha = max(1.0 / (n + 1), 1.0 - self.decay)  # the first samples average exactly
+        self.buckets[key] = (ema + alpha * (seconds - ema), n + 1)
+        kind = drafting > 0
+        ratio = seconds / self.profile.seconds_at(requests, rows, drafting)
+        self._scale_n[kind] += 1
+        alpha = max(1.0 / self._scale_n[kind], 1.0 - self.decay)
+        self.scale[kind] += alpha * (ratio - self.scale[kind])
+        return predicted
+
+    def summary(self) -> dict[str, float | int | None]:
+        """Predicted vs measured step time so far (results.json ``adaptive.step_time``)."""
+        n = self.num_steps
+        return {
+            "steps": n,
+            "predicted_ms_mean": self.predicted_s / n * 1e3 if n else None,
+            "measured_ms_mean": self.measured_s / n * 1e3 if n else None,
+            "abs_error_ms_mean": self.abs_error_s / n * 1e3 if n else None,
+            "scale_plain": self.scale[False],
+            "scale_drafting": self.scale[True],
+        }
