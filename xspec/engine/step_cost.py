@@ -13,9 +13,10 @@ forward of the B rows with their ``logits_to_probs`` and the rejection sampler
 (``seconds``). The fastest of ``spec.adaptive.profile_reps`` timed runs after one untimed
 warm-up (and one untimed pass over the smallest batch first: the first forwards of a
 process pay one-off costs); R runs over powers of two up to ``min(spec.adaptive.max_requests, the memory
-plan's sequences)``, x over ``{0, 1, gamma // 2, gamma}`` (the time is close to linear in
-the rows; :class:`StepCost` interpolates; a row is made non-decreasing in x, since a dip
-is timing noise). Not timed: the drafter's context write, small next to a forward.
+plan's sequences)``, x over ``{0, 1, gamma // 2, gamma}``. The time is close to linear in
+the rows, so each R's points are replaced by their robust line (:func:`line_fit`: a
+timing spike moves neither slope nor intercept), and a smaller batch is never slower than
+a larger one (:func:`monotone_in_requests`); :class:`StepCost` interpolates. Not timed: the drafter's context write, small next to a forward.
 
 **Where it comes from**: ``spec.adaptive.profile=<file>`` reuses a saved profile (refused
 when it was measured for another model, draft, gamma, dtype, platform, context, sampling
@@ -32,6 +33,7 @@ import functools
 import hashlib
 import itertools
 import json
+import statistics
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -255,12 +257,37 @@ def measure_step_cost(
         ]
         if i == 0:
             continue
-        # more rows never make a step faster: a measured dip is noise, flattened
-        seconds.append(list(itertools.accumulate(row, max)))
+        seconds.append(line_fit(drafts, row))
         draft_seconds.append(t_draft)
-    # more drafting requests never make the draft faster either
-    draft_seconds = list(itertools.accumulate(draft_seconds, max))
-    return StepCost(grid, drafts, seconds, draft_seconds)
+    return StepCost(grid, drafts, *monotone_in_requests(seconds, draft_seconds))
+
+
+def line_fit(xs: list[int], ys: list[float]) -> list[float]:
+    """``ys`` measured at ``xs`` -> the robust straight line through them, evaluated at
+    ``xs``: the median of the pairwise slopes (Theil-Sen, at least 0: more rows never
+    make a step faster) and the median intercept. One timing spike moves neither, where
+    a running maximum would carry it to every larger x."""
+    if len(xs) < 2:
+        return list(ys)
+    slopes = [
+        (ys[j] - ys[i]) / (xs[j] - xs[i]) for i, j in itertools.combinations(range(len(xs)), 2)
+    ]
+    slope = max(0.0, statistics.median(slopes))
+    intercept = statistics.median(y - slope * x for x, y in zip(xs, ys))
+    return [max(intercept + slope * x, 1e-6) for x in xs]
+
+
+def monotone_in_requests(
+    seconds: list[list[float]], draft_seconds: list[float]
+) -> tuple[list[list[float]], list[float]]:
+    """More requests never make a step (or a draft forward) faster: each value becomes
+    the minimum of itself and every larger batch's, so a spike at a small batch (the
+    first forwards, another process) is cut to what a larger batch measured."""
+    rows, draft = [list(r) for r in seconds], list(draft_seconds)
+    for i in range(len(rows) - 2, -1, -1):
+        rows[i] = [min(a, b) for a, b in zip(rows[i], rows[i + 1])]
+        draft[i] = min(draft[i], draft[i + 1])
+    return rows, draft
 
 
 def step_cost_profile(
