@@ -32,6 +32,8 @@ acceptance and the measured step time.
 
 from __future__ import annotations
 
+import itertools
+import operator
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -39,7 +41,7 @@ from dataclasses import dataclass
 import torch
 
 from xspec.sampling import SamplingParams
-from xspec.spec.schedule import OnlineStepCost, schedule_verify
+from xspec.spec.schedule import OnlineStepCost, StepLine, schedule_verify
 
 __all__ = [
     "AcceptanceHistory",
@@ -126,28 +128,28 @@ class AcceptanceModel:
     def new_history(self) -> AcceptanceHistory:
         return AcceptanceHistory(_Decayed(self.gamma, self.request_decay))
 
-    def conditional(self, regime: str, history: AcceptanceHistory | None) -> list[float]:
-        """``c_j`` per position: P(draft j accepted | drafts < j accepted)."""
+    def batch_rates(self, regime: str) -> list[float]:
+        """The regime's conditional acceptance per position, over every request."""
         batch = self.regimes.get(regime)
-        out = []
-        for j in range(self.gamma):
-            c = (
-                PRIOR_ACCEPTANCE
-                if batch is None
-                else batch.rate(j, PRIOR_ACCEPTANCE, self.prior_weight)
-            )
-            if history is not None:
-                c = history.counts.rate(j, c, self.request_weight)
-            out.append(c)
-        return out
+        if batch is None:
+            return [PRIOR_ACCEPTANCE] * self.gamma
+        w, prior = self.prior_weight, PRIOR_ACCEPTANCE
+        return [(h + w * prior) / (r + w) for h, r in zip(batch.hits, batch.reached)]
+
+    def conditional(
+        self, regime: str, history: AcceptanceHistory | None, batch: list[float] | None = None
+    ) -> list[float]:
+        """``c_j`` per position: P(draft j accepted | drafts < j accepted). ``batch``: the
+        regime's :meth:`batch_rates`, when the caller has them already."""
+        rates = self.batch_rates(regime) if batch is None else batch
+        if history is None:
+            return rates
+        w, c = self.request_weight, history.counts
+        return [(h + w * b) / (r + w) for h, r, b in zip(c.hits, c.reached, rates)]
 
     def survivals(self, regime: str, history: AcceptanceHistory | None) -> list[float]:
         """``a_j = prod_{i<=j} c_i``: expected accepted tokens of verifying draft j."""
-        out, a = [], 1.0
-        for c in self.conditional(regime, history):
-            a *= c
-            out.append(a)
-        return out
+        return list(itertools.accumulate(self.conditional(regime, history), operator.mul))
 
     def observe(
         self, regime: str, history: AcceptanceHistory | None, verified: int, accepted: int
@@ -201,30 +203,38 @@ class ConfidenceCorrection:
 
 
 def choose_depths(
-    survivals: Sequence[Sequence[float]],
-    caps: Sequence[int],
-    seconds: Callable[[int, int], float],
+    survivals: Sequence[Sequence[float]], caps: Sequence[int], seconds: StepLine
 ) -> list[int]:
     """The depth per request that maximises expected committed tokens per second
     (module docstring): ``survivals[r][j]`` non-increasing in j, ``caps[r]`` its most,
-    ``seconds(rows, drafting)`` the predicted step time of this step's R requests."""
+    ``seconds`` the predicted step time of this step's R requests (its ``max_rows`` at
+    least ``R + sum(caps)``). Vectorised over the candidates: a few small tensor ops."""
     R = len(caps)
-    cand = sorted(
-        ((-survivals[r][j], j, r) for r in range(R) for j in range(caps[r])),
-    )  # descending survival; ties: lower position, then lower request
-    best_value, best_k = R / seconds(R, 0), 0
-    tau, rows, drafting = float(R), R, 0
-    started = [False] * R
-    for k, (neg_a, _, r) in enumerate(cand, start=1):
-        tau -= neg_a
-        rows += 1
-        if not started[r]:
-            started[r], drafting = True, drafting + 1
-        value = tau / seconds(rows, drafting)
-        if value > best_value:
-            best_value, best_k = value, k
+    if not any(caps):
+        return [0] * R
+    G = max(caps)
+    a = torch.tensor(
+        [list(s[:G]) + [0.0] * (G - len(s[:G])) for s in survivals], dtype=torch.float64
+    )
+    # candidates in position-major order (j, then r): a stable sort by -a breaks ties by
+    # position, then request
+    pos = torch.arange(G).repeat_interleave(R)  # [G*R]
+    req = torch.arange(R).repeat(G)  # [G*R]
+    allowed = pos < torch.tensor(list(caps), dtype=torch.long)[req]
+    pos, req, cand = pos[allowed], req[allowed], a.t().reshape(-1)[allowed]
+    order = torch.sort(-cand, stable=True).indices
+    pos, req, cand = pos[order], req[order], cand[order]
+    K = int(cand.shape[0])
+    tau = R + cand.cumsum(0)  # [K] expected committed tokens of each prefix
+    rows = R + torch.arange(1, K + 1)  # [K]
+    drafting = (pos == 0).long().cumsum(0)  # a request's first candidate is its position 0
+    value = tau / seconds.many(rows, drafting)  # [K]
+    plain = R / seconds(R, 0)
+    best = int(value.argmax())  # the first of equal maxima: the shorter prefix
+    if not float(value[best]) > plain:
+        return [0] * R
     depths = [0] * R
-    for _, j, r in cand[:best_k]:
+    for r, j in zip(req[: best + 1].tolist(), pos[: best + 1].tolist()):
         depths[r] = max(depths[r], j + 1)
     return depths
 
@@ -300,15 +310,20 @@ class Speculation:
         sampling, its acceptance history and ``budgets`` (the drafts it can still use)."""
         started = time.perf_counter()
         caps = self.caps(len(params), budgets)
-        regimes = [regime_of(p) for p in params]
-        conditional = [self.acceptance.conditional(g, h) for g, h in zip(regimes, histories)]
+        labels: dict[SamplingParams, str] = {}
+        regimes = [labels.get(p) or labels.setdefault(p, regime_of(p)) for p in params]
+        rates = {g: self.acceptance.batch_rates(g) for g in set(regimes)}
+        conditional = [
+            self.acceptance.conditional(g, h, rates[g]) for g, h in zip(regimes, histories)
+        ]
         if self.force is not None:
             depths = [max(0, min(d, c)) for d, c in zip(self.force(caps), caps)]
         elif self.cost is None or not any(caps):
             depths = caps
         else:
-            surv = [self.acceptance.survivals(g, h) for g, h in zip(regimes, histories)]
-            depths = choose_depths(surv, caps, self.cost.line(len(caps)))
+            surv = [list(itertools.accumulate(c, operator.mul)) for c in conditional]
+            R = len(caps)
+            depths = choose_depths(surv, caps, self.cost.line(R, R + sum(caps)))
         expected = [c[:d] for c, d in zip(conditional, depths)]
         self.last = StepRecord(regimes, depths, expected, started)
         return depths
@@ -323,7 +338,8 @@ class Speculation:
         if not self.trim_enabled or self.cost is None:
             return depths
         drafting = sum(d > 0 for d in depths)
-        return schedule_verify(corrected, depths, self.cost.sps(len(depths), drafting))
+        R = len(depths)
+        return schedule_verify(corrected, depths, self.cost.sps(R, drafting, R + sum(depths)))
 
     def observe(
         self,
@@ -339,8 +355,8 @@ class Speculation:
             seconds = time.perf_counter() - rec.started
             drafting = sum(d > 0 for d in rec.depths)
             self.cost.update(len(verified), len(verified) + sum(verified), drafting, seconds)
+        raw = rec.raw.tolist() if rec.raw is not None else None  # one copy, not one per row
         for b, history in enumerate(histories):
             self.acceptance.observe(rec.regimes[b], history, verified[b], accepted[b])
-            if rec.raw is not None and verified[b]:
-                row = rec.raw[b, : verified[b]].tolist()
-                self.correction.observe(rec.regimes[b], row, verified[b], accepted[b])
+            if raw is not None and verified[b]:
+                self.correction.observe(rec.regimes[b], raw[b], verified[b], accepted[b])

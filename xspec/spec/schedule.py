@@ -62,6 +62,25 @@ def _lerp(xs: Sequence[float], ys: Sequence[float], x: float) -> float:
     return float(ys[i - 1] + t * (ys[i] - ys[i - 1]))
 
 
+def _lerp_steps(
+    xs: Sequence[float], ys: Sequence[float], requests: int, max_rows: int
+) -> list[float]:
+    """``_lerp(xs, ys, k / requests)`` for ``k = 0 .. max_rows - requests``, in one pass."""
+    out, i, last = [], 0, len(xs) - 1
+    for k in range(max(0, max_rows - requests) + 1):
+        x = k / requests
+        while i < last - 1 and x > xs[i + 1]:
+            i += 1
+        if x <= xs[0]:
+            out.append(float(ys[0]))
+        elif x >= xs[last]:
+            out.append(float(ys[last]))
+        else:
+            t = (x - xs[i]) / (xs[i + 1] - xs[i])
+            out.append(float(ys[i] + t * (ys[i + 1] - ys[i])))
+    return out
+
+
 @dataclass(frozen=True)
 class StepCost:
     """Measured seconds of one decode step: ``seconds[i][k]`` for ``requests[i]`` requests
@@ -184,8 +203,11 @@ class OnlineStepCost:
         self.profile = profile
         self.decay = decay
         self.prior_weight = prior_weight
-        self.buckets: dict[tuple[int, int, int], tuple[float, float]] = {}  # -> (ema, samples)
+        # requests -> (rows, drafting) -> (EMA of measured seconds, samples)
+        self.buckets: dict[int, dict[tuple[int, int], tuple[float, float]]] = {}
         self.scale = {False: 1.0, True: 1.0}  # drafting? -> EMA of measured / profiled
+        # (requests, max_rows) -> the profile's verify and draft seconds (StepLine)
+        self.profile_lines: dict[tuple[int, int], tuple[list[float], list[float], list[float]]] = {}
         self._scale_n = {False: 0, True: 0}
         # predicted vs measured over the steps seen (the report)
         self.num_steps = 0
@@ -193,40 +215,23 @@ class OnlineStepCost:
         self.measured_s = 0.0
         self.abs_error_s = 0.0
 
-    def line(self, requests: int) -> Callable[[int, int], float]:
-        """Predicted seconds ``f(rows, drafting)`` for a step of ``requests`` requests;
-        the profile's slice for this R is interpolated once, so a decision over many
-        candidates costs one small interpolation each."""
-        p = self.profile
-        at_r = [
-            _lerp(p.requests, [row[k] for row in p.seconds], requests) for k in range(len(p.drafts))
-        ]  # verify seconds at this R for each profiled x
-        draft_cache: dict[int, float] = {}
-
-        def seconds(rows: int, drafting: int) -> float:
-            if drafting not in draft_cache:
-                draft_cache[drafting] = p.draft_at(drafting)
-            base = _lerp(p.drafts, at_r, (rows - requests) / requests) + draft_cache[drafting]
-            return self._blend((requests, rows, drafting), base * self.scale[drafting > 0])
-
-        return seconds
+    def line(self, requests: int, max_rows: int | None = None) -> StepLine:
+        """Predicted seconds of a step of ``requests`` requests, ``f(rows, drafting)``
+        (:class:`StepLine`; ``max_rows``: the most rows it will be asked about, so their
+        verify times are computed once, in one pass)."""
+        return StepLine(self, requests, max_rows if max_rows is not None else requests)
 
     def seconds_at(self, requests: int, rows: int, drafting: int) -> float:
         """Predicted seconds of one step (see :meth:`line`)."""
         return self.line(requests)(rows, drafting)
 
-    def sps(self, requests: int, drafting: int) -> Callable[[int], float]:
-        """SPS(B) for Algorithm 1 in a step of ``requests`` requests, ``drafting`` drafted."""
-        f = self.line(requests)
+    def sps(
+        self, requests: int, drafting: int, max_rows: int | None = None
+    ) -> Callable[[int], float]:
+        """SPS(B) for Algorithm 1 in a step of ``requests`` requests, ``drafting`` drafted
+        (``max_rows``: as for :meth:`line`)."""
+        f = self.line(requests, max_rows)
         return lambda rows: 1.0 / f(rows, drafting)
-
-    def _blend(self, key: tuple[int, int, int], prior: float) -> float:
-        seen = self.buckets.get(key)
-        if seen is None:
-            return prior
-        ema, n = seen
-        w = min(n, 1.0 / (1.0 - self.decay))
-        return (w * ema + self.prior_weight * prior) / (w + self.prior_weight)
 
     def update(self, requests: int, rows: int, drafting: int, seconds: float) -> float:
         """Take in one measured step; returns what was predicted for it (before the update)."""
@@ -235,10 +240,10 @@ class OnlineStepCost:
         self.predicted_s += predicted
         self.measured_s += seconds
         self.abs_error_s += abs(predicted - seconds)
-        key = (requests, rows, drafting)
-        ema, n = self.buckets.get(key, (seconds, 0.0))
+        bucket = self.buckets.setdefault(requests, {})
+        ema, n = bucket.get((rows, drafting), (seconds, 0.0))
         alpha = max(1.0 / (n + 1), 1.0 - self.decay)  # the first samples average exactly
-        self.buckets[key] = (ema + alpha * (seconds - ema), n + 1)
+        bucket[(rows, drafting)] = (ema + alpha * (seconds - ema), n + 1)
         kind = drafting > 0
         ratio = seconds / self.profile.seconds_at(requests, rows, drafting)
         self._scale_n[kind] += 1
@@ -257,3 +262,60 @@ class OnlineStepCost:
             "scale_plain": self.scale[False],
             "scale_drafting": self.scale[True],
         }
+
+
+class StepLine:
+    """:class:`OnlineStepCost`'s prediction for steps of one batch size R, read once:
+    ``line(rows, drafting)`` seconds, and :meth:`many` for a whole scan of candidates at
+    once (the per-step decision evaluates up to R * gamma of them)."""
+
+    def __init__(self, cost: OnlineStepCost, requests: int, max_rows: int) -> None:
+        p = cost.profile
+        self.requests = requests
+        self.xs = p.drafts
+        # the profile's own figures at this R (they never change): computed once per R
+        key = (requests, max_rows)
+        if key not in cost.profile_lines:
+            at_r = [
+                _lerp(p.requests, [row[k] for row in p.seconds], requests)
+                for k in range(len(p.drafts))
+            ]  # verify seconds at this R for each profiled x
+            cost.profile_lines[key] = (
+                at_r,
+                _lerp_steps(self.xs, at_r, requests, max_rows),  # [rows - R]
+                [p.draft_at(d) for d in range(requests + 1)],  # [drafting]
+            )
+        self.at_r, self.verify, self.draft = cost.profile_lines[key]
+        self.verify_t = torch.tensor(self.verify, dtype=torch.float64)
+        self.draft_t = torch.tensor(self.draft, dtype=torch.float64)
+        self.scale = (cost.scale[False], cost.scale[True])
+        self.seen = cost.buckets.get(requests, {})
+        self.cap, self.prior = 1.0 / (1.0 - cost.decay), cost.prior_weight
+
+    def _blend(self, base: float, rows: int, drafting: int) -> float:
+        hit = self.seen.get((rows, drafting))
+        if hit is None:
+            return base
+        w = min(hit[1], self.cap)
+        return (w * hit[0] + self.prior * base) / (w + self.prior)
+
+    def __call__(self, rows: int, drafting: int) -> float:
+        k = rows - self.requests
+        v = (
+            self.verify[k]
+            if 0 <= k < len(self.verify)
+            else _lerp(self.xs, self.at_r, k / self.requests)
+        )
+        d = self.draft[min(max(drafting, 0), self.requests)]
+        return self._blend((v + d) * self.scale[drafting > 0], rows, drafting)
+
+    def many(self, rows: torch.Tensor, drafting: torch.Tensor) -> torch.Tensor:
+        """Seconds of each candidate ``(rows[i], drafting[i])`` (int64, rows within
+        ``max_rows``) -> float64 ``[N]``."""
+        scale = torch.where(drafting > 0, self.scale[1], self.scale[0])
+        out = (self.verify_t[rows - self.requests] + self.draft_t[drafting]) * scale
+        if self.seen:  # the measured buckets among the candidates, blended one by one
+            for i, (r, d) in enumerate(zip(rows.tolist(), drafting.tolist())):
+                if (r, d) in self.seen:
+                    out[i] = self._blend(float(out[i]), r, d)
+        return out
