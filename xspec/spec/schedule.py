@@ -310,8 +310,12 @@ class StepLine:
         return self._blend((v + d) * self.scale[drafting > 0], rows, drafting)
 
     def many(self, rows: torch.Tensor, drafting: torch.Tensor) -> torch.Tensor:
-        """Seconds of each candidate ``(rows[i], drafting[i])`` (int64, rows within
-        ``max_rows``) -> float64 ``[N]``."""
+        """Seconds of each candidate ``(rows[i], drafting[i])`` (int64, drafting at most
+        R) -> float64 ``[N]``."""
+        top = int(rows.max()) if rows.numel() else self.requests
+        if top - self.requests >= len(self.verify):  # beyond max_rows: extend, once
+            self.verify = _lerp_steps(self.xs, self.at_r, self.requests, top)
+            self.verify_t = torch.tensor(self.verify, dtype=torch.float64)
         scale = torch.where(drafting > 0, self.scale[1], self.scale[0])
         out = (self.verify_t[rows - self.requests] + self.draft_t[drafting]) * scale
         if self.seen:  # the measured buckets among the candidates, blended one by one
