@@ -270,7 +270,7 @@ def decode_step(
             if confidence is None:  # build() refuses this; a plugin drafter could
                 raise RuntimeError("spec.adaptive: the drafter proposed without confidences")
             n = schedule(confidence, n)  # [B] verified prefix per sequence
-        elif speculation is not None and confidence is not None:
+        elif speculation is not None and confidence is not None and speculation.trim_enabled:
             n = speculation.trim(confidence, n)  # [B] verified prefix per sequence
         width = max(n)  # drafts beyond every sequence's prefix are never scored
         drafts = drafts[:, :width]
@@ -328,7 +328,8 @@ def decode_step(
     predicted = confidence
     if speculation is not None and speculation.last is not None and lockstep is None:
         speculation.observe([s.history for s in seqs], n, accepted)
-        predicted = speculation.last.predicted()
+        if speculation.last.confidence is not None or confidence is None:
+            predicted = speculation.last.predicted()  # what the decision / trim went by
     # 6. metrics from the output matrix
     metrics.observe_step(
         output,
