@@ -283,6 +283,16 @@ def test_cli_shorthand_results_and_bad_input_exit_code(tmp_path: Path, xspec_cac
     res = json.loads((tmp_path / "results.json").read_text())
     assert res["adaptive"]["calibrated"] is False and res["mean_target_rows_per_step"] >= 1.0
     assert "num_wasted_target_rows" in res["spec_decode"]
+    # the decision's figures: depth histogram, steps without drafts, predicted vs measured
+    # step time (printed and in results.json)
+    assert "speculation depth (request-steps)" in r.stdout and "steps without drafts" in r.stdout
+    assert "step-cost model:" in r.stdout and "predicted" in r.stdout
+    step_time = res["adaptive"]["step_time"]
+    assert step_time["steps"] > 0 and step_time["measured_ms_mean"] > 0
+    assert step_time["predicted_ms_mean"] > 0
+    spec = res["spec_decode"]
+    assert sum(spec["depth_histogram"]) == spec["num_row_steps"]
+    assert res["acceptance"]["steps_without_drafts"] == spec["num_steps_without_drafts"]
     bad = run_cli("model=dsv4_tiny_random", "spec=mtp", "spec.adaptive=true", cache=xspec_cache)
     assert bad.returncode == 2 and "needs a drafter with a confidence head" in bad.stderr
 

@@ -46,14 +46,18 @@ from xspec.spec.schedule import OnlineStepCost, StepLine, schedule_verify
 __all__ = [
     "AcceptanceHistory",
     "AcceptanceModel",
+    "Choice",
     "ConfidenceCorrection",
     "Speculation",
     "choose_depths",
     "gamma_for_batch",
     "regime_of",
+    "scan_depths",
 ]
 
 PRIOR_ACCEPTANCE = 0.7  # per-position acceptance assumed before anything was verified
+EXPLORE_STEPS = 2  # measured steps of each kind (plain / drafting) per batch size wanted
+EXPLORE_MARGIN = 0.15  # ... when the other kind is predicted within this of the best
 
 
 def regime_of(params: SamplingParams) -> str:
@@ -93,9 +97,6 @@ class _Decayed:
     def add(self, position: int, hit: float) -> None:
         self.reached[position] = self.decay * self.reached[position] + 1.0
         self.hits[position] = self.decay * self.hits[position] + hit
-
-    def rate(self, position: int, prior: float, weight: float) -> float:
-        return (self.hits[position] + weight * prior) / (self.reached[position] + weight)
 
 
 @dataclass
@@ -202,20 +203,31 @@ class ConfidenceCorrection:
             real.add(j, 1.0 if j < accepted else 0.0)
 
 
-def choose_depths(
+@dataclass(frozen=True)
+class Choice:
+    """:func:`scan_depths`'s answer: the best depths and its value (expected committed
+    tokens per second), and the best of the other kind of step (a plain step when the
+    best drafts, the best drafting step when the best is plain; None: there is none)."""
+
+    depths: list[int]
+    value: float
+    other: list[int] | None
+    other_value: float
+
+
+def scan_depths(
     survivals: Sequence[Sequence[float]], caps: Sequence[int], seconds: StepLine
-) -> list[int]:
+) -> Choice:
     """The depth per request that maximises expected committed tokens per second
     (module docstring): ``survivals[r][j]`` non-increasing in j, ``caps[r]`` its most,
     ``seconds`` the predicted step time of this step's R requests (its ``max_rows`` at
     least ``R + sum(caps)``). Vectorised over the candidates: a few small tensor ops."""
     R = len(caps)
+    plain = R / seconds(R, 0)
     if not any(caps):
-        return [0] * R
+        return Choice([0] * R, plain, None, 0.0)
     G = max(caps)
-    a = torch.tensor(
-        [list(s[:G]) + [0.0] * (G - len(s[:G])) for s in survivals], dtype=torch.float64
-    )
+    a = torch.tensor([[*s[:G], *[0.0] * (G - len(s[:G]))] for s in survivals], dtype=torch.float64)
     # candidates in position-major order (j, then r): a stable sort by -a breaks ties by
     # position, then request
     pos = torch.arange(G).repeat_interleave(R)  # [G*R]
@@ -229,14 +241,21 @@ def choose_depths(
     rows = R + torch.arange(1, K + 1)  # [K]
     drafting = (pos == 0).long().cumsum(0)  # a request's first candidate is its position 0
     value = tau / seconds.many(rows, drafting)  # [K]
-    plain = R / seconds(R, 0)
     best = int(value.argmax())  # the first of equal maxima: the shorter prefix
-    if not float(value[best]) > plain:
-        return [0] * R
     depths = [0] * R
     for r, j in zip(req[: best + 1].tolist(), pos[: best + 1].tolist()):
         depths[r] = max(depths[r], j + 1)
-    return depths
+    v = float(value[best])
+    if v > plain:
+        return Choice(depths, v, [0] * R, plain)
+    return Choice([0] * R, plain, depths, v)
+
+
+def choose_depths(
+    survivals: Sequence[Sequence[float]], caps: Sequence[int], seconds: StepLine
+) -> list[int]:
+    """:func:`scan_depths`'s best depths."""
+    return scan_depths(survivals, caps, seconds).depths
 
 
 @dataclass
@@ -323,10 +342,25 @@ class Speculation:
         else:
             surv = [list(itertools.accumulate(c, operator.mul)) for c in conditional]
             R = len(caps)
-            depths = choose_depths(surv, caps, self.cost.line(R, R + sum(caps)))
+            choice = scan_depths(surv, caps, self.cost.line(R, R + sum(caps)))
+            depths = choice.depths
+            if choice.other is not None and self._explore(R, choice):
+                depths = choice.other
         expected = [c[:d] for c, d in zip(conditional, depths)]
         self.last = StepRecord(regimes, depths, expected, started)
         return depths
+
+    def _explore(self, requests: int, choice: Choice) -> bool:
+        """Take the other kind of step (plain / drafting) instead of the best, to measure
+        it: only while this batch size has fewer than :data:`EXPLORE_STEPS` measured steps
+        of that kind and its predicted value is within :data:`EXPLORE_MARGIN` of the best.
+        The cost model otherwise never learns the time of a kind of step it never takes
+        (the profile can be off for one kind), and it costs a bounded few steps per
+        batch size."""
+        assert self.cost is not None
+        kind = any(d > 0 for d in choice.other or [])
+        seen = self.cost.kind_counts.get((requests, kind), 0)
+        return seen < EXPLORE_STEPS and choice.other_value >= (1 - EXPLORE_MARGIN) * choice.value
 
     def trim(self, confidence: torch.Tensor, depths: list[int]) -> list[int]:
         """After drafting: Algorithm 1 within ``depths`` on the corrected confidences

@@ -209,6 +209,7 @@ class OnlineStepCost:
         # (requests, max_rows) -> the profile's verify and draft seconds (StepLine)
         self.profile_lines: dict[tuple[int, int], tuple[list[float], list[float], list[float]]] = {}
         self._scale_n = {False: 0, True: 0}
+        self.kind_counts: dict[tuple[int, bool], int] = {}  # (requests, drafting?) -> steps
         # predicted vs measured over the steps seen (the report)
         self.num_steps = 0
         self.predicted_s = 0.0
@@ -245,6 +246,7 @@ class OnlineStepCost:
         alpha = max(1.0 / (n + 1), 1.0 - self.decay)  # the first samples average exactly
         bucket[(rows, drafting)] = (ema + alpha * (seconds - ema), n + 1)
         kind = drafting > 0
+        self.kind_counts[(requests, kind)] = self.kind_counts.get((requests, kind), 0) + 1
         ratio = seconds / self.profile.seconds_at(requests, rows, drafting)
         self._scale_n[kind] += 1
         alpha = max(1.0 / self._scale_n[kind], 1.0 - self.decay)
