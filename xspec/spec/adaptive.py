@@ -33,6 +33,7 @@ acceptance and the measured step time.
 from __future__ import annotations
 
 import itertools
+import math
 import operator
 import time
 from collections.abc import Callable, Sequence
@@ -57,6 +58,7 @@ __all__ = [
 
 PRIOR_ACCEPTANCE = 0.7  # per-position acceptance assumed before anything was verified
 EXPLORE_STEPS = 2  # measured steps of each kind (plain / drafting) per batch size wanted
+SMALL_SCAN = 40  # candidates up to which the depth scan runs in plain Python
 EXPLORE_MARGIN = 0.15  # ... when the other kind is predicted within this of the best
 
 
@@ -226,6 +228,8 @@ def scan_depths(
     plain = R / seconds(R, 0)
     if not any(caps):
         return Choice([0] * R, plain, None, 0.0)
+    if sum(caps) <= SMALL_SCAN:  # a few candidates: plain Python beats tensor ops
+        return _scan_small(survivals, caps, seconds, plain)
     G = max(caps)
     a = torch.tensor([[*s[:G], *[0.0] * (G - len(s[:G]))] for s in survivals], dtype=torch.float64)
     # candidates in position-major order (j, then r): a stable sort by -a breaks ties by
@@ -249,6 +253,27 @@ def scan_depths(
     if v > plain:
         return Choice(depths, v, [0] * R, plain)
     return Choice([0] * R, plain, depths, v)
+
+
+def _scan_small(
+    survivals: Sequence[Sequence[float]], caps: Sequence[int], seconds: StepLine, plain: float
+) -> Choice:
+    """:func:`scan_depths` in plain Python (the same order, the same answer)."""
+    R = len(caps)
+    cand = sorted((-survivals[r][j], j, r) for r in range(R) for j in range(caps[r]))
+    tau, rows, drafting = float(R), R, 0
+    best_value, best_k = -math.inf, 0
+    for k, (neg_a, j, _) in enumerate(cand, start=1):
+        tau, rows, drafting = tau - neg_a, rows + 1, drafting + (j == 0)
+        value = tau / seconds(rows, drafting)
+        if value > best_value:
+            best_value, best_k = value, k
+    depths = [0] * R
+    for _, j, r in cand[:best_k]:
+        depths[r] = max(depths[r], j + 1)
+    if best_value > plain:
+        return Choice(depths, best_value, [0] * R, plain)
+    return Choice([0] * R, plain, depths, best_value)
 
 
 def choose_depths(
