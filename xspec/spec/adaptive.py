@@ -371,6 +371,9 @@ class Speculation:
             depths = choice.depths
             if choice.other is not None and self._explore(R, choice):
                 depths = choice.other
+            if self.trim_enabled:  # the draft forward costs the same at any depth: a
+                # drafting request drafts its cap, the trim picks the verified prefix
+                depths = [c if d > 0 else 0 for d, c in zip(depths, caps)]
         expected = [c[:d] for c, d in zip(conditional, depths)]
         self.last = StepRecord(regimes, depths, expected, started)
         return depths
