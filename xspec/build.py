@@ -284,7 +284,7 @@ def _speculation(
         drafter.gamma,
         cost=OnlineStepCost(profile.cost) if profile is not None else None,
         gamma_schedule=schedule,
-        trim=profile is not None,
+        trim=profile is not None and cfg.spec.adaptive.trim,
         synchronize=platform.synchronize,
     )
 

@@ -101,6 +101,9 @@ class AdaptiveConfig:
     calibration: str = Calibration.auto.value  # auto | off | path to a calibration JSON
     max_requests: int = 64  # the profile covers 1..this many requests per step (and the plan's)
     profile_reps: int = 3  # timed forwards per profile point (the fastest is kept)
+    # after drafting, Algorithm 1 trims each verified prefix from the draft's confidences;
+    # false: the depth decided before drafting is verified whole
+    trim: bool = True
     # committed tokens of the profile's dummy sequences; null = the workload's mean prompt
     # length + half its max_new_tokens (the context its decode steps run at)
     profile_context: int | None = None
