@@ -155,6 +155,22 @@ def test_gamma_schedule_by_batch_size_greedy_equals_baseline(
     assert rep.num_draft_tokens > 0 and rep.num_accepted_tokens > 0  # the one alone drafted
 
 
+def test_gamma_schedule_with_mtp_greedy_equals_baseline(dsv4_baseline: list[list[int]]) -> None:
+    """``spec.gamma_schedule`` with MTP: steps of two requests draft nothing, the last
+    request alone drafts 2 (MTP chains its own hidden); the output is the baseline's and
+    the MTP state stays in step through the plain steps."""
+    llm = xspec.LLM(
+        model="dsv4_tiny_random",
+        spec="mtp",
+        platform="cpu",
+        overrides={"spec.gamma_schedule": [[1, 2], [2, 0]], "spec.num_speculative_tokens": 2},
+    )
+    out = llm.generate(PROMPTS, NEW, ignore_eos=True, concurrency=2)
+    assert [g.token_ids for g in out] == dsv4_baseline
+    rep = llm.metrics.report()
+    assert rep.num_steps_without_drafts > 0 and rep.num_draft_tokens > 0
+
+
 # -- sampling: the target distribution through mixed batches and the trim --------------------
 
 
