@@ -33,7 +33,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from xspec.config import RunConfig, validate
+from xspec.config import RunConfig, gamma_schedule_problems, validate
 from xspec.engine.engine import Engine
 from xspec.engine.memory import LayoutPlan, MemoryPlan, budget_of, plan_memory, weight_bytes
 from xspec.engine.parallel import ParallelEngine
@@ -47,9 +47,10 @@ from xspec.parallel.topology import launch
 from xspec.platforms import get_platform
 from xspec.platforms.base import Platform
 from xspec.registry import families_where, models, spec_methods
+from xspec.spec.adaptive import Speculation
 from xspec.spec.calibration import RegimeCheck
 from xspec.spec.drafter import Drafter
-from xspec.spec.schedule import AdaptiveVerify
+from xspec.spec.schedule import OnlineStepCost
 from xspec.tokenizer import Tokenizer, load_tokenizer, missing_tokenizer
 
 if TYPE_CHECKING:
@@ -120,6 +121,23 @@ def _checks(cfg: RunConfig) -> list[tuple[type[UserError], str]]:
                 "without torchrun, or set spec.adaptive=false",
             )
         )
+    schedule = cfg.spec.gamma_schedule
+    if schedule is not None:
+        if cfg.spec.num_speculative_tokens is None:  # validate() checked a configured gamma
+            problems += [
+                (ConfigError, p)
+                for p in gamma_schedule_problems(schedule, gamma)
+                if "drafts more than" in p
+            ]
+        if cfg.parallel.dp > 1 or cfg.parallel.ep > 1:
+            problems.append(
+                (
+                    ConfigError,
+                    "spec.gamma_schedule is not supported with parallel.dp/ep > 1 yet (every "
+                    "rank must draft the same block); run it without torchrun, or set "
+                    "spec.gamma_schedule=null",
+                )
+            )
     if cfg.parallel.ep > 1:
         problems += [(ConfigError, p) for p in expert_parallel_problems(cfg, family, drafter_cls)]
     if problems:
@@ -222,7 +240,7 @@ def _adaptive_problems(
     from xspec.engine.step_cost import profile_key, read_profile
 
     try:
-        read_profile(Path(cfg.spec.adaptive.profile), profile_key(cfg, platform, gamma))
+        read_profile(Path(cfg.spec.adaptive.profile), profile_key(cfg, platform, gamma, None))
     except ConfigError as e:
         return [str(e)]
     return []
@@ -269,7 +287,7 @@ def build(cfg: RunConfig) -> Built:
         target.args.eos_token_id,
     )
     plan = _plan(cfg, platform, target, drafter)
-    profile = _profile(cfg, platform, target, drafter, capture, plan)
+    profile = _profile(cfg, platform, target, drafter, capture, plan, tokenizer)
     kw: dict[str, Any] = dict(
         stop_ids=stop_ids,
         synchronize=platform.synchronize,
@@ -285,8 +303,8 @@ def build(cfg: RunConfig) -> Built:
         )
         per_rank = [row[0] for row in parallel.all_gather_ints([experts])]
     else:
-        schedule = AdaptiveVerify(profile.cost) if profile is not None else None
-        engine = Engine(target, drafter, capture, schedule=schedule, **kw)
+        speculation = _speculation(cfg, drafter, profile, platform)
+        engine = Engine(target, drafter, capture, speculation=speculation, **kw)
         per_rank = [experts]
     return Built(
         cfg,
@@ -309,6 +327,24 @@ def _regime_check(drafter: Drafter) -> RegimeCheck | None:
     return RegimeCheck(drafter.calibration, drafter.calibration_file)
 
 
+def _speculation(
+    cfg: RunConfig, drafter: Drafter, profile: Profile | None, platform: Platform
+) -> Speculation | None:
+    """The per-step decision (docs/adaptive.md): ``spec.adaptive`` decides each request's
+    depth from the online step-cost model (and trims after drafting from the draft's
+    confidences); ``spec.gamma_schedule`` caps the depth by batch size. None: fixed gamma."""
+    schedule = cfg.spec.gamma_schedule
+    if profile is None and schedule is None:
+        return None
+    return Speculation(
+        drafter.gamma,
+        cost=OnlineStepCost(profile.cost) if profile is not None else None,
+        gamma_schedule=schedule,
+        trim=profile is not None and cfg.spec.adaptive.trim,
+        synchronize=platform.synchronize,
+    )
+
+
 def _profile(
     cfg: RunConfig,
     platform: Platform,
@@ -316,16 +352,21 @@ def _profile(
     drafter: Drafter,
     capture: list[CapturePoint],
     plan: MemoryPlan,
+    tokenizer: Tokenizer,
 ) -> Profile | None:
-    """``spec.adaptive``: the step-cost profile, for at most as many requests per step as
-    the plan holds (short sequences) and ``spec.adaptive.max_requests``."""
-    if not cfg.spec.adaptive.enabled:
+    """``spec.adaptive``: the step-cost profile at the workload's context and sampling,
+    for at most as many requests per step as the plan holds at that context and
+    ``spec.adaptive.max_requests``."""
+    a = cfg.spec.adaptive
+    if not a.enabled:
         return None
-    from xspec.engine.step_cost import CONTEXT, step_cost_profile
+    from xspec.engine.step_cost import step_cost_profile, workload_context
 
-    fits = plan.max_seqs(CONTEXT, drafter.gamma + 1)
-    max_requests = max(1, min(cfg.spec.adaptive.max_requests, fits))
-    return step_cost_profile(cfg, platform, target, drafter, capture, max_requests)
+    limit = target.max_context - drafter.gamma - 1
+    context = a.profile_context or workload_context(cfg.workload, tokenizer.encode, limit)
+    fits = plan.max_seqs(context, drafter.gamma + 1)
+    max_requests = max(1, min(a.max_requests, fits))
+    return step_cost_profile(cfg, platform, target, drafter, capture, max_requests, context)
 
 
 def _plan(cfg: RunConfig, platform: Platform, target: TargetModel, drafter: Drafter) -> MemoryPlan:

@@ -14,6 +14,7 @@ heavy (weights, caches, devices) is touched.
 from __future__ import annotations
 
 import enum
+import itertools
 import math
 from dataclasses import dataclass, field, fields, is_dataclass
 from importlib import resources
@@ -99,7 +100,13 @@ class AdaptiveConfig:
     profile: str | None = None
     calibration: str = Calibration.auto.value  # auto | off | path to a calibration JSON
     max_requests: int = 64  # the profile covers 1..this many requests per step (and the plan's)
-    profile_reps: int = 3  # timed forwards per profile point (the median is kept)
+    profile_reps: int = 3  # timed forwards per profile point (the fastest is kept)
+    # after drafting, Algorithm 1 trims each verified prefix from the draft's confidences;
+    # false: the depth decided before drafting is verified whole
+    trim: bool = True
+    # committed tokens of the profile's dummy sequences; null = the workload's mean prompt
+    # length + half its max_new_tokens (the context its decode steps run at)
+    profile_context: int | None = None
 
 
 @dataclass(kw_only=True)
@@ -111,6 +118,10 @@ class SpecConfig:
     num_speculative_tokens: int | None = None
     draft_path: str | None = None  # null = the target directory (drafter stored with the target)
     adaptive: AdaptiveConfig = field(default_factory=AdaptiveConfig)
+    # a static rule, batch size -> gamma (vLLM's num_speculative_tokens_per_batch_size):
+    # [[min_batch, gamma], ...], ascending min_batch, the first at 1; a step of B requests
+    # drafts the gamma of the last entry with min_batch <= B (0 = no draft); null = off
+    gamma_schedule: list[list[int]] | None = None
 
 
 @dataclass(kw_only=True)
@@ -384,6 +395,47 @@ def nonfinite_problems(node: Any, prefix: str = "") -> list[str]:
     return []
 
 
+def gamma_schedule_problems(schedule: Any, gamma: int | None) -> list[str]:
+    """What is wrong with ``spec.gamma_schedule`` (empty: fine, or null). ``gamma``: the
+    configured ``spec.num_speculative_tokens`` (None: checked against the drafter's at
+    build time, :func:`xspec.build.check`)."""
+    if schedule is None:
+        return []
+    key = "spec.gamma_schedule"
+    example = "e.g. spec.gamma_schedule='[[1,5],[8,3],[16,0]]'"
+    shape = (
+        f"{key} must be a list of [min_batch, gamma] pairs of integers, min_batch >= 1 "
+        f"ascending from 1 and gamma >= 0 ({example}); got {schedule!r}"
+    )
+    ok = (
+        isinstance(schedule, list)
+        and len(schedule) > 0
+        and all(
+            isinstance(e, list)
+            and len(e) == 2
+            and all(isinstance(v, int) and not isinstance(v, bool) for v in e)
+            for e in schedule
+        )
+    )
+    if not ok:
+        return [shape]
+    batches = [e[0] for e in schedule]
+    problems = []
+    if batches[0] != 1 or any(b <= a for a, b in itertools.pairwise(batches)):
+        problems.append(
+            f"{key}: the batch sizes must start at 1 and increase strictly (got "
+            f"{batches}); {example}"
+        )
+    if any(e[1] < 0 for e in schedule):
+        problems.append(f"{key}: gamma must be >= 0 in every entry (got {schedule}); {example}")
+    if gamma is not None and any(e[1] > gamma for e in schedule):
+        problems.append(
+            f"{key}: an entry drafts more than spec.num_speculative_tokens={gamma} "
+            f"(got {schedule}); lower it or raise spec.num_speculative_tokens"
+        )
+    return problems
+
+
 def validate(cfg: RunConfig, *, world: int | None = None) -> None:
     """Every config-level problem at once (registry names, ranges); ``world``: the world
     size ``parallel`` must fit (None: the launch's)."""
@@ -407,8 +459,13 @@ def validate(cfg: RunConfig, *, world: int | None = None) -> None:
     ):
         if value < 1:
             problems.append(f"{key} must be >= 1 (got {value})")
+    if a.profile_context is not None and a.profile_context < 1:
+        problems.append(
+            f"spec.adaptive.profile_context must be >= 1 or null (got {a.profile_context})"
+        )
     if not a.calibration:
         problems.append("spec.adaptive.calibration must be auto, off or a file path (got '')")
+    problems += gamma_schedule_problems(cfg.spec.gamma_schedule, gamma)
     w = cfg.workload
     for key, value in (
         ("workload.num_requests", w.num_requests),

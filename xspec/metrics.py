@@ -30,6 +30,14 @@ Two "lengths" differ by exactly 1, and dashboards mean the second one:
 ``mean_accepted_length`` = accepted / drafts (xspec's: draft tokens a drafting row keeps)
 and ``acceptance_length`` = 1 + accepted / drafts (vLLM's and SGLang's: tokens a drafting
 row commits per step, the correction/bonus token included). docs/metrics.md has the table.
+
+The speculation decision (``spec.adaptive`` / ``spec.gamma_schedule``, docs/adaptive.md)
+adds: ``speculation_depth{depth=k}``, request-steps whose depth was decided as k before
+drafting (0: it drafted nothing); ``num_steps_without_drafts``, decode steps where no
+request drafted (no draft forward ran); and per sampling regime
+``regime_{draft_tokens,predicted_accepted,accepted}_tokens{regime=...}``: the verified
+draft tokens, the acceptance predicted for them (the sum over verified positions of
+``prod c_i``) and the accepted ones.
 """
 
 from __future__ import annotations
@@ -94,6 +102,11 @@ class AcceptanceReport:
     # the verified positions) and the realised ones, per draft token; None without a head
     predicted_acceptance_rate: float | None = None
     realised_acceptance_rate: float | None = None
+    # request-steps per decided speculation depth (index = depth; 0 = drafted nothing)
+    depth_histogram: list[int] = field(default_factory=list)
+    num_steps_without_drafts: int = 0  # decode steps in which no request drafted
+    # per sampling regime: {draft_tokens, predicted_rate, realised_rate}
+    regimes: dict[str, dict[str, float]] = field(default_factory=dict)
 
     def format(self) -> str:
         """A small aligned two-column table (each line is explained in docs/metrics.md)."""
@@ -120,6 +133,16 @@ class AcceptanceReport:
                     f"{self.predicted_acceptance_rate:.4f} / {self.realised_acceptance_rate:.4f}",
                 )
             )
+        if self.depth_histogram:
+            rows.append(("speculation depth (request-steps)", _histogram(self.depth_histogram)))
+            rows.append(("steps without drafts", str(self.num_steps_without_drafts)))
+        rows += [
+            (
+                f"acceptance {name} predicted/realised",
+                f"{r['predicted_rate']:.4f} / {r['realised_rate']:.4f}",
+            )
+            for name, r in sorted(self.regimes.items())
+        ]
         rows += [
             (f"survival[{k}]", f"{s:.4f}  ({c})")
             for k, (s, c) in enumerate(zip(self.survival, self.accepted_per_position))
@@ -176,6 +199,30 @@ class SpecDecodeMetrics:
             "Verified draft rows the target rejected (draft tokens - accepted tokens)",
             registry=reg,
         )
+        self._depth = Counter(
+            f"{_PREFIX}_speculation_depth",
+            "Request-steps whose speculation depth was decided as depth (0: no draft)",
+            ["depth"],
+            registry=reg,
+        )
+        self._no_draft_steps = Counter(
+            f"{_PREFIX}_num_steps_without_drafts",
+            "Decode steps in which no request drafted (no draft forward)",
+            registry=reg,
+        )
+        self._regime_counters = {
+            key: Counter(
+                f"{_PREFIX}_regime_{key}_tokens",
+                doc,
+                ["regime"],
+                registry=reg,
+            )
+            for key, doc in (
+                ("draft", "Verified draft tokens, per sampling regime"),
+                ("predicted_accepted", "Predicted accepted draft tokens, per sampling regime"),
+                ("accepted", "Accepted draft tokens, per sampling regime"),
+            )
+        }
         self._tokens_per_step = Gauge(
             f"{_PREFIX}_mean_tokens_per_step",
             "Committed tokens per verify row so far",
@@ -200,19 +247,27 @@ class SpecDecodeMetrics:
         # calibration, per position: rows with a confidence, sum of predicted survival,
         # rows that really accepted >= k+1
         self._calib: list[list[float]] = []
+        self._depths: list[int] = []  # request-steps per decided depth
+        self._no_draft = 0
+        self._regimes: dict[str, list[float]] = {}  # regime -> [draft, predicted, accepted]
 
     def observe_step(
         self,
         output_tokens: Tensor,
         num_draft_tokens: Tensor,
         confidence: Tensor | None = None,
+        *,
+        depths: list[int] | None = None,
+        regimes: list[str] | None = None,
     ) -> None:
         """Record one decode step.
 
         output_tokens: [B, gamma+1] int64, committed tokens per row then -1 padding
         num_draft_tokens: [B] int64, draft tokens each row carried (0 = baseline row)
-        confidence: [B, >= max drafts] the draft's conditional acceptance estimates c_k
-          (a confidence head), or None
+        confidence: [B, >= max drafts] the conditional acceptance estimates c_k the step
+          predicted (a confidence head, or the adaptive decision's estimates), or None
+        depths: [B] the speculation depth decided before drafting (None: not recorded)
+        regimes: [B] each row's sampling regime label (None: not recorded)
         """
         committed, drafted = _check_step(output_tokens, num_draft_tokens)  # [B], [B]
         accepted = committed - 1  # [B] the last committed token is the correction/bonus
@@ -237,6 +292,10 @@ class SpecDecodeMetrics:
 
         if confidence is not None:
             self._observe_confidence(confidence, accepted, drafted)
+        if depths is not None:
+            self._observe_depths(depths)
+        if regimes is not None:
+            self._observe_regimes(regimes, confidence, accepted, drafted)
 
         self._drafts.inc(int(has_drafts.sum()))
         self._draft_tokens.inc(int(drafted.sum()))
@@ -263,6 +322,37 @@ class SpecDecodeMetrics:
             entry[2] += int((accepted[rows] > k).sum())
             self._predicted_per_pos.labels(position=str(k)).inc(float(predicted[rows, k].sum()))
 
+    def _observe_depths(self, depths: list[int]) -> None:
+        top = max(depths, default=0)
+        self._depths += [0] * (top + 1 - len(self._depths))
+        for d in depths:
+            self._depths[d] += 1
+            self._depth.labels(depth=str(d)).inc()
+        if not any(depths):
+            self._no_draft += 1
+            self._no_draft_steps.inc()
+
+    def _observe_regimes(
+        self, regimes: list[str], confidence: Tensor | None, accepted: Tensor, drafted: Tensor
+    ) -> None:
+        """Verified drafts, predicted and realised accepted tokens per sampling regime."""
+        predicted = [0.0] * len(regimes)
+        if confidence is not None and drafted.numel() and int(drafted.max()) > 0:
+            conf = confidence.detach().to("cpu", torch.float64)
+            width = min(conf.shape[1], int(drafted.max()))
+            surv = conf[:, :width].cumprod(dim=1)  # [B, width]
+            mask = torch.arange(width)[None, :] < drafted[:, None]
+            predicted = torch.where(mask & surv.isfinite(), surv, 0.0).sum(dim=1).tolist()
+        for b, name in enumerate(regimes):
+            k = int(drafted[b])
+            if k == 0:
+                continue
+            entry = self._regimes.setdefault(name, [0.0, 0.0, 0.0])
+            values = (k, predicted[b] if confidence is not None else 0.0, int(accepted[b]))
+            for i, (key, v) in enumerate(zip(("draft", "predicted_accepted", "accepted"), values)):
+                entry[i] += v
+                self._regime_counters[key].labels(regime=name).inc(v)
+
     def totals(self) -> dict[str, Any]:
         """Every count so far (plain values: picklable for another rank's :meth:`absorb`)."""
         return {
@@ -277,6 +367,9 @@ class SpecDecodeMetrics:
             "target_rows": self._num_target_rows,
             "per_position": list(self._per_position),
             "calibration": [list(c) for c in self._calib],
+            "depths": list(self._depths),
+            "no_draft": self._no_draft,
+            "regimes": {k: list(v) for k, v in self._regimes.items()},
         }
 
     def absorb(self, t: dict[str, Any]) -> None:
@@ -300,6 +393,17 @@ class SpecDecodeMetrics:
                 self._calib.append([0.0, 0.0, 0.0])
             self._calib[k] = [a + b for a, b in zip(self._calib[k], (rows, predicted, realised))]
             self._predicted_per_pos.labels(position=str(k)).inc(predicted)
+        self._depths += [0] * (len(t.get("depths", [])) - len(self._depths))
+        for d, count in enumerate(t.get("depths", [])):
+            self._depths[d] += count
+            self._depth.labels(depth=str(d)).inc(count)
+        self._no_draft += t.get("no_draft", 0)
+        self._no_draft_steps.inc(t.get("no_draft", 0))
+        for name, values in t.get("regimes", {}).items():
+            entry = self._regimes.setdefault(name, [0.0, 0.0, 0.0])
+            for i, key in enumerate(("draft", "predicted_accepted", "accepted")):
+                entry[i] += values[i]
+                self._regime_counters[key].labels(regime=name).inc(values[i])
         self._drafts.inc(t["drafts"])
         self._draft_tokens.inc(t["draft_tokens"])
         self._accepted.inc(t["accepted"])
@@ -335,11 +439,26 @@ class SpecDecodeMetrics:
             num_wasted_target_rows=self._num_draft_tokens - self._num_accepted,
             predicted_acceptance_rate=_ratio(predicted, scored) if self._calib else None,
             realised_acceptance_rate=_ratio(realised, scored) if self._calib else None,
+            depth_histogram=list(self._depths),
+            num_steps_without_drafts=self._no_draft,
+            regimes={
+                name: {
+                    "draft_tokens": v[0],
+                    "predicted_rate": _ratio(v[1], v[0]),
+                    "realised_rate": _ratio(v[2], v[0]),
+                }
+                for name, v in self._regimes.items()
+            },
         )
 
     def exposition(self) -> str:
         """The registry in Prometheus text format."""
         return prometheus_client.generate_latest(self.registry).decode("utf-8")
+
+
+def _histogram(counts: list[int]) -> str:
+    """``[5, 0, 7]`` -> ``0:5 1:0 2:7`` (depth: request-steps)."""
+    return " ".join(f"{d}:{c}" for d, c in enumerate(counts))
 
 
 def _check_step(output_tokens: Tensor, num_draft_tokens: Tensor) -> tuple[Tensor, Tensor]:

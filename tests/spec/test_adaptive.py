@@ -56,13 +56,21 @@ class Recording:
         assert any(len(set(n)) > 1 for _, n in self.steps), "no step with ragged widths"
 
 
-def adaptive(model: str, **overrides: Any) -> xspec.LLM:
-    return xspec.LLM(
+def adaptive(model: str, *, draft_all: bool = False, **overrides: Any) -> xspec.LLM:
+    """An adaptive run; ``draft_all``: every request drafts its whole budget each step
+    (the depth decision forced through its test hook), so the post-draft trim is what
+    the test exercises (the tiny random drafts would otherwise rarely be worth drafting)."""
+    llm = xspec.LLM(
         model=model,
         spec="dspark",
         platform="cpu",
         overrides={"spec.adaptive": True, **FAST, **overrides},
     )
+    if draft_all:
+        speculation = llm._built.engine.speculation
+        assert speculation is not None
+        speculation.force = lambda caps: caps
+    return llm
 
 
 # -- DeepSeek-V4: a draft whose Markov head encodes the target's bigrams ---------------------
@@ -85,7 +93,7 @@ def dsv4_draft(tmp_path_factory: pytest.TempPathFactory, dsv4_baseline: list[lis
 
 
 def test_dsv4_greedy_equals_baseline(dsv4_baseline: list[list[int]], dsv4_draft: Path) -> None:
-    llm = adaptive("dsv4_tiny_random", **{"spec.draft_path": str(dsv4_draft)})
+    llm = adaptive("dsv4_tiny_random", draft_all=True, **{"spec.draft_path": str(dsv4_draft)})
     assert llm._built.profile is not None  # built with a profile; the test swaps the cost
     record = Recording(STEEP)
     llm._built.engine.schedule = record
@@ -118,7 +126,7 @@ def qwen_baseline() -> list[list[int]]:
 
 @pytest.mark.parametrize("concurrency", [6, 2])  # all at once; continuous batching
 def test_qwen3_greedy_equals_baseline(qwen_baseline: list[list[int]], concurrency: int) -> None:
-    llm = adaptive("qwen3_tiny")
+    llm = adaptive("qwen3_tiny", draft_all=True)
     record = Recording(STEEP)
     llm._built.engine.schedule = record
     out = llm.generate(qwen_prompts(6), 40, ignore_eos=True, concurrency=concurrency)
@@ -137,7 +145,8 @@ def test_qwen3_measured_profile_then_cached(qwen_baseline: list[list[int]]) -> N
     assert second._built.profile.source.startswith("cached, loaded from")
     cost = second._built.profile.cost
     assert cost == first._built.profile.cost  # type: ignore[union-attr]
-    assert cost.requests == [1, 2, 4] and cost.drafts == [0, 2, 4]  # max_requests 4, gamma 4
+    assert cost.requests == [1, 2, 4] and cost.drafts == [0, 1, 2, 4]  # max_requests 4, gamma 4
+    assert cost.draft_seconds is not None and all(d > 0 for d in cost.draft_seconds)
     assert all(a <= b for row in cost.seconds for a, b in itertools.pairwise(row))
 
 
@@ -149,8 +158,8 @@ def test_calibrated_confidences_are_scaled_logits(tmp_path: Path) -> None:
     temps = [0.5, 2.0, 3.0, 4.0]
     path = tmp_path / "cal.json"
     save_calibration(ConfidenceCalibration(temperatures=temps), path)
-    raw = adaptive("qwen3_tiny", **{"spec.adaptive.calibration": "off"})
-    cal = adaptive("qwen3_tiny", **{"spec.adaptive.calibration": str(path)})
+    raw = adaptive("qwen3_tiny", draft_all=True, **{"spec.adaptive.calibration": "off"})
+    cal = adaptive("qwen3_tiny", draft_all=True, **{"spec.adaptive.calibration": str(path)})
     assert "UNCALIBRATED" in adaptive_summary(raw._built)
     assert str(path) in adaptive_summary(cal._built)
     confidences = []
@@ -274,6 +283,16 @@ def test_cli_shorthand_results_and_bad_input_exit_code(tmp_path: Path, xspec_cac
     res = json.loads((tmp_path / "results.json").read_text())
     assert res["adaptive"]["calibrated"] is False and res["mean_target_rows_per_step"] >= 1.0
     assert "num_wasted_target_rows" in res["spec_decode"]
+    # the decision's figures: depth histogram, steps without drafts, predicted vs measured
+    # step time (printed and in results.json)
+    assert "speculation depth (request-steps)" in r.stdout and "steps without drafts" in r.stdout
+    assert "step-cost model:" in r.stdout and "predicted" in r.stdout
+    step_time = res["adaptive"]["step_time"]
+    assert step_time["steps"] > 0 and step_time["measured_ms_mean"] > 0
+    assert step_time["predicted_ms_mean"] > 0
+    spec = res["spec_decode"]
+    assert sum(spec["depth_histogram"]) == spec["num_row_steps"]
+    assert res["acceptance"]["steps_without_drafts"] == spec["num_steps_without_drafts"]
     bad = run_cli("model=dsv4_tiny_random", "spec=mtp", "spec.adaptive=true", cache=xspec_cache)
     assert bad.returncode == 2 and "needs a drafter with a confidence head" in bad.stderr
 

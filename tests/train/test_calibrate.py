@@ -239,7 +239,7 @@ def test_a_full_disk_keeps_the_previous_calibration(
         save_calibration(ConfidenceCalibration(temperatures=[3.0, 4.0]), path)
     assert path.read_bytes() == before and [p.name for p in tmp_path.iterdir()] == [path.name]
 
-    def fit_and_save(overrides: list[str], out: Path | None) -> tuple:
+    def fit_and_save(overrides: list[str], out: Path | None, temperatures: object = None) -> tuple:
         cal = ConfidenceCalibration(temperatures=[3.0, 4.0])
         save_calibration(cal, path)  # what calibrate() ends with
         return cal, path

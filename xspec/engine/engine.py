@@ -39,6 +39,7 @@ from xspec.errors import RequestError
 from xspec.metrics import SpecDecodeMetrics
 from xspec.models.base import CapturePoint, TargetModel
 from xspec.sampling import SamplingParams, make_generator
+from xspec.spec.adaptive import Speculation
 from xspec.spec.drafter import Drafter
 from xspec.spec.step import RunningSeq, decode_step, prefill, prefill_forwards, step_gamma
 
@@ -152,8 +153,11 @@ class Engine:
         lockstep: Lockstep | None = None,  # expert parallelism: iterations agreed across ranks
         # a calibration file's sampling regime against each request's (warns on a mismatch)
         check_sampling: Callable[[list[SamplingParams]], None] | None = None,
+        # spec.adaptive / spec.gamma_schedule: drafts per request, decided before drafting
+        speculation: Speculation | None = None,
     ) -> None:
         self.schedule = schedule
+        self.speculation = speculation
         self.check_sampling = check_sampling
         self.target, self.drafter, self.capture = target, drafter, capture
         self.stop_ids = frozenset(stop_ids)  # a request ends at any of these (unless ignore_eos)
@@ -297,6 +301,7 @@ class Engine:
                 self.metrics,
                 lockstep=lock,
                 schedule=self.schedule,
+                speculation=self.speculation,
             )
             now = self.now()
             for j, i in enumerate(stepped):

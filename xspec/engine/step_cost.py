@@ -1,27 +1,34 @@
-"""The step-cost profile ``spec.adaptive`` schedules with: seconds per decode step against
-verify rows, measured on this platform (:class:`~xspec.spec.schedule.StepCost`).
+"""The step-cost profile ``spec.adaptive`` decides with: seconds per decode step against
+verify rows and drafting requests, measured on this platform
+(:class:`~xspec.spec.schedule.StepCost`), then corrected online
+(:class:`~xspec.spec.schedule.OnlineStepCost`).
 
 **What is timed**, per point (R requests, x drafts each, ``B = R (x + 1)`` rows), on
-dummy sequences of :data:`CONTEXT` random committed tokens: the drafter's ``propose``
-for the R requests at full gamma (its cost does not depend on x: adaptive drafts gamma
-and verifies fewer) plus the target's verify forward of the B rows and their
-``logits_to_probs``. The median of ``spec.adaptive.profile_reps`` timed runs after one
-untimed warm-up; R runs over powers of two up to ``min(spec.adaptive.max_requests, the
-memory plan's sequences)``, x over ``{0, gamma // 2, gamma}`` (the time is close to linear
-in the rows; :class:`StepCost` interpolates; a row is made non-decreasing in x, since a
-dip is timing noise). Not timed: the rejection sampler and the
-drafter's context write, both small next to a forward.
+dummy sequences of ``context`` random committed tokens (the workload's: its mean prompt
+length plus half its ``max_new_tokens``, or ``spec.adaptive.profile_context``), sampling
+as the workload does (``sampling.*``): the drafter's ``propose`` for the R requests at
+full gamma, timed on its own (``draft_seconds``: a step where only D requests draft pays
+the draft forward of D; a step where none does pays none), and the target's verify
+forward of the B rows with their ``logits_to_probs`` and the rejection sampler
+(``seconds``). The fastest of ``spec.adaptive.profile_reps`` timed runs after one untimed
+warm-up (and one untimed pass over the smallest batch first: the first forwards of a
+process pay one-off costs); R runs over powers of two up to ``min(spec.adaptive.max_requests, the memory
+plan's sequences)``, x over ``{0, 1, gamma // 2, gamma}``. The time is close to linear in
+the rows, so each R's points are replaced by their robust line (:func:`line_fit`: a
+timing spike moves neither slope nor intercept), and a smaller batch is never slower than
+a larger one (:func:`monotone_in_requests`); :class:`StepCost` interpolates. Not timed: the drafter's context write, small next to a forward.
 
 **Where it comes from**: ``spec.adaptive.profile=<file>`` reuses a saved profile (refused
-when it was measured for another model, draft, gamma, dtype, platform or xspec version);
-null looks for the cached profile of this key under ``$XSPEC_CACHE_DIR/step_cost/`` and
-otherwise measures at engine start and caches it. Profiling happens in ``build``, before
-any measured run, so it never counts in TTFT / TPOT / throughput; its duration is printed
-with the memory plan.
+when it was measured for another model, draft, gamma, dtype, platform, context, sampling
+or xspec version); null looks for the cached profile of this key under
+``$XSPEC_CACHE_DIR/step_cost/`` and otherwise measures at engine start and caches it.
+Profiling happens in ``build``, before any measured run, so it never counts in TTFT /
+TPOT / throughput; its duration is printed with the memory plan.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import hashlib
 import itertools
@@ -41,9 +48,10 @@ from xspec.models.base import CapturePoint, ForwardBatch, TargetModel
 from xspec.sampling import SamplingParams, logits_to_probs
 from xspec.spec.drafter import CommittedRows, Drafter, DraftRequest
 from xspec.spec.schedule import StepCost
+from xspec.spec.verify import rejection_sample
 
-FORMAT = "xspec.step_cost.v1"
-CONTEXT = 16  # committed tokens of each dummy sequence
+FORMAT = "xspec.step_cost.v2"
+DEFAULT_CONTEXT = 64  # committed tokens of each dummy sequence when the workload says nothing
 
 
 @dataclass(frozen=True)
@@ -57,16 +65,17 @@ def _sha256(path: Path) -> str | None:
     return hashlib.sha256(path.read_bytes()).hexdigest() if path.is_file() else None
 
 
-def profile_key(cfg: Any, platform: Any, gamma: int) -> dict[str, Any]:
+def profile_key(cfg: Any, platform: Any, gamma: int, context: int | None) -> dict[str, Any]:
     """What a profile was measured for (torch-free, read from the config and config.json
     files only): model checkpoint and its config hash, draft, gamma, dtype, platform,
-    device and xspec version."""
+    device, the dummy context (None: left out, for checks before the tokenizer is
+    loaded), the sampling and xspec version."""
     from xspec import __version__
 
     model, spec = cfg.model, cfg.spec
     ckpt = Path(model.path).resolve() if model.path else None
     draft = Path(spec.draft_path).resolve() if spec.draft_path else None
-    return {
+    key = {
         "arch": model.arch,
         "checkpoint": str(ckpt) if ckpt else f"preset:{model.preset}",
         "config_sha256": _sha256(ckpt / "config.json") if ckpt else None,
@@ -78,8 +87,19 @@ def profile_key(cfg: Any, platform: Any, gamma: int) -> dict[str, Any]:
         "gamma": gamma,
         "platform": platform.name,
         "device": str(platform.device()),
+        "context": context,
+        "sampling": {**dataclasses.asdict(_sampling(cfg)), "seed": None},
         "xspec_version": __version__,
     }
+    if context is None:
+        del key["context"]
+    return key
+
+
+def _sampling(cfg: Any) -> SamplingParams:
+    """The workload's sampling (what the profile samples with; the seed does not matter)."""
+    s = cfg.sampling
+    return SamplingParams(temperature=s.temperature, top_k=s.top_k, top_p=s.top_p, seed=0)
 
 
 def cached_profile_path(key: dict[str, Any]) -> Path:
@@ -100,6 +120,7 @@ def save_profile(
         "requests": cost.requests,
         "drafts": cost.drafts,
         "seconds": cost.seconds,
+        "draft_seconds": cost.draft_seconds,
     }
     atomic.write_json(path, body)  # a failed write leaves the previous file as it was
 
@@ -125,7 +146,7 @@ def read_profile(path: Path, key: dict[str, Any]) -> StepCost:
     if diff:
         raise ConfigError(f"{where} was measured for another setup ({'; '.join(diff)}); {fix}")
     try:
-        return StepCost(raw["requests"], raw["drafts"], raw["seconds"])
+        return StepCost(raw["requests"], raw["drafts"], raw["seconds"], raw["draft_seconds"])
     except (KeyError, TypeError, ValueError) as e:
         raise ConfigError(f"{where}: malformed table ({e}); {fix}") from None
 
@@ -140,18 +161,30 @@ def request_grid(max_requests: int) -> list[int]:
 
 
 def _verify(
-    target: TargetModel, states: list[Any], capture: list[CapturePoint], block: torch.Tensor
+    target: TargetModel,
+    states: list[Any],
+    capture: list[CapturePoint],
+    params: list[SamplingParams],
+    generators: list[torch.Generator | None],
+    context: int,
+    block: torch.Tensor,
 ) -> None:
-    """The verify forward of ``block [R, x+1]`` (any tokens will do) and its processed
-    probabilities; then every state is rolled back to the dummy context."""
+    """The verify side of a step for ``block [R, x+1]`` (any tokens will do): the target
+    forward, its processed probabilities and the rejection sampler (one-hot drafts);
+    then every state is rolled back to the dummy context."""
     R, width = block.shape
     out = target.forward(ForwardBatch(block.reshape(-1), [width] * R, states, capture))
-    logits_to_probs(out.logits, [SamplingParams()] * out.logits.shape[0])
+    rows = [p for p in params for _ in range(width)]
+    probs = logits_to_probs(out.logits, rows).reshape(R, width, -1)
+    rejection_sample(probs, block[:, 1:], None, generators, check_tokens=False)
     for s in states:
-        target.truncate(s, CONTEXT)
+        target.truncate(s, context)
 
 
-def _median_seconds(fn: Callable[[], Any], reps: int, synchronize: Callable[[], None]) -> float:
+def _best_seconds(fn: Callable[[], Any], reps: int, synchronize: Callable[[], None]) -> float:
+    """The fastest of ``reps`` timed runs after one untimed warm-up: on a shared machine
+    other work only ever adds time, so the minimum is the step's own cost (the online
+    model scales it to what the running workload really sees)."""
     fn()  # warm-up (allocations, first-call dispatch)
     times = []
     for _ in range(reps):
@@ -160,7 +193,7 @@ def _median_seconds(fn: Callable[[], Any], reps: int, synchronize: Callable[[], 
         fn()
         synchronize()
         times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+    return min(times)
 
 
 @torch.no_grad()
@@ -172,43 +205,89 @@ def measure_step_cost(
     max_requests: int,
     reps: int,
     synchronize: Callable[[], None],
+    context: int = DEFAULT_CONTEXT,
+    sampling: SamplingParams | None = None,
 ) -> StepCost:
     """Time the step on dummy sequences (module docstring); rolls every state back."""
     gamma, device = drafter.gamma, target.device
-    drafts = sorted({0, gamma // 2, gamma})
+    drafts = sorted({0, min(1, gamma), gamma // 2, gamma})
     gen = torch.Generator().manual_seed(0)
-    greedy = SamplingParams()
-    seconds = []
-    for R in request_grid(max_requests):
-        n = CONTEXT + gamma + 1
+    params = sampling if sampling is not None else SamplingParams()
+    seconds, draft_seconds = [], []
+    grid = request_grid(max_requests)
+    for i, R in enumerate([grid[0], *grid]):  # the first pass only warms up
+        n = context + gamma + 1
         states = [target.new_state(n) for _ in range(R)]
         dstates = [drafter.new_state(n) for _ in range(R)]
-        ids = torch.randint(0, target.vocab_size, (R, CONTEXT + 1), generator=gen).to(device)
+        ids = torch.randint(0, target.vocab_size, (R, context + 1), generator=gen).to(device)
         out = target.forward(
-            ForwardBatch(ids[:, :CONTEXT].reshape(-1), [CONTEXT] * R, states, capture)
+            ForwardBatch(ids[:, :context].reshape(-1), [context] * R, states, capture)
         )
         rows = CommittedRows(
-            ids[:, :CONTEXT].reshape(-1),  # [R*CONTEXT]
+            ids[:, :context].reshape(-1),  # [R*context]
             ids[:, 1:].reshape(-1),
             out.hidden,
             out.aux_hidden,
-            seq_lens=[CONTEXT] * R,
+            seq_lens=[context] * R,
             starts=[0] * R,
         )
         drafter.observe(dstates, rows)
-        anchors = ids[:, CONTEXT].tolist()
-        requests = [DraftRequest(a, greedy, None, max_drafts=gamma) for a in anchors]
-        t_draft = _median_seconds(
-            functools.partial(drafter.propose, dstates, requests, gamma), reps, synchronize
+        del out, rows
+        anchors = ids[:, context].tolist()
+        generators = [
+            None if params.greedy else torch.Generator(device=device).manual_seed(i)
+            for i in range(R)
+        ]
+        requests = [
+            DraftRequest(a, params, g, max_drafts=gamma) for a, g in zip(anchors, generators)
+        ]
+        t_draft = (
+            _best_seconds(
+                functools.partial(drafter.propose, dstates, requests, gamma), reps, synchronize
+            )
+            if gamma > 0
+            else 0.0
         )
-        verify = functools.partial(_verify, target, states, capture)
+        verify = functools.partial(
+            _verify, target, states, capture, [params] * R, generators, context
+        )
         row = [
-            _median_seconds(functools.partial(verify, ids[:, CONTEXT - x :]), reps, synchronize)
+            _best_seconds(functools.partial(verify, ids[:, context - x :]), reps, synchronize)
             for x in drafts
         ]
-        # more rows never make a step faster: a measured dip is noise, flattened
-        seconds.append([t_draft + t for t in itertools.accumulate(row, max)])
-    return StepCost(request_grid(max_requests), drafts, seconds)
+        if i == 0:
+            continue
+        seconds.append(line_fit(drafts, row))
+        draft_seconds.append(t_draft)
+    return StepCost(grid, drafts, *monotone_in_requests(seconds, draft_seconds))
+
+
+def line_fit(xs: list[int], ys: list[float]) -> list[float]:
+    """``ys`` measured at ``xs`` -> the robust straight line through them, evaluated at
+    ``xs``: the median of the pairwise slopes (Theil-Sen, at least 0: more rows never
+    make a step faster) and the median intercept. One timing spike moves neither, where
+    a running maximum would carry it to every larger x."""
+    if len(xs) < 2:
+        return list(ys)
+    slopes = [
+        (ys[j] - ys[i]) / (xs[j] - xs[i]) for i, j in itertools.combinations(range(len(xs)), 2)
+    ]
+    slope = max(0.0, statistics.median(slopes))
+    intercept = statistics.median(y - slope * x for x, y in zip(xs, ys))
+    return [max(intercept + slope * x, 1e-6) for x in xs]
+
+
+def monotone_in_requests(
+    seconds: list[list[float]], draft_seconds: list[float]
+) -> tuple[list[list[float]], list[float]]:
+    """More requests never make a step (or a draft forward) faster: each value becomes
+    the minimum of itself and every larger batch's, so a spike at a small batch (the
+    first forwards, another process) is cut to what a larger batch measured."""
+    rows, draft = [list(r) for r in seconds], list(draft_seconds)
+    for i in range(len(rows) - 2, -1, -1):
+        rows[i] = [min(a, b) for a, b in zip(rows[i], rows[i + 1])]
+        draft[i] = min(draft[i], draft[i + 1])
+    return rows, draft
 
 
 def step_cost_profile(
@@ -218,11 +297,13 @@ def step_cost_profile(
     drafter: Drafter,
     capture: list[CapturePoint],
     max_requests: int,
+    context: int = DEFAULT_CONTEXT,
 ) -> Profile:
     """The profile for this run: the given file, the cached one, or a fresh measurement
-    (then cached). ``max_requests``: the most requests per step the run can have."""
+    (then cached). ``max_requests``: the most requests per step the run can have;
+    ``context``: the committed tokens of each dummy sequence (the workload's)."""
     a = cfg.spec.adaptive
-    key = profile_key(cfg, platform, drafter.gamma)
+    key = profile_key(cfg, platform, drafter.gamma, context)
     if a.profile is not None:
         path = Path(a.profile)
         return Profile(read_profile(path, key), f"loaded from {path}", path)
@@ -244,6 +325,8 @@ def step_cost_profile(
         max_requests=max_requests,
         reps=a.profile_reps,
         synchronize=platform.synchronize,
+        context=context,
+        sampling=_sampling(cfg),
     )
     spent = time.perf_counter() - t0
     save_profile(path, key, cost, spent, a.profile_reps)
@@ -253,9 +336,36 @@ def step_cost_profile(
 def describe(profile: Profile) -> str:
     """The start-up lines printed under the memory plan."""
     cost = profile.cost
-    lines = [f"step-cost profile ({profile.source}): ms per step, requests x drafts each"]
-    head = "  requests " + "".join(f"{f'x={x}':>9}" for x in cost.drafts)
+    lines = [
+        f"step-cost profile ({profile.source}): ms per step, requests x drafts each "
+        "(verify), and the draft forward of that many drafting requests"
+    ]
+    head = "  requests " + "".join(f"{f'x={x}':>9}" for x in cost.drafts) + f"{'draft':>9}"
     lines.append(head)
-    for r, row in zip(cost.requests, cost.seconds):
-        lines.append(f"  {r:>8} " + "".join(f"{s * 1e3:>9.2f}" for s in row))
+    drafts = cost.draft_seconds or [0.0] * len(cost.requests)
+    for r, row, d in zip(cost.requests, cost.seconds, drafts):
+        lines.append(f"  {r:>8} " + "".join(f"{s * 1e3:>9.2f}" for s in [*row, d]))
     return "\n".join(lines)
+
+
+def workload_context(w: Any, encode: Callable[[str], list[int]], limit: int) -> int:
+    """The context a profile should be measured at for workload ``w``: its mean prompt
+    length (text prompts, a prompts file's lines, or synthetic ``input_len``) plus half
+    its new tokens, within ``limit`` (the model's context). A prompts file that cannot be
+    read here counts as :data:`DEFAULT_CONTEXT` (the workload check reports it)."""
+    half = w.max_new_tokens // 2
+    if w.kind.value == "synthetic":
+        lengths, half = [w.input_len], w.output_len // 2
+    elif w.prompts_file is not None:
+        try:
+            lines = [json.loads(x) for x in Path(w.prompts_file).read_text().splitlines() if x]
+            lengths = [
+                len(x["prompt_token_ids"]) if "prompt_token_ids" in x else len(encode(x["prompt"]))
+                for x in lines
+            ]
+        except (OSError, ValueError, KeyError, TypeError):
+            lengths = [DEFAULT_CONTEXT - half]
+    else:
+        lengths = [len(encode(p)) for p in w.prompts] or [DEFAULT_CONTEXT - half]
+    mean = round(sum(lengths) / len(lengths)) + half
+    return max(1, min(mean, limit))

@@ -139,6 +139,8 @@ def run_workload(
         print(prefix + format_timings(gens), file=out)
     if built.drafter.gamma > 0:
         print(built.engine.metrics.report().format(), file=out)
+    if (line := step_time_summary(built)) is not None:
+        print(line, file=out)
     return runs
 
 
@@ -232,11 +234,28 @@ def plan_summary(built: Built) -> str:
 
 
 def adaptive_summary(built: Built) -> str:
-    """One line: which confidences the adaptive scheduler reads."""
+    """One line: which confidences the adaptive scheduler reads (and for which regimes)."""
     path = built.drafter.calibration_file
-    if path is None:
+    cal = built.drafter.calibration
+    if path is None or cal is None:
         return (
             "adaptive verification: confidences are UNCALIBRATED (no calibration file; fit "
             "one with python -m xspec.train calibrate)"
         )
-    return f"adaptive verification: confidences calibrated by {path}"
+    regimes = "; ".join(f.fitted_regime() for f in cal.fits())
+    return f"adaptive verification: confidences calibrated by {path} (fits: {regimes})"
+
+
+def step_time_summary(built: Built) -> str | None:
+    """After a run with ``spec.adaptive``: the step-cost model's predicted vs measured
+    decode-step time (None without it)."""
+    speculation = built.engine.speculation
+    if speculation is None or speculation.cost is None or not speculation.cost.num_steps:
+        return None
+    t = speculation.cost.summary()
+    return (
+        f"step-cost model: {t['steps']} decode steps, predicted {t['predicted_ms_mean']:.2f} ms "
+        f"vs measured {t['measured_ms_mean']:.2f} ms per step (mean abs error "
+        f"{t['abs_error_ms_mean']:.2f} ms; measured/profiled: plain steps "
+        f"{t['scale_plain']:.2f}, drafting steps {t['scale_drafting']:.2f})"
+    )

@@ -113,6 +113,10 @@ def job_results(
             acceptance["predicted_rate"] = rep.predicted_acceptance_rate
             acceptance["realised_rate"] = rep.realised_acceptance_rate
             acceptance["calibrated"] = built.drafter.calibration_file is not None
+        if rep.regimes:  # predicted vs realised acceptance per sampling regime
+            acceptance["regimes"] = rep.regimes
+        acceptance["depth_histogram"] = rep.depth_histogram
+        acceptance["steps_without_drafts"] = rep.num_steps_without_drafts
     return {
         "model": model_option,
         "arch": cfg.model.arch,
@@ -126,6 +130,7 @@ def job_results(
         "mean_target_rows_per_step": rep.mean_target_rows,  # per request (anchor + drafts)
         "wasted_target_rows": rep.num_wasted_target_rows,  # verified, then rejected
         "adaptive": _adaptive(built),
+        "gamma_schedule": cfg.spec.gamma_schedule,
         "acceptance": acceptance,
         "spec_decode": asdict(rep),  # the counters the Prometheus export serves
         "num_repeats": len(runs),
@@ -154,11 +159,17 @@ def _adaptive(built: Built) -> dict[str, Any] | None:
     if built.profile is None:
         return None
     calibration = built.drafter.calibration_file
+    cal = built.drafter.calibration
+    speculation = built.engine.speculation
+    cost = speculation.cost if speculation is not None else None
     return {
         "profile": str(built.profile.path) if built.profile.path else None,
         "profile_source": built.profile.source,
         "calibration": str(calibration) if calibration is not None else None,
         "calibrated": calibration is not None,
+        "calibration_regimes": [f.fitted_regime() for f in cal.fits()] if cal else [],
+        # the step-cost model's predicted vs measured decode-step time over the run
+        "step_time": cost.summary() if cost is not None else None,
     }
 
 

@@ -23,7 +23,8 @@ layers. With the anchor ``a`` (last committed token) at position ``p``:
   sampler needs is exactly what each draft was drawn from. DFlash samples each row on
   its own. The confidence head, where the checkpoint has one, scores every position
   after the loop, in one batched call; a calibration file (per-position temperatures,
-  :mod:`xspec.spec.calibration`) divides its logits before the sigmoid.
+  :mod:`xspec.spec.calibration`, the fit of each request's sampling regime) divides its
+  logits before the sigmoid.
 
 The model-specific half (DeepSeek-V4 DSpark stages, Qwen3 DSpark / DFlash layers)
 implements :class:`~xspec.models.block_draft.BlockDraftModel`.
@@ -106,11 +107,24 @@ class BlockDrafter(Drafter):
         self.capture_layer_ids = list(capture_layer_ids)
         self.device = device
         self.calibration = calibration
-        self.temperatures = (  # [gamma] fp32: c_k = sigmoid(z_k / T_k); None = raw
-            None
-            if calibration is None
-            else torch.tensor(calibration.temperatures, dtype=torch.float32, device=device)
-        )
+        # [gamma] fp32 per sampling regime: c_k = sigmoid(z_k / T_k) (calibration None: raw)
+        self._temperatures: dict[tuple[bool, float, int, float], torch.Tensor] = {}
+
+    def temperatures(self, params: list[SamplingParams]) -> torch.Tensor | None:
+        """``[B, gamma]`` the calibration temperatures of each request's sampling regime
+        (the fit of its regime, else the nearest: RegimeCheck warns), or None (raw)."""
+        if self.calibration is None:
+            return None
+        rows = []
+        for p in params:
+            key = (p.greedy, 0.0 if p.greedy else p.temperature, p.top_k, p.top_p)
+            if key not in self._temperatures:
+                fit = self.calibration.select(p)[0]
+                self._temperatures[key] = torch.tensor(
+                    fit.temperatures, dtype=torch.float32, device=self.device
+                )
+            rows.append(self._temperatures[key])
+        return torch.stack(rows)
 
     @property
     def has_confidence(self) -> bool:
@@ -171,8 +185,9 @@ class BlockDrafter(Drafter):
         if self.model.confidence is not None:
             embed = self.model.markov.embed(prev) if self.model.confidence.with_markov else None  # type: ignore[union-attr]
             z = self.model.confidence.logits(hidden, embed)  # [B, num_tokens] raw logits
-            if self.temperatures is not None:  # Sequential Temperature Scaling, per position
-                z = z / self.temperatures[: z.shape[1]]
+            temps = self.temperatures(params)  # [B, gamma] of each request's regime
+            if temps is not None:  # Sequential Temperature Scaling, per position
+                z = z / temps[:, : z.shape[1]]
             confidence = torch.sigmoid(z)  # [B, num_tokens]
         greedy = all(p.greedy for p in params)
         return DraftProposal(tokens=drafts, probs=None if greedy else probs, confidence=confidence)

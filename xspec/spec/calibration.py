@@ -18,6 +18,13 @@ reads it there when present) or anywhere a path points to::
 A file whose number of temperatures differs from the run's gamma is refused (temperatures
 are fitted per position: a gamma-3 table says nothing about position 5).
 
+**Several regimes in one file**: ``"regimes": [{...}, ...]`` holds further fits, each
+with the keys above but ``format`` (``python -m xspec.train calibrate`` fits greedy and
+sampled temperatures in one go and writes them all; the top-level fit is the first).
+Each request reads the fit of its own regime (:meth:`ConfidenceCalibration.select`);
+when none fits, the nearest (by temperature; greedy counts as 0) is applied and
+:class:`RegimeCheck` says so, never silently.
+
 The ``sampling_*`` keys are the regime the fit ran at: acceptance, hence what a
 calibrated confidence should predict, depends on it (greedy accepts a draft on an argmax
 match, sampling by the ratio of the processed distributions). :class:`RegimeCheck` logs
@@ -62,6 +69,33 @@ class ConfidenceCalibration:
     sampling_top_p: float | None = None
     source: str = ""
     format: str = FORMAT
+    # further fits of the same draft at other sampling regimes (their own ``regimes`` empty)
+    regimes: list[ConfidenceCalibration] = field(default_factory=list)
+
+    def fits(self) -> list[ConfidenceCalibration]:
+        """Every fit in the file: this one, then ``regimes``."""
+        return [self, *self.regimes]
+
+    def select(self, params: SamplingParams) -> tuple[ConfidenceCalibration, str | None]:
+        """The fit for requests sampling with ``params`` and, when none matches their
+        regime, why (the nearest by temperature is returned then: greedy counts as 0;
+        fits of an unknown regime come last)."""
+        fits = self.fits()
+        for fit in fits:
+            if fit.mismatch(params) is None:
+                return fit, None
+        t = 0.0 if params.greedy else params.temperature
+        nearest = min(
+            fits,
+            key=lambda f: (
+                math.inf if f.sampling_temperature is None else abs(f.sampling_temperature - t)
+            ),
+        )
+        why = nearest.mismatch(params)
+        if len(fits) > 1:
+            regimes = ", ".join(f.fitted_regime() for f in fits)
+            why = f"none of its {len(fits)} fits ({regimes}) matches; the nearest is used: {why}"
+        return nearest, why
 
     def fitted_regime(self) -> str:
         """The regime of the fit, in words."""
@@ -117,7 +151,7 @@ class RegimeCheck:
             if key in self._seen:
                 continue
             self._seen.add(key)
-            if (why := self.cal.mismatch(p)) is not None:
+            if (why := self.cal.select(p)[1]) is not None:
                 log.warning(
                     "confidence calibration%s: %s; its confidences may be miscalibrated here. "
                     "Refit it with the sampling.* of these runs (python -m xspec.train "
@@ -128,9 +162,14 @@ class RegimeCheck:
 
 
 def save_calibration(cal: ConfidenceCalibration, path: Path) -> None:
-    """Write ``cal`` to ``path`` atomically: a failed write (a full disk) leaves the
-    previous file as it was and raises OutputError."""
-    atomic.write_json(path, asdict(cal))
+    """Write ``cal`` (and its further ``regimes``) to ``path`` atomically: a failed write
+    (a full disk) leaves the previous file as it was and raises OutputError."""
+    body = asdict(cal)
+    for r in body["regimes"]:
+        del r["regimes"], r["format"]
+    if not body["regimes"]:
+        del body["regimes"]  # a one-regime file reads as before
+    atomic.write_json(path, body)
 
 
 def load_calibration(path: Path, gamma: int, where: str) -> ConfidenceCalibration:
@@ -150,6 +189,19 @@ def load_calibration(path: Path, gamma: int, where: str) -> ConfidenceCalibratio
         raise ConfigError(
             f"{where}: {path} is not an xspec confidence calibration ({FORMAT}); {fix}"
         )
+    others = raw.get("regimes", [])
+    if not isinstance(others, list) or not all(isinstance(r, dict) for r in others):
+        raise ConfigError(f"{where}: {path}: regimes must be a list of fits; {fix}")
+    fits = [_fit(raw, path, gamma, where, fix)]
+    fits += [_fit(r, path, gamma, f"{where} (regimes[{i}])", fix) for i, r in enumerate(others)]
+    fits[0].regimes = fits[1:]
+    return fits[0]
+
+
+def _fit(
+    raw: dict[str, Any], path: Path, gamma: int, where: str, fix: str
+) -> ConfidenceCalibration:
+    """One fit of a calibration file (the top level or an entry of ``regimes``), checked."""
     temps = raw.get("temperatures")
     if not isinstance(temps, list) or not all(
         isinstance(t, int | float) and not isinstance(t, bool) and math.isfinite(t) and t > 0
@@ -164,7 +216,7 @@ def load_calibration(path: Path, gamma: int, where: str) -> ConfidenceCalibratio
             f"but this run drafts {gamma} positions; {fix}, or set "
             f"spec.num_speculative_tokens={len(temps)}"
         )
-    known = set(ConfidenceCalibration.__dataclass_fields__)
+    known = set(ConfidenceCalibration.__dataclass_fields__) - {"regimes"}
     return ConfidenceCalibration(**{k: v for k, v in raw.items() if k in known})
 
 

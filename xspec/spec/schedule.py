@@ -31,6 +31,12 @@ and drafts per request ``x = (B - R) / R``, and a step uses its own R's slice: S
 that R, as Algorithm 1 needs. Between measured points the step time is linear in x and
 in R; beyond the ends it is clamped to the nearest measured value (so a step of more
 requests than profiled sees the largest profiled batch's cost: profile what you run).
+With ``draft_seconds`` the draft forward is its own term: ``seconds`` is then the
+verify side alone and a step of R requests of which D draft costs
+``verify(R, B) + draft(D)`` (``draft(0) = 0``: nobody drafts, no draft forward).
+
+:class:`OnlineStepCost` is what ``spec.adaptive`` predicts with at run time: the
+profile, corrected from the step times measured on the running workload.
 """
 
 from __future__ import annotations
@@ -42,7 +48,7 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["AdaptiveVerify", "StepCost", "schedule_verify"]
+__all__ = ["AdaptiveVerify", "OnlineStepCost", "StepCost", "schedule_verify"]
 
 
 def _lerp(xs: Sequence[float], ys: Sequence[float], x: float) -> float:
@@ -56,14 +62,38 @@ def _lerp(xs: Sequence[float], ys: Sequence[float], x: float) -> float:
     return float(ys[i - 1] + t * (ys[i] - ys[i - 1]))
 
 
+def _lerp_steps(
+    xs: Sequence[float], ys: Sequence[float], requests: int, max_rows: int
+) -> list[float]:
+    """``_lerp(xs, ys, k / requests)`` for ``k = 0 .. max_rows - requests``, in one pass."""
+    out, i, last = [], 0, len(xs) - 1
+    for k in range(max(0, max_rows - requests) + 1):
+        x = k / requests
+        while i < last - 1 and x > xs[i + 1]:
+            i += 1
+        if x <= xs[0]:
+            out.append(float(ys[0]))
+        elif x >= xs[last]:
+            out.append(float(ys[last]))
+        else:
+            t = (x - xs[i]) / (xs[i + 1] - xs[i])
+            out.append(float(ys[i] + t * (ys[i + 1] - ys[i])))
+    return out
+
+
 @dataclass(frozen=True)
 class StepCost:
     """Measured seconds of one decode step: ``seconds[i][k]`` for ``requests[i]`` requests
-    verifying ``drafts[k]`` drafts each (``requests[i] * (drafts[k] + 1)`` rows)."""
+    verifying ``drafts[k]`` drafts each (``requests[i] * (drafts[k] + 1)`` rows).
+
+    ``draft_seconds[i]``: one draft forward for ``requests[i]`` drafting requests; then
+    ``seconds`` leaves the draft out (the verify side of the step). None: ``seconds``
+    is the whole step, drafting included (an older profile, or a test's table)."""
 
     requests: list[int]  # ascending, >= 1
     drafts: list[int]  # ascending, >= 0 (drafts per request)
     seconds: list[list[float]]  # [len(requests)][len(drafts)], > 0
+    draft_seconds: list[float] | None = None  # [len(requests)] >= 0, or None
 
     def __post_init__(self) -> None:
         problems = []
@@ -77,18 +107,36 @@ class StepCost:
             )
         elif any(not s > 0 for row in self.seconds for s in row):
             problems.append("seconds must all be > 0")
+        d = self.draft_seconds
+        if d is not None and (len(d) != len(self.requests) or any(not s >= 0 for s in d)):
+            problems.append(f"draft_seconds must be {len(self.requests)} values >= 0, got {d}")
         if problems:
             raise ValueError("invalid step-cost table: " + "; ".join(problems))
 
-    def seconds_at(self, requests: int, rows: int) -> float:
-        """Step seconds for ``rows`` verify rows over ``requests`` requests (interpolated)."""
+    def verify_seconds(self, requests: int, rows: int) -> float:
+        """The ``seconds`` table at ``rows`` verify rows over ``requests`` requests
+        (interpolated; the draft included unless ``draft_seconds`` is given)."""
         x = (rows - requests) / requests  # drafts per request
         per_r = [_lerp(self.drafts, row, x) for row in self.seconds]  # at each profiled R
         return _lerp(self.requests, per_r, requests)
 
-    def sps(self, requests: int) -> Callable[[int], float]:
-        """SPS(B) for a step of ``requests`` requests: steps per second at B rows."""
-        return lambda rows: 1.0 / self.seconds_at(requests, rows)
+    def draft_at(self, drafting: int) -> float:
+        """Seconds of the draft forward for ``drafting`` requests (0 for none, and 0
+        when the table has no separate draft term)."""
+        if drafting <= 0 or self.draft_seconds is None:
+            return 0.0
+        return _lerp(self.requests, self.draft_seconds, drafting)
+
+    def seconds_at(self, requests: int, rows: int, drafting: int | None = None) -> float:
+        """Step seconds for ``rows`` verify rows over ``requests`` requests of which
+        ``drafting`` drafted (None: all of them)."""
+        d = requests if drafting is None else drafting
+        return self.verify_seconds(requests, rows) + self.draft_at(d)
+
+    def sps(self, requests: int, drafting: int | None = None) -> Callable[[int], float]:
+        """SPS(B) for a step of ``requests`` requests (``drafting`` of them drafted):
+        steps per second at B rows."""
+        return lambda rows: 1.0 / self.seconds_at(requests, rows, drafting)
 
 
 def survivals(confidence: torch.Tensor) -> torch.Tensor:
@@ -138,3 +186,142 @@ class AdaptiveVerify:
         small confidence matrix to the host: the one extra sync of an adaptive step (the
         ragged verify batch needs its row counts on the host anyway)."""
         return schedule_verify(confidence.cpu(), max_drafts, self.cost.sps(len(max_drafts)))
+
+
+class OnlineStepCost:
+    """The step-cost model ``spec.adaptive`` predicts with: the measured profile, then
+    corrected from the step times of the running workload.
+
+    Two corrections, both from measured decode steps: a scale per kind of step (with or
+    without a draft forward), an EMA of measured / profiled seconds that carries what the
+    profile could not see (longer contexts, another load on the machine) to every batch
+    shape; and per bucket ``(requests, rows, drafting)`` an EMA of the measured seconds,
+    blended with the scaled profile by its number of samples (``prior_weight`` samples of
+    the profile, so one noisy step moves a prediction only part way)."""
+
+    def __init__(self, profile: StepCost, *, decay: float = 0.9, prior_weight: float = 2.0) -> None:
+        self.profile = profile
+        self.decay = decay
+        self.prior_weight = prior_weight
+        # requests -> (rows, drafting) -> (EMA of measured seconds, samples)
+        self.buckets: dict[int, dict[tuple[int, int], tuple[float, float]]] = {}
+        self.scale = {False: 1.0, True: 1.0}  # drafting? -> EMA of measured / profiled
+        # (requests, max_rows) -> the profile's verify and draft seconds (StepLine)
+        self.profile_lines: dict[tuple[int, int], tuple[list[float], list[float], list[float]]] = {}
+        self._scale_n = {False: 0, True: 0}
+        self.kind_counts: dict[tuple[int, bool], int] = {}  # (requests, drafting?) -> steps
+        # predicted vs measured over the steps seen (the report)
+        self.num_steps = 0
+        self.predicted_s = 0.0
+        self.measured_s = 0.0
+        self.abs_error_s = 0.0
+
+    def line(self, requests: int, max_rows: int | None = None) -> StepLine:
+        """Predicted seconds of a step of ``requests`` requests, ``f(rows, drafting)``
+        (:class:`StepLine`; ``max_rows``: the most rows it will be asked about, so their
+        verify times are computed once, in one pass)."""
+        return StepLine(self, requests, max_rows if max_rows is not None else requests)
+
+    def seconds_at(self, requests: int, rows: int, drafting: int) -> float:
+        """Predicted seconds of one step (see :meth:`line`)."""
+        return self.line(requests)(rows, drafting)
+
+    def sps(
+        self, requests: int, drafting: int, max_rows: int | None = None
+    ) -> Callable[[int], float]:
+        """SPS(B) for Algorithm 1 in a step of ``requests`` requests, ``drafting`` drafted
+        (``max_rows``: as for :meth:`line`)."""
+        f = self.line(requests, max_rows)
+        return lambda rows: 1.0 / f(rows, drafting)
+
+    def update(self, requests: int, rows: int, drafting: int, seconds: float) -> float:
+        """Take in one measured step; returns what was predicted for it (before the update)."""
+        predicted = self.seconds_at(requests, rows, drafting)
+        self.num_steps += 1
+        self.predicted_s += predicted
+        self.measured_s += seconds
+        self.abs_error_s += abs(predicted - seconds)
+        bucket = self.buckets.setdefault(requests, {})
+        ema, n = bucket.get((rows, drafting), (seconds, 0.0))
+        alpha = max(1.0 / (n + 1), 1.0 - self.decay)  # the first samples average exactly
+        bucket[(rows, drafting)] = (ema + alpha * (seconds - ema), n + 1)
+        kind = drafting > 0
+        self.kind_counts[(requests, kind)] = self.kind_counts.get((requests, kind), 0) + 1
+        ratio = seconds / self.profile.seconds_at(requests, rows, drafting)
+        self._scale_n[kind] += 1
+        alpha = max(1.0 / self._scale_n[kind], 1.0 - self.decay)
+        self.scale[kind] += alpha * (ratio - self.scale[kind])
+        return predicted
+
+    def summary(self) -> dict[str, float | int | None]:
+        """Predicted vs measured step time so far (results.json ``adaptive.step_time``)."""
+        n = self.num_steps
+        return {
+            "steps": n,
+            "predicted_ms_mean": self.predicted_s / n * 1e3 if n else None,
+            "measured_ms_mean": self.measured_s / n * 1e3 if n else None,
+            "abs_error_ms_mean": self.abs_error_s / n * 1e3 if n else None,
+            "scale_plain": self.scale[False],
+            "scale_drafting": self.scale[True],
+        }
+
+
+class StepLine:
+    """:class:`OnlineStepCost`'s prediction for steps of one batch size R, read once:
+    ``line(rows, drafting)`` seconds, and :meth:`many` for a whole scan of candidates at
+    once (the per-step decision evaluates up to R * gamma of them)."""
+
+    def __init__(self, cost: OnlineStepCost, requests: int, max_rows: int) -> None:
+        p = cost.profile
+        self.requests = requests
+        self.xs = p.drafts
+        # the profile's own figures at this R (they never change): computed once per R
+        key = (requests, max_rows)
+        if key not in cost.profile_lines:
+            at_r = [
+                _lerp(p.requests, [row[k] for row in p.seconds], requests)
+                for k in range(len(p.drafts))
+            ]  # verify seconds at this R for each profiled x
+            cost.profile_lines[key] = (
+                at_r,
+                _lerp_steps(self.xs, at_r, requests, max_rows),  # [rows - R]
+                [p.draft_at(d) for d in range(requests + 1)],  # [drafting]
+            )
+        self.at_r, self.verify, self.draft = cost.profile_lines[key]
+        self.verify_t = torch.tensor(self.verify, dtype=torch.float64)
+        self.draft_t = torch.tensor(self.draft, dtype=torch.float64)
+        self.scale = (cost.scale[False], cost.scale[True])
+        self.seen = cost.buckets.get(requests, {})
+        self.cap, self.prior = 1.0 / (1.0 - cost.decay), cost.prior_weight
+
+    def _blend(self, base: float, rows: int, drafting: int) -> float:
+        hit = self.seen.get((rows, drafting))
+        if hit is None:
+            return base
+        w = min(hit[1], self.cap)
+        return (w * hit[0] + self.prior * base) / (w + self.prior)
+
+    def __call__(self, rows: int, drafting: int) -> float:
+        k = rows - self.requests
+        v = (
+            self.verify[k]
+            if 0 <= k < len(self.verify)
+            else _lerp(self.xs, self.at_r, k / self.requests)
+        )
+        d = self.draft[min(max(drafting, 0), self.requests)]
+        return self._blend((v + d) * self.scale[drafting > 0], rows, drafting)
+
+    def many(self, rows: torch.Tensor, drafting: torch.Tensor) -> torch.Tensor:
+        """Seconds of each candidate ``(rows[i], drafting[i])`` (int64, drafting at most
+        R) -> float64 ``[N]``."""
+        top = int(rows.max()) if rows.numel() else self.requests
+        if top - self.requests >= len(self.verify):  # beyond max_rows: extend, once
+            self.verify = _lerp_steps(self.xs, self.at_r, self.requests, top)
+            self.verify_t = torch.tensor(self.verify, dtype=torch.float64)
+        scale = torch.where(drafting > 0, self.scale[1], self.scale[0])
+        out = (self.verify_t[rows - self.requests] + self.draft_t[drafting]) * scale
+        if self.seen:  # the measured buckets among the candidates, blended one by one
+            for i, (r, d) in enumerate(zip(rows.tolist(), drafting.tolist())):
+                if (r, d) in self.seen:
+                    out[i] = self._blend(float(out[i]), r, d)
+        return out

@@ -27,7 +27,8 @@ import torch
 from xspec.metrics import SpecDecodeMetrics
 from xspec.models.base import CapturePoint, DecodeState, ForwardBatch, TargetModel
 from xspec.sampling import SamplingParams, logits_to_probs, nonfinite_rows, sample
-from xspec.spec.drafter import CommittedRows, Drafter, DraftRequest
+from xspec.spec.adaptive import AcceptanceHistory, Speculation, regime_of
+from xspec.spec.drafter import CommittedRows, Drafter, DraftProposal, DraftRequest
 from xspec.spec.verify import rejection_sample
 
 if TYPE_CHECKING:
@@ -45,6 +46,8 @@ class RunningSeq:
     generator: torch.Generator | None
     max_len: int  # prompt + max_new_tokens: the step never grows token_ids past this
     error: str | None = None  # set when its logits turned non-finite; the engine drops it
+    # its realised acceptance per draft position (spec.adaptive's estimates), once stepped
+    history: AcceptanceHistory | None = None
 
     @property
     def anchor(self) -> int:
@@ -174,6 +177,42 @@ def prefill(
     return StepResult(new_tokens, num_drafts=zeros, num_accepted=list(zeros))
 
 
+def _scatter(part: torch.Tensor | None, rows: torch.Tensor, batch: int) -> torch.Tensor | None:
+    """``part [D, ...]`` (the drafting requests' rows) into a zero ``[batch, ...]`` tensor
+    at ``rows [D]``; the other requests' rows are never read (they verify no draft)."""
+    if part is None:
+        return None
+    full = part.new_zeros((batch, *part.shape[1:]))
+    full[rows] = part
+    return full
+
+
+def _draft(
+    drafter: Drafter,
+    seqs: list[RunningSeq],
+    drafting: list[int],
+    max_drafts: list[int],
+    proposed: int,
+) -> DraftProposal:
+    """The draft forward for the sequences ``drafting`` (indices into ``seqs``) only; the
+    proposal's tensors are laid out over all of ``seqs`` (zero rows for the others)."""
+    requests = [
+        DraftRequest(seqs[b].anchor, seqs[b].params, seqs[b].generator, max_drafts=max_drafts[b])
+        for b in drafting
+    ]
+    proposal = drafter.propose([seqs[b].draft_state for b in drafting], requests, proposed)
+    if len(drafting) == len(seqs):
+        return proposal
+    rows = torch.tensor(drafting, dtype=torch.long, device=proposal.tokens.device)
+    tokens = _scatter(proposal.tokens, rows, len(seqs))
+    assert tokens is not None
+    return DraftProposal(
+        tokens,
+        _scatter(proposal.probs, rows, len(seqs)),
+        _scatter(proposal.confidence, rows, len(seqs)),
+    )
+
+
 @torch.no_grad()
 def decode_step(
     target: TargetModel,
@@ -183,13 +222,19 @@ def decode_step(
     metrics: SpecDecodeMetrics,
     lockstep: Lockstep | None = None,
     schedule: Callable[[torch.Tensor, list[int]], list[int]] | None = None,
+    speculation: Speculation | None = None,
 ) -> StepResult:
     """One speculative step for every sequence in ``seqs`` (each with ``remaining >= 1``).
 
-    ``schedule`` (``spec.adaptive``, :class:`xspec.spec.schedule.AdaptiveVerify`):
-    from the proposal's confidences ``[B, gamma]`` and the drafts each sequence may verify,
-    how many it does verify; the rest of its drafts are dropped before the target sees
-    them. It reads the confidences on the host: one more small sync."""
+    ``speculation`` (``spec.adaptive`` / ``spec.gamma_schedule``,
+    :class:`xspec.spec.adaptive.Speculation`): before drafting, how many drafts each
+    sequence drafts and verifies, 0 included; only the sequences given at least one run
+    the draft forward, and a step where none is has no draft forward at all (a plain
+    decode step: the drafter still observes the committed rows). After drafting it may
+    trim each verified prefix from the draft's confidences (one more small host sync).
+    ``schedule``: a trim of its own instead (from the confidences ``[B, gamma]`` and the
+    drafts each sequence may verify, how many it does verify), for tests and callers
+    that decide nothing before drafting. Not under ``lockstep`` (build refuses it)."""
     B, device = len(seqs), target.device
     params = [s.params for s in seqs]
     generators = [s.generator for s in seqs]
@@ -198,6 +243,15 @@ def decode_step(
     max_drafts = [s.remaining - 1 for s in seqs]
     gamma = step_gamma(drafter, seqs)  # this step's block width
     n = [min(gamma, m) for m in max_drafts]  # [B] drafts verified per sequence
+    drafting = list(range(B))  # the sequences the draft forward runs for
+    if speculation is not None and lockstep is None:
+        for s in seqs:
+            if s.history is None:
+                s.history = speculation.new_history()
+        n = speculation.depths(params, [s.history for s in seqs], n)  # before drafting
+        gamma = max(n, default=0)
+        drafting = [b for b, k in enumerate(n) if k > 0]
+    decided = list(n)
     # drafts proposed: this step's, or the iteration's (>= gamma) under lockstep
     proposed = gamma if lockstep is None else lockstep.plan.draft_tokens
 
@@ -206,12 +260,8 @@ def decode_step(
     drafts = torch.empty(B, 0, dtype=torch.long, device=device)  # [B, gamma]
     draft_probs = None  # [B, gamma, V] or None (one-hot q)
     confidence = None  # [B, gamma] or None
-    if proposed > 0:
-        requests = [
-            DraftRequest(s.anchor, s.params, s.generator, max_drafts=m)
-            for s, m in zip(seqs, max_drafts)
-        ]
-        proposal = drafter.propose([s.draft_state for s in seqs], requests, proposed)
+    if proposed > 0 and drafting:
+        proposal = _draft(drafter, seqs, drafting, max_drafts, proposed)
         if gamma > 0:  # the first gamma of what was proposed
             drafts = proposal.tokens[:, :gamma]
             draft_probs = None if proposal.probs is None else proposal.probs[:, :gamma]
@@ -220,9 +270,11 @@ def decode_step(
             if confidence is None:  # build() refuses this; a plugin drafter could
                 raise RuntimeError("spec.adaptive: the drafter proposed without confidences")
             n = schedule(confidence, n)  # [B] verified prefix per sequence
-            width = max(n)  # drafts beyond every sequence's prefix are never scored
-            drafts = drafts[:, :width]
-            draft_probs = draft_probs[:, :width] if draft_probs is not None else None
+        elif speculation is not None and confidence is not None and speculation.trim_enabled:
+            n = speculation.trim(confidence, n)  # [B] verified prefix per sequence
+        width = max(n)  # drafts beyond every sequence's prefix are never scored
+        drafts = drafts[:, :width]
+        draft_probs = draft_probs[:, :width] if draft_probs is not None else None
 
     # 2. verify: the target scores [anchor, d_1 .. d_n] (n + 1 rows) per sequence in one forward
     blocks = torch.cat([anchors[:, None], drafts], dim=1)  # [B, max(n)+1]
@@ -256,7 +308,8 @@ def decode_step(
         s.token_ids += new_tokens[-1]
 
     # 5. observe: the drafter catches up on the kept rows of the verify forward, selected
-    #    with one index (sequence b's first committed[b] of its lens[b] rows)
+    #    with one index (sequence b's first committed[b] of its lens[b] rows); also after
+    #    a step that drafted nothing (its context must hold every committed row)
     keep = [(b, j) for b, k in enumerate(committed) for j in range(k)]  # (sequence, column)
     seq, col = torch.tensor(keep, dtype=torch.long, device=device).reshape(-1, 2).T  # [N] each
     anchor_row = torch.tensor([0, *itertools.accumulate(lens)], device=device)  # [B+1]
@@ -271,6 +324,18 @@ def decode_step(
         starts=n0,
     )
     drafter.observe([s.draft_state for s in seqs], rows)
+    accepted = [k - 1 for k in committed]
+    predicted = confidence
+    if speculation is not None and speculation.last is not None and lockstep is None:
+        speculation.observe([s.history for s in seqs], n, accepted)
+        if speculation.last.confidence is not None or confidence is None:
+            predicted = speculation.last.predicted()  # what the decision / trim went by
     # 6. metrics from the output matrix
-    metrics.observe_step(output, torch.tensor(n, dtype=torch.long), confidence)
-    return StepResult(new_tokens, num_drafts=n, num_accepted=[k - 1 for k in committed])
+    metrics.observe_step(
+        output,
+        torch.tensor(n, dtype=torch.long),
+        predicted,
+        depths=decided,
+        regimes=[regime_of(p) for p in params],
+    )
+    return StepResult(new_tokens, num_drafts=n, num_accepted=accepted)

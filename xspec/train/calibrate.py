@@ -12,13 +12,18 @@ per position:
         T_k = argmin_T ECE( prod_{i<k} sigmoid(z_i / T_i) * sigmoid(z_k / T),
                             1[row accepted >= k drafts] )    over rows that verified k drafts
 
-by a 1-D grid search (:data:`GRID`, T = 1 included). Dividing a logit by T > 0 keeps the
+by a 1-D grid search (:data:`GRID`, T = 1 included), once per sampling regime: greedy and
+each sampled temperature of ``--temperatures`` (default :data:`TEMPERATURES`, or only
+``sampling.temperature`` when the overrides set it; the workload's ``sampling.top_k`` /
+``top_p`` / ``seed`` apply to the sampled ones), all in one file (the first fit at the
+top level, the others under ``regimes``). Dividing a logit by T > 0 keeps the
 order of the confidences at each position. ECE: 20 equal-width bins, weighted by counts.
 The table is written next to the draft weights (``confidence_calibration.json``, read
 by ``spec.adaptive.calibration=auto``) or to ``--out``. Acceptance depends on the
-sampling settings: calibrate with the ``sampling.*`` the runs will use. The file records
-them (``sampling_temperature``, ``sampling_top_k``, ``sampling_top_p``); runs that sample
-otherwise get a warning (:class:`xspec.spec.calibration.RegimeCheck`).
+sampling settings: calibrate at the temperatures the runs will use. Each fit records its
+regime (``sampling_temperature``, ``sampling_top_k``, ``sampling_top_p``); a run reads
+the fit of each request's regime, and requests that sample otherwise get a warning
+(:class:`xspec.spec.calibration.RegimeCheck`).
 """
 
 from __future__ import annotations
@@ -40,6 +45,7 @@ from xspec.spec.calibration import (
     save_calibration,
 )
 
+TEMPERATURES = [0.0, 0.8, 1.0]  # the regimes fitted by default: greedy and two sampled
 GRID = sorted({1.0, *torch.logspace(-1.5, 1.5, 121, dtype=torch.float64).tolist()})
 BINS = 20
 
@@ -147,9 +153,17 @@ class ConfidenceRecorder(SpecDecodeMetrics):
         self.accepted: list[Tensor] = []  # [B]
 
     def observe_step(
-        self, output_tokens: Tensor, num_draft_tokens: Tensor, confidence: Tensor | None = None
+        self,
+        output_tokens: Tensor,
+        num_draft_tokens: Tensor,
+        confidence: Tensor | None = None,
+        *,
+        depths: list[int] | None = None,
+        regimes: list[str] | None = None,
     ) -> None:
-        super().observe_step(output_tokens, num_draft_tokens, confidence)
+        super().observe_step(
+            output_tokens, num_draft_tokens, confidence, depths=depths, regimes=regimes
+        )
         if confidence is None:
             return
         self.logits.append(self.tap.take(*confidence.shape))  # [B, G] raw z of these rows
@@ -163,14 +177,30 @@ class ConfidenceRecorder(SpecDecodeMetrics):
         return torch.cat(pad), torch.cat(self.drafted), torch.cat(self.accepted)
 
 
-def calibrate(overrides: list[str], out: Path | None) -> tuple[ConfidenceCalibration, Path]:
-    """Run the workload of ``overrides`` with raw confidences, fit, write; returns both."""
+def calibrate(
+    overrides: list[str], out: Path | None, temperatures: list[float] | None = None
+) -> tuple[ConfidenceCalibration, Path]:
+    """Run the workload of ``overrides`` with raw confidences once per sampling
+    temperature (default :data:`TEMPERATURES`; 0 = greedy), fit each, write them all to
+    one file; returns the calibration (its ``regimes``: the fits after the first) and
+    where it went."""
     from xspec.build import build, check
     from xspec.compose import compose_run
     from xspec.errors import ConfigError
     from xspec.run.workloads import load_workload
     from xspec.sampling import SamplingParams
 
+    if temperatures is None:  # sampling.temperature=t alone: that regime only (as before)
+        given = [o.split("=", 1)[1] for o in overrides if o.startswith("sampling.temperature=")]
+        try:
+            temperatures = [float(given[-1])] if given else TEMPERATURES
+        except ValueError:
+            raise ConfigError(
+                f"sampling.temperature must be a number (got {given[-1]!r})"
+            ) from None
+    temps = list(temperatures)
+    if not temps or any(not t >= 0 for t in temps) or len(set(temps)) != len(temps):
+        raise ConfigError(f"calibrate: --temperatures must be distinct numbers >= 0 (got {temps})")
     # checked as an adaptive run (a draft with a confidence head), before anything loads;
     # run at fixed gamma with raw confidences
     cfg = compose_run([*overrides, "spec.adaptive.enabled=true", "spec.adaptive.calibration=off"])
@@ -180,26 +210,30 @@ def calibrate(overrides: list[str], out: Path | None) -> tuple[ConfidenceCalibra
     built = build(cfg)
     drafter: Any = built.drafter
     s, w = cfg.sampling, cfg.workload
-    params = SamplingParams(temperature=s.temperature, top_k=s.top_k, top_p=s.top_p, seed=s.seed)
-    work = load_workload(w, built.tokenizer, built.target.vocab_size, params)
-    tap = LogitTap()
-    recorder = ConfidenceRecorder(tap)
-    built.engine.metrics = recorder
-    with tap.installed(drafter.model.confidence):
-        built.engine.run(work.requests, w.concurrency)
-    logits, drafted, accepted = recorder.samples(drafter.gamma)
-    if int((drafted > 0).sum()) == 0:
-        raise ConfigError(
-            "calibrate saw no verify row with drafts; raise workload.max_new_tokens or "
-            "workload.num_requests"
+    fits = []
+    for t in temps:
+        params = SamplingParams(
+            temperature=t, top_k=s.top_k, top_p=s.top_p, seed=0 if s.seed is None else s.seed
         )
-    cal = fit_sts(logits, drafted, accepted)
-    cal.sampling_temperature, cal.sampling_top_k, cal.sampling_top_p = (
-        s.temperature,
-        s.top_k,
-        s.top_p,
-    )
-    cal.source = f"xspec.train calibrate {' '.join(overrides)}"
+        work = load_workload(w, built.tokenizer, built.target.vocab_size, params)
+        tap = LogitTap()
+        recorder = ConfidenceRecorder(tap)
+        built.engine.metrics = recorder
+        with tap.installed(drafter.model.confidence):
+            built.engine.run(work.requests, w.concurrency)
+        logits, drafted, accepted = recorder.samples(drafter.gamma)
+        if int((drafted > 0).sum()) == 0:
+            raise ConfigError(
+                "calibrate saw no verify row with drafts; raise workload.max_new_tokens or "
+                "workload.num_requests"
+            )
+        cal = fit_sts(logits, drafted, accepted)
+        cal.sampling_temperature, cal.sampling_top_k, cal.sampling_top_p = t, s.top_k, s.top_p
+        fits.append(cal)
+    cal = fits[0]
+    cal.regimes = fits[1:]
+    flags = " ".join(f"{t:g}" for t in temps)
+    cal.source = f"xspec.train calibrate --temperatures {flags} {' '.join(overrides)}"
     path = out if out is not None else Path(drafter.draft_dir) / CALIBRATION_FILE
     save_calibration(cal, path)
     return cal, path
@@ -215,17 +249,26 @@ def main(argv: list[str]) -> int:
     parser.add_argument(
         "--out", type=Path, default=None, help=f"default: <draft dir>/{CALIBRATION_FILE}"
     )
+    parser.add_argument(
+        "--temperatures",
+        type=float,
+        nargs="+",
+        default=None,
+        help=f"sampling temperatures to fit, 0 = greedy (default: {TEMPERATURES})",
+    )
     parser.add_argument("overrides", nargs="*", help="key=value config overrides, as for xspec")
     args = parser.parse_args(argv)
     try:
-        cal, path = calibrate(args.overrides, args.out)
+        cal, path = calibrate(args.overrides, args.out, args.temperatures)
     except (UserError, OutputError) as e:  # one line, no traceback (a full disk: exit 1)
         print(f"xspec.train calibrate: error: {e}", file=sys.stderr)
         return e.exit_code
-    temps = ", ".join(f"{t:.3g}" for t in cal.temperatures)
-    print(
-        f"calibrated {len(cal.temperatures)} positions on {cal.num_samples} verify rows: "
-        f"T = [{temps}], ECE {cal.ece_before_mean:.4f} -> {cal.ece_after_mean:.4f}\n"
-        f"written to {path}"
-    )
+    for fit in cal.fits():
+        temps = ", ".join(f"{t:.3g}" for t in fit.temperatures)
+        print(
+            f"{fit.fitted_regime()}: calibrated {len(fit.temperatures)} positions on "
+            f"{fit.num_samples} verify rows: T = [{temps}], "
+            f"ECE {fit.ece_before_mean:.4f} -> {fit.ece_after_mean:.4f}"
+        )
+    print(f"written to {path}")
     return 0

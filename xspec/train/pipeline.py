@@ -442,7 +442,8 @@ def _logged(work: Path, name: str) -> dict[str, Any]:
 
 def stage_calibrate(work: Path, recipe: Recipe, out: Path | None = None) -> dict[str, Any]:
     """Sequential Temperature Scaling of the exported DSpark confidence head on held-out
-    prompts (greedy, as the default run decodes), written next to the stages."""
+    prompts, one fit per sampling regime (greedy and the default sampled temperatures of
+    :data:`xspec.train.calibrate.TEMPERATURES`), written next to the stages."""
     from xspec.models.presets import ASSETS
     from xspec.train.calibrate import calibrate
 
@@ -589,9 +590,11 @@ def stage_card(work: Path, recipe: Recipe, out: Path | None = None) -> Path:
     cal_path = dspark_dir / "confidence_calibration.json"
     if cal_path.exists():
         cal = json.loads(cal_path.read_text())
+        others = ", ".join(f"T={r['sampling_temperature']:g}" for r in cal.get("regimes", []))
         lines += [
             "",
-            f"## Confidence calibration ({cal['num_samples']} verify rows on 32 held-out prompts, greedy)",
+            f"## Confidence calibration ({cal['num_samples']} verify rows on 32 held-out prompts, "
+            f"greedy; further regimes: {others or 'none'})",
             "",
             "Sequential Temperature Scaling, `dsv4_tiny_dspark/confidence_calibration.json`; expected "
             "calibration error of the cumulative product against realised prefix acceptance:",

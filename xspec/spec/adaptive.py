@@ -1,0 +1,424 @@
+"""How many tokens each request drafts and verifies this step, from 0 up to gamma.
+
+One decision per step, per request, made **before drafting** by :class:`Speculation`
+(``spec.adaptive`` and/or ``spec.gamma_schedule``; docs/adaptive.md):
+
+1. the cap: ``gamma``, or what ``spec.gamma_schedule`` gives this batch size (0 included),
+   and never more than a request's budget can commit;
+2. with ``spec.adaptive``, the depth ``d_r`` in ``[0, cap_r]`` that maximises the expected
+   committed tokens per second of the whole step::
+
+       value(d) = (R + sum_r sum_{j <= d_r} a_{r,j}) / seconds(R, rows = R + sum_r d_r,
+                                                              drafting = #{r: d_r > 0})
+
+   ``a_{r,j}`` the expected survival of draft j of request r, from the acceptance it
+   realised so far (:class:`AcceptanceModel`: per position, per request, blended with
+   its sampling regime's batch figures), and ``seconds`` the online step-cost model
+   (:class:`~xspec.spec.schedule.OnlineStepCost`), in which the draft forward is its own
+   term: a request given 0 does not draft, and a step where every request gets 0 runs no
+   draft forward at all (a plain decode step). Candidates ``(r, j)`` are taken in
+   descending ``a_{r,j}`` and the best prefix of that order wins (an exhaustive scan of
+   the order: nothing in it depends on this step's drafts);
+3. after drafting, a drafter with a confidence head has Algorithm 1
+   (:func:`~xspec.spec.schedule.schedule_verify`) trim each request's verified prefix
+   within ``d_r``, from its confidences, corrected per position by the realised
+   acceptance of its sampling regime (:class:`ConfidenceCorrection`).
+
+Lossless by construction: the depth is fixed before the drafts exist, from past steps
+only; Algorithm 1's trim is the lossless scan it always was; verification and rejection
+sampling do not change. After the step, :meth:`Speculation.observe` takes in the realised
+acceptance and the measured step time.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+import operator
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from xspec.sampling import SamplingParams
+from xspec.spec.schedule import OnlineStepCost, StepLine, schedule_verify
+
+__all__ = [
+    "AcceptanceHistory",
+    "AcceptanceModel",
+    "Choice",
+    "ConfidenceCorrection",
+    "Speculation",
+    "choose_depths",
+    "gamma_for_batch",
+    "regime_of",
+    "scan_depths",
+]
+
+PRIOR_ACCEPTANCE = 0.7  # per-position acceptance assumed before anything was verified
+EXPLORE_STEPS = 2  # measured steps of each kind (plain / drafting) per batch size wanted
+SMALL_SCAN = 40  # candidates up to which the depth scan runs in plain Python
+EXPLORE_MARGIN = 0.15  # ... when the other kind is predicted within this of the best
+
+
+def regime_of(params: SamplingParams) -> str:
+    """The sampling regime a request is in, as a short label (metrics, estimates):
+    ``greedy``, or ``T=0.8`` (with ``,top_k=..`` / ``,top_p=..`` when set)."""
+    if params.greedy:
+        return "greedy"
+    label = f"T={params.temperature:g}"
+    if params.top_k:
+        label += f",top_k={params.top_k}"
+    if params.top_p < 1.0:
+        label += f",top_p={params.top_p:g}"
+    return label
+
+
+def gamma_for_batch(schedule: Sequence[Sequence[int]], batch: int) -> int:
+    """``spec.gamma_schedule`` (``[[min_batch, gamma], ...]``, ascending, the first at
+    batch 1; validated by :mod:`xspec.config`): the gamma of the last entry whose
+    ``min_batch <= batch``."""
+    gamma = schedule[0][1]
+    for min_batch, g in schedule:
+        if min_batch <= batch:
+            gamma = g
+    return gamma
+
+
+class _Decayed:
+    """Decayed per-position counts: how often position j was reached (its draft
+    verified with every earlier draft accepted) and how often it was accepted, or, for
+    the confidence correction, its predicted conditional acceptance."""
+
+    def __init__(self, gamma: int, decay: float) -> None:
+        self.decay = decay
+        self.reached = [0.0] * gamma
+        self.hits = [0.0] * gamma
+
+    def add(self, position: int, hit: float) -> None:
+        self.reached[position] = self.decay * self.reached[position] + 1.0
+        self.hits[position] = self.decay * self.hits[position] + hit
+
+
+@dataclass
+class AcceptanceHistory:
+    """One request's realised acceptance per draft position (kept on its RunningSeq)."""
+
+    counts: _Decayed
+
+
+class AcceptanceModel:
+    """Expected survival of each draft position before drafting: per sampling regime, the
+    batch's realised conditional acceptance per position (decayed counts, prior
+    :data:`PRIOR_ACCEPTANCE`), and per request its own, shrunk towards its regime's by
+    ``request_weight`` pseudo-observations."""
+
+    def __init__(
+        self,
+        gamma: int,
+        *,
+        batch_decay: float = 0.995,
+        request_decay: float = 0.9,
+        prior_weight: float = 4.0,
+        request_weight: float = 3.0,
+    ) -> None:
+        self.gamma = gamma
+        self.batch_decay, self.request_decay = batch_decay, request_decay
+        self.prior_weight, self.request_weight = prior_weight, request_weight
+        self.regimes: dict[str, _Decayed] = {}
+
+    def new_history(self) -> AcceptanceHistory:
+        return AcceptanceHistory(_Decayed(self.gamma, self.request_decay))
+
+    def batch_rates(self, regime: str) -> list[float]:
+        """The regime's conditional acceptance per position, over every request."""
+        batch = self.regimes.get(regime)
+        if batch is None:
+            return [PRIOR_ACCEPTANCE] * self.gamma
+        w, prior = self.prior_weight, PRIOR_ACCEPTANCE
+        return [(h + w * prior) / (r + w) for h, r in zip(batch.hits, batch.reached)]
+
+    def conditional(
+        self, regime: str, history: AcceptanceHistory | None, batch: list[float] | None = None
+    ) -> list[float]:
+        """``c_j`` per position: P(draft j accepted | drafts < j accepted). ``batch``: the
+        regime's :meth:`batch_rates`, when the caller has them already."""
+        rates = self.batch_rates(regime) if batch is None else batch
+        if history is None:
+            return rates
+        w, c = self.request_weight, history.counts
+        return [(h + w * b) / (r + w) for h, r, b in zip(c.hits, c.reached, rates)]
+
+    def survivals(self, regime: str, history: AcceptanceHistory | None) -> list[float]:
+        """``a_j = prod_{i<=j} c_i``: expected accepted tokens of verifying draft j."""
+        return list(itertools.accumulate(self.conditional(regime, history), operator.mul))
+
+    def observe(
+        self, regime: str, history: AcceptanceHistory | None, verified: int, accepted: int
+    ) -> None:
+        """One request-step: ``verified`` drafts scored, the first ``accepted`` accepted."""
+        batch = self.regimes.setdefault(regime, _Decayed(self.gamma, self.batch_decay))
+        for j in range(min(verified, accepted + 1)):  # reached: the prefix before j accepted
+            hit = 1.0 if j < accepted else 0.0
+            batch.add(j, hit)
+            if history is not None:
+                history.counts.add(j, hit)
+
+
+class ConfidenceCorrection:
+    """Per sampling regime and draft position, the ratio of realised to predicted
+    conditional acceptance (decayed sums, shrunk to 1 by ``weight`` pseudo-rows);
+    :meth:`apply` multiplies each confidence by its position's ratio (clipped to
+    ``[0, 1]``). It corrects a calibration fitted elsewhere (or none) from what this
+    run's drafts really do. Scaling a position by one factor keeps the order of its
+    confidences; the factor comes from earlier steps only."""
+
+    def __init__(self, gamma: int, *, decay: float = 0.995, weight: float = 20.0) -> None:
+        self.gamma, self.decay, self.weight = gamma, decay, weight
+        self.predicted: dict[str, _Decayed] = {}  # hits = sum of predicted c_j
+        self.realised: dict[str, _Decayed] = {}  # hits = accepted
+
+    def factors(self, regime: str) -> list[float]:
+        pred, real = self.predicted.get(regime), self.realised.get(regime)
+        if pred is None or real is None:
+            return [1.0] * self.gamma
+        return [
+            (real.hits[j] + self.weight) / (pred.hits[j] + self.weight) for j in range(self.gamma)
+        ]
+
+    def apply(self, confidence: torch.Tensor, regimes: Sequence[str]) -> torch.Tensor:
+        """``confidence [B, G]`` (any device) -> corrected ``[B, G]`` float64 on the host."""
+        c = confidence.detach().to("cpu", torch.float64)
+        table = {r: self.factors(r) for r in set(regimes)}
+        f = torch.tensor([table[r][: c.shape[1]] for r in regimes], dtype=torch.float64)
+        return (c * f.reshape(c.shape[0], -1)).clamp(0.0, 1.0)
+
+    def observe(
+        self, regime: str, confidence: Sequence[float], verified: int, accepted: int
+    ) -> None:
+        """One request-step: the draft's (uncorrected) ``confidence`` per verified position."""
+        pred = self.predicted.setdefault(regime, _Decayed(self.gamma, self.decay))
+        real = self.realised.setdefault(regime, _Decayed(self.gamma, self.decay))
+        for j in range(min(verified, accepted + 1)):
+            pred.add(j, confidence[j])
+            real.add(j, 1.0 if j < accepted else 0.0)
+
+
+@dataclass(frozen=True)
+class Choice:
+    """:func:`scan_depths`'s answer: the best depths and its value (expected committed
+    tokens per second), and the best of the other kind of step (a plain step when the
+    best drafts, the best drafting step when the best is plain; None: there is none)."""
+
+    depths: list[int]
+    value: float
+    other: list[int] | None
+    other_value: float
+
+
+def scan_depths(
+    survivals: Sequence[Sequence[float]], caps: Sequence[int], seconds: StepLine
+) -> Choice:
+    """The depth per request that maximises expected committed tokens per second
+    (module docstring): ``survivals[r][j]`` non-increasing in j, ``caps[r]`` its most,
+    ``seconds`` the predicted step time of this step's R requests (its ``max_rows`` at
+    least ``R + sum(caps)``). Vectorised over the candidates: a few small tensor ops."""
+    R = len(caps)
+    plain = R / seconds(R, 0)
+    if not any(caps):
+        return Choice([0] * R, plain, None, 0.0)
+    if sum(caps) <= SMALL_SCAN:  # a few candidates: plain Python beats tensor ops
+        return _scan_small(survivals, caps, seconds, plain)
+    G = max(caps)
+    a = torch.tensor([[*s[:G], *[0.0] * (G - len(s[:G]))] for s in survivals], dtype=torch.float64)
+    # candidates in position-major order (j, then r): a stable sort by -a breaks ties by
+    # position, then request
+    pos = torch.arange(G).repeat_interleave(R)  # [G*R]
+    req = torch.arange(R).repeat(G)  # [G*R]
+    allowed = pos < torch.tensor(list(caps), dtype=torch.long)[req]
+    pos, req, cand = pos[allowed], req[allowed], a.t().reshape(-1)[allowed]
+    order = torch.sort(-cand, stable=True).indices
+    pos, req, cand = pos[order], req[order], cand[order]
+    K = int(cand.shape[0])
+    tau = R + cand.cumsum(0)  # [K] expected committed tokens of each prefix
+    rows = R + torch.arange(1, K + 1)  # [K]
+    drafting = (pos == 0).long().cumsum(0)  # a request's first candidate is its position 0
+    value = tau / seconds.many(rows, drafting)  # [K]
+    best = int(value.argmax())  # the first of equal maxima: the shorter prefix
+    depths = [0] * R
+    for r, j in zip(req[: best + 1].tolist(), pos[: best + 1].tolist()):
+        depths[r] = max(depths[r], j + 1)
+    v = float(value[best])
+    if v > plain:
+        return Choice(depths, v, [0] * R, plain)
+    return Choice([0] * R, plain, depths, v)
+
+
+def _scan_small(
+    survivals: Sequence[Sequence[float]], caps: Sequence[int], seconds: StepLine, plain: float
+) -> Choice:
+    """:func:`scan_depths` in plain Python (the same order, the same answer)."""
+    R = len(caps)
+    cand = sorted((-survivals[r][j], j, r) for r in range(R) for j in range(caps[r]))
+    tau, rows, drafting = float(R), R, 0
+    best_value, best_k = -math.inf, 0
+    for k, (neg_a, j, _) in enumerate(cand, start=1):
+        tau, rows, drafting = tau - neg_a, rows + 1, drafting + (j == 0)
+        value = tau / seconds(rows, drafting)
+        if value > best_value:
+            best_value, best_k = value, k
+    depths = [0] * R
+    for _, j, r in cand[:best_k]:
+        depths[r] = max(depths[r], j + 1)
+    if best_value > plain:
+        return Choice(depths, best_value, [0] * R, plain)
+    return Choice([0] * R, plain, depths, best_value)
+
+
+def choose_depths(
+    survivals: Sequence[Sequence[float]], caps: Sequence[int], seconds: StepLine
+) -> list[int]:
+    """:func:`scan_depths`'s best depths."""
+    return scan_depths(survivals, caps, seconds).depths
+
+
+@dataclass
+class StepRecord:
+    """What one step decided (for :meth:`Speculation.observe` and the metrics)."""
+
+    regimes: list[str]
+    depths: list[int]  # decided before drafting
+    expected: list[list[float]]  # [R][depth] pre-draft conditional acceptance estimates
+    started: float = 0.0  # perf_counter at the decision
+    raw: torch.Tensor | None = None  # [R, width] the draft's confidences (host, float64)
+    confidence: torch.Tensor | None = None  # [R, width] corrected: what the trim used
+
+    def predicted(self) -> torch.Tensor:
+        """``[R, max depth]`` the conditional acceptance this step predicted per verified
+        position: the corrected confidences when the draft scored its drafts, else the
+        pre-draft estimates (0 beyond a request's depth)."""
+        if self.confidence is not None:
+            return self.confidence
+        width = max(self.depths, default=0)
+        out = torch.zeros(len(self.depths), width, dtype=torch.float64)
+        for b, row in enumerate(self.expected):
+            out[b, : len(row)] = torch.tensor(row, dtype=torch.float64)
+        return out
+
+
+class Speculation:
+    """The per-step decision: :meth:`depths` before drafting, :meth:`trim` after it,
+    :meth:`observe` after the step. ``cost`` None: no adaptive decision (the gamma
+    schedule alone); ``trim``: Algorithm 1 on the draft's confidences after drafting.
+    ``synchronize`` (the platform's) makes the measured step time the device's."""
+
+    def __init__(
+        self,
+        gamma: int,
+        *,
+        cost: OnlineStepCost | None = None,
+        gamma_schedule: Sequence[Sequence[int]] | None = None,
+        trim: bool = False,
+        synchronize: Callable[[], None] = lambda: None,
+    ) -> None:
+        self.gamma = gamma
+        self.cost = cost
+        self.gamma_schedule = [list(e) for e in gamma_schedule] if gamma_schedule else None
+        self.trim_enabled = trim and cost is not None
+        self.synchronize = synchronize
+        self.acceptance = AcceptanceModel(gamma)
+        self.correction = ConfidenceCorrection(gamma)
+        self.last: StepRecord | None = None
+        # a test hook: ``force(caps) -> depths`` replaces the decision (clipped to caps)
+        self.force: Callable[[list[int]], list[int]] | None = None
+
+    def caps(self, batch: int, budgets: Sequence[int]) -> list[int]:
+        """Most drafts per request this step: gamma or the schedule's, within budget."""
+        top = self.gamma
+        if self.gamma_schedule is not None:
+            top = min(top, gamma_for_batch(self.gamma_schedule, batch))
+        return [max(0, min(top, b)) for b in budgets]
+
+    def new_history(self) -> AcceptanceHistory:
+        """A running request's acceptance history (it lives on its RunningSeq)."""
+        return self.acceptance.new_history()
+
+    def depths(
+        self,
+        params: Sequence[SamplingParams],
+        histories: Sequence[AcceptanceHistory | None],
+        budgets: Sequence[int],
+    ) -> list[int]:
+        """Drafts per request for this step, before drafting, from each request's
+        sampling, its acceptance history and ``budgets`` (the drafts it can still use)."""
+        started = time.perf_counter()
+        caps = self.caps(len(params), budgets)
+        labels: dict[SamplingParams, str] = {}
+        regimes = [labels.get(p) or labels.setdefault(p, regime_of(p)) for p in params]
+        rates = {g: self.acceptance.batch_rates(g) for g in set(regimes)}
+        conditional = [
+            self.acceptance.conditional(g, h, rates[g]) for g, h in zip(regimes, histories)
+        ]
+        if self.force is not None:
+            depths = [max(0, min(d, c)) for d, c in zip(self.force(caps), caps)]
+        elif self.cost is None or not any(caps):
+            depths = caps
+        else:
+            surv = [list(itertools.accumulate(c, operator.mul)) for c in conditional]
+            R = len(caps)
+            choice = scan_depths(surv, caps, self.cost.line(R, R + sum(caps)))
+            depths = choice.depths
+            if choice.other is not None and self._explore(R, choice):
+                depths = choice.other
+            if self.trim_enabled:  # the draft forward costs the same at any depth: a
+                # drafting request drafts its cap, the trim picks the verified prefix
+                depths = [c if d > 0 else 0 for d, c in zip(depths, caps)]
+        expected = [c[:d] for c, d in zip(conditional, depths)]
+        self.last = StepRecord(regimes, depths, expected, started)
+        return depths
+
+    def _explore(self, requests: int, choice: Choice) -> bool:
+        """Take the other kind of step (plain / drafting) instead of the best, to measure
+        it: only while this batch size has fewer than :data:`EXPLORE_STEPS` measured steps
+        of that kind and its predicted value is within :data:`EXPLORE_MARGIN` of the best.
+        The cost model otherwise never learns the time of a kind of step it never takes
+        (the profile can be off for one kind), and it costs a bounded few steps per
+        batch size."""
+        assert self.cost is not None
+        kind = any(d > 0 for d in choice.other or [])
+        seen = self.cost.kind_counts.get((requests, kind), 0)
+        return seen < EXPLORE_STEPS and choice.other_value >= (1 - EXPLORE_MARGIN) * choice.value
+
+    def trim(self, confidence: torch.Tensor, depths: list[int]) -> list[int]:
+        """After drafting: Algorithm 1 within ``depths`` on the corrected confidences
+        ``[R, width]`` -> verified drafts per request (``depths`` without the trim)."""
+        assert self.last is not None
+        self.last.raw = confidence.detach().to("cpu", torch.float64)
+        corrected = self.correction.apply(self.last.raw, self.last.regimes)  # [R, width]
+        self.last.confidence = corrected
+        if not self.trim_enabled or self.cost is None:
+            return depths
+        drafting = sum(d > 0 for d in depths)
+        R = len(depths)
+        return schedule_verify(corrected, depths, self.cost.sps(R, drafting, R + sum(depths)))
+
+    def observe(
+        self,
+        histories: Sequence[AcceptanceHistory | None],
+        verified: Sequence[int],
+        accepted: Sequence[int],
+    ) -> None:
+        """After the step: the realised acceptance per request and the step's time."""
+        rec = self.last
+        assert rec is not None
+        if self.cost is not None:
+            self.synchronize()
+            seconds = time.perf_counter() - rec.started
+            drafting = sum(d > 0 for d in rec.depths)
+            self.cost.update(len(verified), len(verified) + sum(verified), drafting, seconds)
+        raw = rec.raw.tolist() if rec.raw is not None else None  # one copy, not one per row
+        for b, history in enumerate(histories):
+            self.acceptance.observe(rec.regimes[b], history, verified[b], accepted[b])
+            if raw is not None and verified[b]:
+                self.correction.observe(rec.regimes[b], raw[b], verified[b], accepted[b])
