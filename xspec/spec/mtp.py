@@ -140,7 +140,7 @@ class MtpDrafter(Drafter):
 
         m = self.module
         fixed, per_token = layer_kv_bytes(
-            m.args, m.compress_ratio, m.attn.wkv.weight.dtype, self.gamma - 1
+            m.args, m.compress_ratio, m.attn.dtype, self.gamma - 1
         )
         return KvBytes(fixed, per_token)
 
