@@ -89,8 +89,9 @@ def load_model(
 
 
 def quant_compute_of(cfg: Any) -> str:
-    """``model.quant_compute`` as its string value (an enum member or its value)."""
-    value = cfg.quant_compute
+    """``model.quant_compute`` as its string value (an enum member or its value; a
+    hand-built section without the key, as older callers pass, means ``auto``)."""
+    value = getattr(cfg, "quant_compute", "auto")
     return str(value.value if isinstance(value, enum.Enum) else value)
 
 
