@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import math
 import os
 import shutil
 import struct
@@ -152,7 +153,7 @@ class Checkpoint:
         self.config: dict = _read_json(config_file)
         self._file_of: dict[str, Path] = {}
         self._headers: dict[Path, dict[str, tuple[list[int], str, int]]] = {}
-        self._handles: dict[Path, Any] = {}  # open safe_open handles, see _open
+        self._data_start: dict[Path, int] = {}  # byte where each shard's tensor data begins
         self._index_files()
 
     def _index_files(self) -> None:
@@ -290,24 +291,41 @@ class Checkpoint:
         return self._read(self.file_of(name), name)
 
     def _read(self, file: Path, name: str) -> torch.Tensor:
+        """One tensor, read with plain file reads into fresh memory: the one copy that
+        becomes (or is converted into) the parameter. No memory map: a mapped shard's
+        touched pages would count as this process's resident memory until it is closed,
+        so loading a large shard would hold a second copy of it."""
+        shape, code, offset = self._headers[file][name]
+        dtype = SAFETENSORS_DTYPES.get(code)
+        if dtype is None:
+            raise CheckpointError(
+                f"tensor {name!r} in {file} has dtype {code}, which this torch build cannot "
+                f"hold; supported: {sorted(SAFETENSORS_DTYPES)}"
+            )
+        nbytes = math.prod(shape) * dtype.itemsize
+        raw = torch.empty(nbytes, dtype=torch.uint8)
         try:
-            return self._open(file).get_tensor(name)
-        except Exception as e:  # safetensors raises SafetensorError (an Exception) on bad files
+            with open(file, "rb") as f:
+                f.seek(self._start_of(file, f) + offset)
+                got = f.readinto(memoryview(raw.numpy())) if nbytes else 0
+        except OSError as e:
             raise CheckpointError(
                 f"cannot read tensor {name!r} from {file} ({e}); {_refetch_hint(file)}"
             ) from e
+        if got != nbytes:
+            raise CheckpointError(
+                f"cannot read tensor {name!r} from {file}: {got} of its {nbytes} bytes are "
+                f"there; {_refetch_hint(file)}"
+            )
+        return raw.view(dtype).reshape(shape)
 
-    def _open(self, file: Path) -> Any:
-        """A safe_open handle, cached for the last two shards: a convert hook reading sibling
-        tensors per weight must not re-open (and re-parse the header of) a shard each time.
-        Handles are memory maps: they hold no tensor data themselves."""
-        from safetensors import safe_open  # local: only needed when data is read
-
-        if file not in self._handles:
-            if len(self._handles) >= 2:
-                self._handles.pop(next(iter(self._handles)))
-            self._handles[file] = safe_open(str(file), framework="pt", device="cpu")
-        return self._handles[file]
+    def _start_of(self, file: Path, f: Any) -> int:
+        """Where ``file``'s tensor data starts (after the 8-byte length and the header)."""
+        if file not in self._data_start:
+            f.seek(0)
+            (n,) = struct.unpack("<Q", f.read(8))
+            self._data_start[file] = 8 + n
+        return self._data_start[file]
 
 
 def require_config_keys(config: dict, keys: Iterable[str], where: Path) -> None:
