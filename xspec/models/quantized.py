@@ -206,8 +206,9 @@ def int8_matmul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
 def native_linear(x: torch.Tensor, w: QuantizedWeight, bias: torch.Tensor | None) -> torch.Tensor:
     """The ``native`` semantics in plain torch: ``x [..., K]`` -> ``[..., N]`` in x.dtype.
 
-    W8A8: int8 activations per token, int32 accumulation, then ``* x_scale * w_scale``
-    (an offset adds ``- offset * sum(x_q)`` to the accumulator first). FP8 / MXFP4: e4m3
+    W8A8: int8 activations per token, int32 accumulation, then in fp32 ``acc * x_scale *
+    w_scale`` (``npu_quant_matmul``'s order; an offset subtracts ``offset * sum(x_q)``
+    from the accumulator first). FP8 / MXFP4: e4m3
     activation blocks of 128, products of the quantized operands summed in fp32 with both
     scales applied (what a scaled GEMM computes, up to summation order).
     """
@@ -215,10 +216,13 @@ def native_linear(x: torch.Tensor, w: QuantizedWeight, bias: torch.Tensor | None
     x2 = x.reshape(-1, k)
     if w.format == "w8a8":
         xq, xs = dynamic_quant_int8(x2)
-        acc = int8_matmul(xq, w.data).double()  # [T, N]
-        if w.offset is not None:
-            acc = acc - xq.double().sum(-1, keepdim=True) * w.offset.double().reshape(1, -1)
-        y = (acc * xs.double().unsqueeze(-1) * w.scale.double().reshape(1, -1)).float()
+        acc = int8_matmul(xq, w.data)  # [T, N] int32
+        if w.offset is not None:  # (q - o) . x_q = q . x_q - o * sum(x_q), exact in fp64
+            exact = acc.double() - xq.double().sum(-1, keepdim=True) * w.offset.double().reshape(1, -1)
+            acc_f = exact.float()
+        else:
+            acc_f = acc.float()
+        y = acc_f * xs.unsqueeze(-1) * w.scale.float().reshape(1, -1)  # token, then channel
     else:
         xq, xs = act_quant_fp8(x2)
         xd = xq.float() * xs.repeat_interleave(ACT_BLOCK, 1)[:, :k]  # exact in fp32
