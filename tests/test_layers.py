@@ -139,6 +139,4 @@ def test_platforms_import_only_the_op_protocols_from_models() -> None:
         for t in set().union(*imports(m))
         if t.startswith("xspec.models") and t not in OP_INTERFACE
     )
-    assert not bad, "platforms/ may import only the op interface from models/:\n" + "\n".join(
-        bad
-    )
+    assert not bad, "platforms/ may import only the op interface from models/:\n" + "\n".join(bad)

@@ -59,7 +59,9 @@ def test_act_quant_fp8_blocks() -> None:
     assert (blocks[live] <= 448 * s[live]).all() and (blocks[live] > 224 * s[live]).all()
     assert torch.equal(s.log2(), s.log2().round())  # powers of two (ue8m0)
     back = q.float() * s.repeat_interleave(128, 1)[:, :300]
-    assert ((back - x).abs() <= x.abs() * 2**-4 + s.repeat_interleave(128, 1)[:, :300] * 2**-9).all()
+    assert (
+        (back - x).abs() <= x.abs() * 2**-4 + s.repeat_interleave(128, 1)[:, :300] * 2**-9
+    ).all()
 
 
 def test_dynamic_quant_int8_per_token() -> None:

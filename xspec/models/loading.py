@@ -307,7 +307,7 @@ class Checkpoint:
         try:
             with open(file, "rb") as f:
                 f.seek(self._start_of(file, f) + offset)
-                got = f.readinto(memoryview(raw.numpy())) if nbytes else 0
+                got = f.readinto(raw.numpy().data) if nbytes else 0
         except OSError as e:
             raise CheckpointError(
                 f"cannot read tensor {name!r} from {file} ({e}); {_refetch_hint(file)}"

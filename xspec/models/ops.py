@@ -226,9 +226,7 @@ def linear(
     return torch.nn.functional.linear(x, weight, bias)
 
 
-def dense(
-    ops: ModelOps, x: torch.Tensor, weight: torch.Tensor | QuantizedWeight
-) -> torch.Tensor:
+def dense(ops: ModelOps, x: torch.Tensor, weight: torch.Tensor | QuantizedWeight) -> torch.Tensor:
     """``F.linear(x, weight)`` for call sites that never delegate a float weight (the MoE
     experts): a quantized weight computes natively (see :func:`quant_native`) or is
     dequantized for this call only."""
@@ -338,9 +336,9 @@ __all__ = [
     "MhcPreOp",
     "ModelOps",
     "MoeOp",
+    "MoeRouting",
     "QuantLinearOp",
     "QuantizedWeight",
-    "MoeRouting",
     "RmsNormOp",
     "RopeOp",
     "SasIndicesRejected",

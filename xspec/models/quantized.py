@@ -198,8 +198,11 @@ def dynamic_quant_int8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def int8_matmul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """``a [T, K] int8 @ b [N, K].T int8`` with exact integer accumulation -> int32 ``[T, N]``
-    (fp64 holds every partial sum of int8 products exactly for K < 2^37)."""
+    """``a [T, K] int8 @ b [N, K].T int8`` with exact int32 accumulation -> ``[T, N]``
+    (``torch._int_mm`` reading ``b`` in place where the build has it; otherwise fp64,
+    which holds every partial sum of int8 products exactly for K < 2^37)."""
+    if hasattr(torch, "_int_mm") and a.device.type == "cpu":
+        return torch._int_mm(a.contiguous(), b.T)
     return (a.double() @ b.double().T).to(torch.int32)
 
 
@@ -218,7 +221,9 @@ def native_linear(x: torch.Tensor, w: QuantizedWeight, bias: torch.Tensor | None
         xq, xs = dynamic_quant_int8(x2)
         acc = int8_matmul(xq, w.data)  # [T, N] int32
         if w.offset is not None:  # (q - o) . x_q = q . x_q - o * sum(x_q), exact in fp64
-            exact = acc.double() - xq.double().sum(-1, keepdim=True) * w.offset.double().reshape(1, -1)
+            exact = acc.double() - xq.double().sum(-1, keepdim=True) * w.offset.double().reshape(
+                1, -1
+            )
             acc_f = exact.float()
         else:
             acc_f = acc.float()

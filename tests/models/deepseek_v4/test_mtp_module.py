@@ -8,8 +8,6 @@ from pathlib import Path
 
 import pytest
 import torch
-
-from xspec.models.resident import QuantLinear
 from torch import nn
 
 from xspec.errors import CheckpointError
@@ -27,6 +25,7 @@ from xspec.models.deepseek_v4.mtp import (
 )
 from xspec.models.deepseek_v4.state import BlockContext
 from xspec.models.loading import write_checkpoint
+from xspec.models.resident import QuantLinear
 
 SEQ = 300  # crosses the 128-token window and wraps the SWA ring twice
 

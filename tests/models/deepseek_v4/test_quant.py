@@ -11,14 +11,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from xspec.models.resident import QuantLinear
-
 from xspec.errors import CheckpointError
 from xspec.models.base import ForwardBatch
 from xspec.models.deepseek_v4.convert import quantize_fp8, quantize_w8a8, quarot_rotate
 from xspec.models.deepseek_v4.tiny import generate_tiny
 from xspec.models.deepseek_v4.weights import DEFAULT_QUANTIZED, load_checkpoint, load_rot
 from xspec.models.loading import Checkpoint, load_params, write_checkpoint
+from xspec.models.resident import QuantLinear
 
 CPU = torch.device("cpu")
 IDS = torch.randint(0, 512, (64,), generator=torch.Generator().manual_seed(1))

@@ -13,6 +13,8 @@ import torch
 from torch import nn
 
 import xspec
+from tests.models.deepseek_v4.test_mxfp4 import float_twin
+from tests.platforms.conformance import PlatformCfg
 from xspec.engine.memory import weight_bytes
 from xspec.models.base import ForwardBatch
 from xspec.models.deepseek_v4.args import DeepseekV4Args
@@ -23,8 +25,6 @@ from xspec.models.deepseek_v4.weights import load_checkpoint
 from xspec.models.loading import Checkpoint
 from xspec.models.resident import QuantLinear
 from xspec.platforms.cpu import CpuPlatform
-from tests.models.deepseek_v4.test_mxfp4 import float_twin
-from tests.platforms.conformance import PlatformCfg
 
 IDS = torch.randint(0, 512, (48,), generator=torch.Generator().manual_seed(3))
 
@@ -61,9 +61,7 @@ def test_weights_stay_stored_and_count_their_stored_bytes(dirs) -> None:
         assert model.layers[1].ffn.w1 is None  # no float expert stacks
         ckpt = Checkpoint(path)
         stored = sum(
-            t.numel() * t.element_size()
-            for n, t in ckpt.iter_tensors()
-            if not n.startswith("mtp.")
+            t.numel() * t.element_size() for n, t in ckpt.iter_tensors() if not n.startswith("mtp.")
         )
         rope = sum(b.numel() * b.element_size() for n, b in model.named_buffers() if "rope" in n)
         assert weight_bytes(model) == stored + rope
@@ -104,7 +102,10 @@ def test_w8a8_native_is_near_dequant_and_not_equal(dirs) -> None:
     """``native`` quantizes the activations per token to int8: the logits move by that
     rounding only (measured ~1% relative on the tiny model; bound 10%)."""
     with torch.no_grad():
-        exact, native = _logits(_load(dirs["w8a8"], "dequant")), _logits(_load(dirs["w8a8"], "native"))
+        exact, native = (
+            _logits(_load(dirs["w8a8"], "dequant")),
+            _logits(_load(dirs["w8a8"], "native")),
+        )
     rel = ((native - exact).norm() / exact.norm()).item()
     assert 0 < rel < 0.1, rel
 

@@ -214,7 +214,9 @@ class MoE(nn.Module):
         self.first_local = local.start if isinstance(local, range) else 0
         self.num_local = len(local)
         self.shared_experts = (
-            Expert(d, inter * args.n_shared_experts, limit, dtype=dtype, device=device, ops=self.ops)
+            Expert(
+                d, inter * args.n_shared_experts, limit, dtype=dtype, device=device, ops=self.ops
+            )
             if args.n_shared_experts
             else None
         )

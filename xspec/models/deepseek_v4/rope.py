@@ -14,6 +14,8 @@ checkpoint whose ``max_position_embeddings`` exceeds the original length (Flash:
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import math
 
 import torch
@@ -75,7 +77,7 @@ class Rope(nn.Module):
         """The frequency values."""
         return self._key
 
-    def _apply(self, fn, recurse: bool = True):  # type: ignore[no-untyped-def]
+    def _apply(self, fn: Callable[[torch.Tensor], torch.Tensor], recurse: bool = True) -> Rope:
         # a module built on the meta device and materialised with to_empty() (resident
         # quantized loading) gets its table back from the values kept at construction
         out = super()._apply(fn, recurse)

@@ -96,7 +96,7 @@ def _tensors(
         elif fmt == "fp8" and fp8.match(name):  # e4m3 blocks with power-of-two scales
             w = (torch.randn(shape, generator=gen) * 64).to(torch.float8_e4m3fn)
             grid = [math.ceil(n / 128), math.ceil(shape[1] / 128)]
-            scale = torch.full(grid, 2.0 ** -6 * shape[1] ** -0.5).to(torch.float8_e8m0fnu)
+            scale = torch.full(grid, 2.0**-6 * shape[1] ** -0.5).to(torch.float8_e8m0fnu)
             yield name, {name: w, f"{base}.scale": scale}, {}
         elif fmt == "w8a8" and DEFAULT_QUANTIZED.match(name):
             q = torch.randint(-127, 128, shape, generator=gen, dtype=torch.int8)

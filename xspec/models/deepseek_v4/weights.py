@@ -51,7 +51,7 @@ from torch import nn
 
 from xspec.errors import CheckpointError
 from xspec.models.deepseek_v4.args import DeepseekV4Args
-from xspec.models.loading import SAFETENSORS_DTYPES, CONFIG_NAME, Checkpoint, load_params
+from xspec.models.loading import CONFIG_NAME, SAFETENSORS_DTYPES, Checkpoint, load_params
 from xspec.models.ops import EAGER_STEPS, StepOptions
 from xspec.models.quantized import (
     dequant_fp8,
@@ -561,7 +561,9 @@ def load_resident(
             for buffer in SIBLINGS[scheme][1:]:
                 if buffer is not None and f"{base}.{buffer}" in ckpt:
                     rename[f"{base}.{buffer}"] = f"{key}.{buffer}"
-    converted = {n: s for n, s in dequant.items() if names[n].removesuffix(".weight") not in resident}
+    converted = {
+        n: s for n, s in dequant.items() if names[n].removesuffix(".weight") not in resident
+    }
     load_params(
         module,
         ckpt,
