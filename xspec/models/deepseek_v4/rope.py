@@ -14,9 +14,8 @@ checkpoint whose ``max_position_embeddings`` exceeds the original length (Flash:
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 import math
+from collections.abc import Callable
 
 import torch
 from torch import nn
