@@ -18,9 +18,11 @@ Modes, interleaved per repeat (median reported):
 * ``bf16``: the same weights dequantized once to bf16 and resident (twice the W8A8 bytes);
 * ``dequant``: ``model.quant_compute=dequant``: each weight dequantized for its call
   (exact against ``bf16`` up to the weight's own rounding), then the bf16 GEMM;
-* ``native``: ``model.quant_compute=native`` on this host: the plain-torch statement of
-  the semantics (FP8/MXFP4: e4m3 activation blocks, fp32 GEMM on the dequantized
-  weight; W8A8: int8 activations, ``torch._int_mm`` reading the int8 weight).
+* ``native``: ``model.quant_compute=native`` with the reference ops: the plain-torch
+  statement of the semantics (FP8/MXFP4: e4m3 activation blocks, fp32 GEMM on the
+  dequantized weight; W8A8: int8 activations, ``torch._int_mm`` on the int8 weight);
+* ``kernel`` (W8A8 only): ``model.quant_compute=auto`` on ``platform=cpu``: the native
+  host kernel reading the stored int8 weight (same results as ``native``, bit for bit).
 
 "weights read / token": the bytes of the weights the step touches, divided by its rows
 (stored bytes for the quantized modes; a dequantizing call also writes and reads a float
@@ -39,8 +41,9 @@ import torch.nn.functional as F
 
 from xspec.models.deepseek_v4.convert import quantize_fp8_blocks, quantize_int8
 from xspec.models.deepseek_v4.quant import quant_mxfp4
-from xspec.models.ops import REFERENCE_OPS, dense
+from xspec.models.ops import REFERENCE_OPS, ModelOps, dense
 from xspec.models.quantized import QuantizedWeight
+from xspec.platforms import native
 
 D, Q_LORA, HEADS, HEAD_DIM, O_GROUPS, O_LORA = 4096, 1024, 64, 512, 8, 1024
 INDEX_DIM, INTER, EXPERTS, TOP_K = 64 * 128, 2048, 256, 6
@@ -52,7 +55,7 @@ DENSE = {  # name: (out, in)
     "wo_b": (D, O_GROUPS * O_LORA),
     "indexer.wq_b": (INDEX_DIM, Q_LORA),
 }
-MODES = ("bf16", "dequant", "native")
+MODES = ("bf16", "dequant", "native", "kernel")
 Weight = torch.Tensor | QuantizedWeight
 
 
@@ -91,7 +94,8 @@ class Layer:
         def held(w: QuantizedWeight) -> Weight:
             if mode == "bf16":
                 return w.dequantize()
-            return QuantizedWeight(w.format, w.data, w.scale, w.offset, w.dtype, mode, w.block)
+            compute = "native" if mode == "kernel" else mode
+            return QuantizedWeight(w.format, w.data, w.scale, w.offset, w.dtype, compute, w.block)
 
         dense_w = {n: held(w) for n, w in self.dense.items()}
         experts = [[held(w) for w in triple] for triple in [self.shared, *self.experts]]
@@ -106,10 +110,11 @@ def nbytes(w: Weight) -> int:
     return w.nbytes if isinstance(w, QuantizedWeight) else w.numel() * w.element_size()
 
 
-def step(x: torch.Tensor, dense_w: dict[str, Weight], experts: list[list[Weight]]) -> None:
+def step(
+    ops: ModelOps, x: torch.Tensor, dense_w: dict[str, Weight], experts: list[list[Weight]]
+) -> None:
     """The layer's linears on ``x [T, d]``: attention and indexer projections on all rows;
     the shared expert on all rows; routed expert ``e`` on row ``(e - 1) // 6``."""
-    ops = REFERENCE_OPS
     qr = dense(ops, x, dense_w["wq_a"])
     dense(ops, qr, dense_w["wq_b"])
     dense(ops, qr, dense_w["indexer.wq_b"])
@@ -142,6 +147,9 @@ def main() -> None:
     ap.add_argument("--formats", nargs="+", default=["fp8", "mxfp4", "w8a8"])
     a = ap.parse_args()
     torch.set_num_threads(a.threads)
+    kernels, line = native.load()
+    host_ops = kernels.ops() if kernels is not None else REFERENCE_OPS
+    print(f"host kernels: {line}")
     print(
         f"one DeepSeek-V4-Flash layer's linears + reached experts; {a.threads} thread(s), "
         f"median of {a.reps} interleaved repeats"
@@ -150,12 +158,14 @@ def main() -> None:
     for fmt in a.formats:
         for rows in (1, 6):
             layer = Layer(fmt, experts_used=TOP_K * rows)
-            held = {m: layer.weights(m) for m in MODES}
+            modes = [m for m in MODES if m != "kernel" or (fmt == "w8a8" and kernels is not None)]
+            held = {m: layer.weights(m) for m in modes}
+            ops = {m: host_ops if m == "kernel" else REFERENCE_OPS for m in modes}
             x = torch.randn(rows, D, generator=torch.Generator().manual_seed(1)).bfloat16()
             with torch.no_grad():
-                fns = {m: (lambda w=held[m], x=x: step(x, *w)) for m in MODES}
+                fns = {m: (lambda w=held[m], o=ops[m], x=x: step(o, x, *w)) for m in modes}
                 t = interleaved(fns, a.reps)
-            for m in MODES:
+            for m in modes:
                 dense_w, experts = held[m]
                 read = sum(nbytes(w) for w in dense_w.values())
                 read += sum(nbytes(w) for triple in experts for w in triple)

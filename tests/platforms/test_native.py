@@ -515,3 +515,29 @@ def test_the_kernel_tests_pass_under_asan(tmp_path):
     assert "AddressSanitizer: heap-buffer-overflow" in probe.stderr, probe.stderr[-2000:]
     tests = run("-m", "pytest", "-q", "-p", "no:cacheprovider", "-m", "not slow", __file__)
     assert tests.returncode == 0, (tests.stdout + tests.stderr)[-4000:]
+
+
+# -- W8A8 quant_linear ---------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("rows", [1, 6, 16])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_w8a8_quant_linear_equals_the_native_semantics(
+    kernels, rows: int, dtype: torch.dtype
+) -> None:
+    """int8 codes times the stored int8 weight, exact int32 sums: bit for bit the
+    plain-torch semantics (xspec.models.quantized.native_linear), bias included."""
+    from xspec.models.deepseek_v4.convert import quantize_int8
+    from xspec.models.quantized import QuantizedWeight, native_linear
+
+    gen = torch.Generator().manual_seed(rows)
+    q, s = quantize_int8(torch.randn(200, 1000, generator=gen))
+    w = QuantizedWeight("w8a8", q, s, torch.zeros_like(s), dtype, "native")
+    x = (torch.randn(rows, 1000, generator=gen) * 3).to(dtype)
+    bias = torch.randn(200, generator=gen)
+    got = kernels.quant_linear(x, w, bias)
+    assert got is not None and got.dtype == dtype
+    assert torch.equal(got, native_linear(x, w, bias))
+    assert kernels.quant_linear(torch.randn(17, 1000), w, None) is None  # prefill: torch
+    asym = QuantizedWeight("w8a8", q, s, torch.ones_like(s), dtype, "native")
+    assert kernels.quant_linear(x, asym, None) is None

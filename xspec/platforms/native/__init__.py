@@ -17,7 +17,12 @@ the ones a DeepSeek-V4 step calls most:
 * ``moe``: a whole MoE layer, gate, top-k or hash routing, experts and the shared
   expert (about forty ops and a host sync in torch);
 * ``compress_pool``: a compressor's softmax pooling of the windows a forward completes
-  (gather, concatenations, softmax, product and sum in torch).
+  (gather, concatenations, softmax, product and sum in torch);
+* ``quant_linear`` for W8A8 weights kept as stored (``model.quant_compute=auto|native``):
+  int8 activations per token (torch), then an int8 x int8 product with exact int32
+  accumulation reading the stored int8 weight, bit for bit the ``native`` semantics of
+  :mod:`xspec.models.quantized` (decode / verify rows; larger calls and the other
+  formats answer None).
 
 The attention and expert products are vectorised explicitly (the GCC / clang vector
 extension) and may fuse multiply-adds, as the BLAS behind the reference ops does; the
@@ -56,6 +61,7 @@ from pathlib import Path
 import torch
 
 from xspec.models.ops import ModelOps, MoeRouting
+from xspec.models.quantized import QuantizedWeight, dynamic_quant_int8
 from xspec.platforms.native import cache as _cache
 
 _SOURCE = Path(__file__).with_name("kernels.c")
@@ -65,6 +71,8 @@ _FLAGS = ("-O3", "-shared", "-fPIC", "-ffp-contract=off", "-fno-fast-math")
 # layers (d 256, inter 32 and 128), the kernel is faster up to ~9 M multiply-adds per call
 # (decode and verify batches) and no faster above (prefill chunks).
 MOE_MAX_MACS = 8_000_000
+# rows the int8 GEMV kernel takes (decode and verify); prefill goes to torch._int_mm
+W8A8_MAX_ROWS = 16
 # the targets a build tries, in order: this CPU's vector units, then the compiler's baseline
 _TARGETS: tuple[tuple[str, ...], ...] = (("-march=native",), ())
 _P = ctypes.c_void_p
@@ -316,9 +324,39 @@ class NativeKernels:
         )  # fmt: skip
         return None if bad else out  # an index out of range: the reference op says so
 
+    def quant_linear(
+        self, x: torch.Tensor, weight: QuantizedWeight, bias: torch.Tensor | None
+    ) -> torch.Tensor | None:
+        """``models.ops.QuantLinearOp`` for W8A8 weights: ``x [..., K]`` -> ``[..., N]``
+        in x.dtype with the native semantics (see the module docstring). None for other
+        formats, a non-zero offset, more than :data:`W8A8_MAX_ROWS` rows."""
+        data, scale = weight.data, weight.scale
+        if weight.format != "w8a8" or not (x.is_cpu and data.is_cpu) or data.dim() != 2:
+            return None
+        n, k = data.shape
+        lead = x.shape[:-1]
+        x2 = x.reshape(-1, k) if x.shape[-1] == k else None
+        if x2 is None or x2.shape[0] > W8A8_MAX_ROWS or not data.is_contiguous():
+            return None
+        if scale.numel() != n or scale.dtype is not torch.float32:
+            return None
+        if weight.offset is not None and bool(weight.offset.ne(0).any()):
+            return None
+        xq, xs = dynamic_quant_int8(x2)
+        ws = scale.reshape(-1).contiguous()  # [N], alive through the call
+        y = torch.empty(x2.shape[0], n)
+        self.lib.xspec_w8a8_linear(
+            xq.data_ptr(), xs.data_ptr(), data.data_ptr(), ws.data_ptr(),
+            x2.shape[0], n, k, y.data_ptr(),
+        )  # fmt: skip
+        if bias is not None:
+            y += bias.float()
+        return y.to(x.dtype).reshape(*lead, n)
+
     def ops(self) -> ModelOps:
         """The ops these kernels run for the models (the rest: the models' reference)."""
         return ModelOps(
+            quant_linear=self.quant_linear,
             rms_norm=self.rms_norm,
             rope=self.rope,
             mhc_pre=self.mhc_pre,
@@ -458,6 +496,7 @@ def _open(data: bytes, copy: Path) -> ctypes.CDLL:
         ("xspec_moe", status,
          [_P, _P, *(_I,) * 3, *(_P,) * 3, *(_I,) * 5, f, f, *(_P,) * 3, _I, *(_P,) * 5]),
         ("xspec_compress_pool", status, [_P, _I, _P, _I, _P, _I, _I, _I, _I, _P, _P]),
+        ("xspec_w8a8_linear", None, [*(_P,) * 4, _I, _I, _I, _P]),
     ):  # fmt: skip
         try:
             fn = getattr(lib, name)

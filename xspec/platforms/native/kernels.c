@@ -631,3 +631,21 @@ int64_t xspec_compress_pool(const float *ring, int64_t ring_rows, const float *r
     }
     return 0;
 }
+
+/* W8A8 dynamic linear (the "native" semantics of models/quantized.py), reading the int8
+ * weight as stored: y[t, j] = ((float)(xq[t] . w[j]) * xs[t]) * ws[j], the dot product of
+ * int8 codes accumulated exactly in int32 (|acc| < 2^31 for k < 133000). xq [rows, k]
+ * int8 per-token codes, xs [rows] their scales, w [n, k] int8, ws [n] per-channel scales,
+ * y [rows, n] fp32. Each weight row is read once for all rows (decode / verify sizes). */
+void xspec_w8a8_linear(const int8_t *xq, const float *xs, const int8_t *w, const float *ws,
+                       int64_t rows, int64_t n, int64_t k, float *y) {
+    for (int64_t j = 0; j < n; ++j) {
+        const int8_t *wr = w + j * k;
+        for (int64_t t = 0; t < rows; ++t) {
+            const int8_t *xr = xq + t * k;
+            int32_t acc = 0;
+            for (int64_t i = 0; i < k; ++i) acc += (int32_t)xr[i] * (int32_t)wr[i];
+            y[t * n + j] = ((float)acc * xs[t]) * ws[j];
+        }
+    }
+}
