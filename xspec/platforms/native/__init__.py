@@ -21,8 +21,8 @@ the ones a DeepSeek-V4 step calls most:
 * ``quant_linear`` for W8A8 weights kept as stored (``model.quant_compute=auto|native``):
   int8 activations per token (torch), then an int8 x int8 product with exact int32
   accumulation reading the stored int8 weight, bit for bit the ``native`` semantics of
-  :mod:`xspec.models.quantized` (decode / verify rows; larger calls and the other
-  formats answer None).
+  :mod:`xspec.models.quantized` (decode / verify rows; larger calls run those semantics
+  in torch; other formats answer None).
 
 The attention and expert products are vectorised explicitly (the GCC / clang vector
 extension) and may fuse multiply-adds, as the BLAS behind the reference ops does; the
@@ -61,7 +61,7 @@ from pathlib import Path
 import torch
 
 from xspec.models.ops import ModelOps, MoeRouting
-from xspec.models.quantized import QuantizedWeight, dynamic_quant_int8
+from xspec.models.quantized import QuantizedWeight, dynamic_quant_int8, native_linear
 from xspec.platforms.native import cache as _cache
 
 _SOURCE = Path(__file__).with_name("kernels.c")
@@ -71,7 +71,7 @@ _FLAGS = ("-O3", "-shared", "-fPIC", "-ffp-contract=off", "-fno-fast-math")
 # layers (d 256, inter 32 and 128), the kernel is faster up to ~9 M multiply-adds per call
 # (decode and verify batches) and no faster above (prefill chunks).
 MOE_MAX_MACS = 8_000_000
-# rows the int8 GEMV kernel takes (decode and verify); prefill goes to torch._int_mm
+# rows the int8 GEMV kernel runs (decode and verify); more go to torch._int_mm
 W8A8_MAX_ROWS = 16
 # the targets a build tries, in order: this CPU's vector units, then the compiler's baseline
 _TARGETS: tuple[tuple[str, ...], ...] = (("-march=native",), ())
@@ -329,19 +329,23 @@ class NativeKernels:
     ) -> torch.Tensor | None:
         """``models.ops.QuantLinearOp`` for W8A8 weights: ``x [..., K]`` -> ``[..., N]``
         in x.dtype with the native semantics (see the module docstring). None for other
-        formats, a non-zero offset, more than :data:`W8A8_MAX_ROWS` rows."""
+        formats and a non-zero offset (always, whatever the row count: a model's prefill
+        and decode must compute alike); above :data:`W8A8_MAX_ROWS` rows the plain-torch
+        semantics run (``torch._int_mm``), bit for bit the same."""
         data, scale = weight.data, weight.scale
         if weight.format != "w8a8" or not (x.is_cpu and data.is_cpu) or data.dim() != 2:
             return None
         n, k = data.shape
         lead = x.shape[:-1]
         x2 = x.reshape(-1, k) if x.shape[-1] == k else None
-        if x2 is None or x2.shape[0] > W8A8_MAX_ROWS or not data.is_contiguous():
+        if x2 is None or not data.is_contiguous():
             return None
         if scale.numel() != n or scale.dtype is not torch.float32:
             return None
         if weight.offset is not None and bool(weight.offset.ne(0).any()):
             return None
+        if x2.shape[0] > W8A8_MAX_ROWS:  # prefill: the same semantics, on torch._int_mm
+            return native_linear(x, weight, bias)
         xq, xs = dynamic_quant_int8(x2)
         ws = scale.reshape(-1).contiguous()  # [N], alive through the call
         y = torch.empty(x2.shape[0], n)
