@@ -4,7 +4,9 @@ FP8 + MXFP4 and in W8A8 loads with its quantized weights resident and decodes, w
 RSS at most 1.3 x its stored bytes + 2 GiB (dequantized to bf16 the W8A8 one would need
 about twice its stored bytes and was killed by the OOM killer at 23 GiB).
 
-Slow (it writes 9-15 GiB per format, removed afterwards); run it alone on a quiet host:
+Measured on the shared 24 GiB host: FP8 + MXFP4 stored 8.66 GiB, peak RSS 9.77 GiB (bound
+13.26); W8A8 stored 14.45 GiB, peak RSS 15.08 GiB (bound 20.78). Slow (it writes 9-15 GiB
+per format, removed afterwards, and takes 5-8 minutes each); run it alone:
 ``pytest -m slow tests/models/deepseek_v4/test_flash_rss.py``.
 """
 

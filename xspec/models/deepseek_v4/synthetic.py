@@ -32,7 +32,7 @@ FP8_LINEARS = DEFAULT_QUANTIZED.pattern.replace("wq_a|wq_b|wkv|", "wq_a|wq_b|wkv
 
 
 def flash_args(num_layers: int = 2, *, vocab_size: int = 129280) -> DeepseekV4Args:
-    """DeepSeek-V4-Flash's config (docs: ../shared/reference/dsv4_arch.md) with
+    """DeepSeek-V4-Flash's config (as the official config.json gives it) with
     ``num_layers`` main layers: CSA and HCA alternate from layer 0 (so both kinds, and the
     lightning indexer, are present), layer 0 hash-routed."""
     ratios = [(4, 128)[i % 2] for i in range(num_layers)]
