@@ -10,16 +10,21 @@ Layouts (all safetensors; sharded ``*.index.json`` honoured by :class:`Checkpoin
 * **W8A8** (msModelSlim, e.g. ``DeepSeek-V4-Flash-w8a8``): ``X.weight`` int8 ``[N, K]``
   + ``X.weight_scale`` ``[N, 1]`` + ``X.weight_offset`` ``[N, 1]``; the per-tensor type
   (``W8A8_DYNAMIC``, ``W8A8``, ``FLOAT``) comes from ``quant_model_description.json``.
-  Dequantised while streaming, ``w = (q - offset) * scale``, into the model dtype
-  (activations stay in float: this is the float reference of the W8A8 model). Static
-  W8A8 activation tensors (``input_scale``, ``deq_scale``, ...) are skipped.
+  ``w = (q - offset) * scale``. Static W8A8 activation tensors (``input_scale``,
+  ``deq_scale``, ...) are skipped.
 * **FP8** (official ``quantization_config: fp8``): ``X.weight`` e4m3 + ``X.scale`` with one
-  (ue8m0 / fp32) scale per ``weight_block_size`` block (128x128), dequantised the same way.
+  (ue8m0 / fp32) scale per ``weight_block_size`` block (128x128).
 * **MXFP4** routed experts (official Flash, ``expert_dtype: "fp4"``): ``X.weight`` int8
   ``[N, K/2]`` (two e2m1 codes per byte) + ue8m0 ``X.scale`` ``[N, K/32]``; recognised
-  by the int8 dtype and the ``.scale`` sibling (no W8A8 description entry), dequantised
-  while streaming like FP8 (:mod:`xspec.models.deepseek_v4.quant`). Resident memory is
-  the dequantised size.
+  by the int8 dtype and the ``.scale`` sibling (no W8A8 description entry)
+  (:mod:`xspec.models.deepseek_v4.quant`).
+
+Quantized linear weights stay resident as stored (:func:`load_resident`: the module is
+built on the meta device, those linears become
+:class:`~xspec.models.resident.QuantLinear`, then memory is allocated and the stored
+bytes streamed in); they compute per ``model.quant_compute``
+(:mod:`xspec.models.quantized`). A quantized tensor that is not a plain linear weight is
+dequantised while streaming into the model dtype.
 
 :mod:`xspec.models.deepseek_v4.convert` writes such checkpoints from a float one
 (``quantize_w8a8``, ``quantize_fp8`` with optional MXFP4 experts, ``quarot_rotate``) for
