@@ -13,6 +13,12 @@ One layer of Flash (hidden 4096, q_lora 1024, 64 heads x 512, o_groups 8 x 1024,
   expert, ``w1, w3`` then SwiGLU then ``w2``; MXFP4 routed experts for ``mxfp4``, FP8
   for ``fp8``, int8 for ``w8a8``; the shared expert FP8 / FP8 / int8.
 
+The dense linears, the shared expert (on all rows) and one routed expert (on one row)
+are timed separately, interleaved across modes; a step is composed as dense + shared +
+6 x rows routed experts (each row reaches 6 distinct experts, one row each), which is how
+the reference MoE runs them (one expert after another), without the router, attention
+core and mHC, which do not depend on the weight format.
+
 Modes, interleaved per repeat (median reported):
 
 * ``bf16``: the same weights dequantized once to bf16 and resident (twice the W8A8 bytes);
@@ -72,24 +78,22 @@ def quantized(fmt: str, w: torch.Tensor) -> QuantizedWeight:
 
 
 class Layer:
-    """One Flash layer's weights in ``fmt``: the dense linears and the experts used."""
+    """One Flash layer's dense linears and one expert (w1, w3, w2) in ``fmt``."""
 
-    def __init__(self, fmt: str, experts_used: int, seed: int = 0) -> None:
+    def __init__(self, fmt: str, seed: int = 0) -> None:
         gen = torch.Generator().manual_seed(seed)
         dense_fmt = "fp8" if fmt == "mxfp4" else fmt
-        expert_fmt = fmt
 
         def rand(n: int, k: int) -> torch.Tensor:
             return torch.randn(n, k, generator=gen) / k**0.5
 
         self.dense = {n: quantized(dense_fmt, rand(*s)) for n, s in DENSE.items()}
         self.shared = [quantized(dense_fmt, rand(*s)) for s in _ffn_shapes()]
-        self.experts = [
-            [quantized(expert_fmt, rand(*s)) for s in _ffn_shapes()] for _ in range(experts_used)
-        ]
+        self.routed = [quantized(fmt, rand(*s)) for s in _ffn_shapes()]
 
-    def weights(self, mode: str) -> tuple[dict[str, Weight], list[list[Weight]]]:
-        """The dense weights and the expert triples (shared first) as ``mode`` holds them."""
+    def weights(self, mode: str) -> dict[str, list[Weight]]:
+        """``dense`` (the six linears), ``shared`` and ``routed`` (one expert's w1, w3,
+        w2) as ``mode`` holds them."""
 
         def held(w: QuantizedWeight) -> Weight:
             if mode == "bf16":
@@ -97,9 +101,11 @@ class Layer:
             compute = "native" if mode == "kernel" else mode
             return QuantizedWeight(w.format, w.data, w.scale, w.offset, w.dtype, compute, w.block)
 
-        dense_w = {n: held(w) for n, w in self.dense.items()}
-        experts = [[held(w) for w in triple] for triple in [self.shared, *self.experts]]
-        return dense_w, experts
+        return {
+            "dense": [held(w) for w in self.dense.values()],
+            "shared": [held(w) for w in self.shared],
+            "routed": [held(w) for w in self.routed],
+        }
 
 
 def _ffn_shapes() -> list[tuple[int, int]]:
@@ -110,21 +116,22 @@ def nbytes(w: Weight) -> int:
     return w.nbytes if isinstance(w, QuantizedWeight) else w.numel() * w.element_size()
 
 
-def step(
-    ops: ModelOps, x: torch.Tensor, dense_w: dict[str, Weight], experts: list[list[Weight]]
-) -> None:
-    """The layer's linears on ``x [T, d]``: attention and indexer projections on all rows;
-    the shared expert on all rows; routed expert ``e`` on row ``(e - 1) // 6``."""
-    qr = dense(ops, x, dense_w["wq_a"])
-    dense(ops, qr, dense_w["wq_b"])
-    dense(ops, qr, dense_w["indexer.wq_b"])
-    dense(ops, x, dense_w["wkv"])
+def run_dense(ops: ModelOps, x: torch.Tensor, ws: list[Weight]) -> None:
+    """The attention and indexer projections on all rows ``x [T, d]``."""
+    wq_a, wq_b, wkv, wo_a, wo_b, iwq_b = ws
+    qr = dense(ops, x, wq_a)
+    dense(ops, qr, wq_b)
+    dense(ops, qr, iwq_b)
+    dense(ops, x, wkv)
     heads = torch.randn(x.shape[0], HEADS * HEAD_DIM // O_GROUPS, dtype=x.dtype)
-    dense(ops, dense(ops, heads, dense_w["wo_a"])[:, : O_GROUPS * O_LORA], dense_w["wo_b"])
-    for e, (w1, w3, w2) in enumerate(experts):
-        rows = x if e == 0 else x[(e - 1) // TOP_K :][:1]
-        h = F.silu(dense(ops, rows, w1).float()) * dense(ops, rows, w3).float()
-        dense(ops, h.to(x.dtype), w2)
+    dense(ops, dense(ops, heads, wo_a), wo_b)
+
+
+def run_expert(ops: ModelOps, x: torch.Tensor, ws: list[Weight]) -> None:
+    """One expert (SwiGLU) on ``x [T, d]``."""
+    w1, w3, w2 = ws
+    h = F.silu(dense(ops, x, w1).float()) * dense(ops, x, w3).float()
+    dense(ops, h.to(x.dtype), w2)
 
 
 def interleaved(fns: dict[str, Callable[[], None]], reps: int) -> dict[str, float]:
@@ -152,25 +159,36 @@ def main() -> None:
     print(f"host kernels: {line}")
     print(
         f"one DeepSeek-V4-Flash layer's linears + reached experts; {a.threads} thread(s), "
-        f"median of {a.reps} interleaved repeats"
+        f"median of {a.reps} interleaved repeats; step = dense + shared expert on all rows "
+        f"+ {TOP_K} routed experts per row (1 row each)"
     )
     print(f"{'format':7} {'rows':>4} {'mode':8} {'ms/step':>9} {'x bf16':>7} {'MB read/token':>14}")
     for fmt in a.formats:
+        layer = Layer(fmt)
+        modes = [m for m in MODES if m != "kernel" or (fmt == "w8a8" and kernels is not None)]
+        held = {m: layer.weights(m) for m in modes}
+        ops = {m: host_ops if m == "kernel" else REFERENCE_OPS for m in modes}
+        one = torch.randn(1, D, generator=torch.Generator().manual_seed(1)).bfloat16()
         for rows in (1, 6):
-            layer = Layer(fmt, experts_used=TOP_K * rows)
-            modes = [m for m in MODES if m != "kernel" or (fmt == "w8a8" and kernels is not None)]
-            held = {m: layer.weights(m) for m in modes}
-            ops = {m: host_ops if m == "kernel" else REFERENCE_OPS for m in modes}
-            x = torch.randn(rows, D, generator=torch.Generator().manual_seed(1)).bfloat16()
-            with torch.no_grad():
-                fns = {m: (lambda w=held[m], o=ops[m], x=x: step(o, x, *w)) for m in modes}
-                t = interleaved(fns, a.reps)
+            x = torch.randn(rows, D, generator=torch.Generator().manual_seed(2)).bfloat16()
+            fns: dict[str, Callable[[], None]] = {}
             for m in modes:
-                dense_w, experts = held[m]
-                read = sum(nbytes(w) for w in dense_w.values())
-                read += sum(nbytes(w) for triple in experts for w in triple)
+                w, o = held[m], ops[m]
+                fns[f"{m}/dense"] = lambda w=w, o=o, x=x: run_dense(o, x, w["dense"])
+                fns[f"{m}/shared"] = lambda w=w, o=o, x=x: run_expert(o, x, w["shared"])
+                fns[f"{m}/routed"] = lambda w=w, o=o, r=one: run_expert(o, r, w["routed"])
+            with torch.no_grad():
+                t = interleaved(fns, a.reps)
+            routed = TOP_K * rows  # distinct experts, one row each
+            step = {
+                m: t[f"{m}/dense"] + t[f"{m}/shared"] + routed * t[f"{m}/routed"] for m in modes
+            }
+            for m in modes:
+                w = held[m]
+                read = sum(nbytes(v) for v in [*w["dense"], *w["shared"]])
+                read += routed * sum(nbytes(v) for v in w["routed"])
                 print(
-                    f"{fmt:7} {rows:>4} {m:8} {t[m] * 1e3:9.1f} {t[m] / t['bf16']:7.2f} "
+                    f"{fmt:7} {rows:>4} {m:8} {step[m] * 1e3:9.1f} {step[m] / step['bf16']:7.2f} "
                     f"{read / rows / 1e6:14.1f}"
                 )
 
