@@ -102,7 +102,8 @@ class MoeRouting:
 class MoeOp(Protocol):
     """A whole MoE layer: ``x [T, d]`` fp32, ``input_ids [T]`` int64, the ``routing``,
     the experts' stacks ``w1, w3 [G, inter, d]``, ``w2 [G, d, inter]`` (the shared
-    expert last when ``shared``) and the SwiGLU clamp ``limit`` -> ``[T, d]`` fp32."""
+    expert last when ``shared``) and the SwiGLU clamp ``limit`` -> ``[T, d]`` fp32.
+    Float stacks only: a layer with resident quantized experts does not call it."""
 
     def __call__(
         self,

@@ -31,6 +31,11 @@ experts:
 
 Grouped GEMMs run only where ``ModelOps.grouped_mm_dtypes`` lists the dtype and the
 kernel takes the shapes; a layer built without a platform's ops runs the reference.
+
+Experts held quantized as stored (FP8, MXFP4, W8A8: :mod:`xspec.models.resident`) are not
+stacked: the layer runs the reference, one expert after another, and each expert's
+weights go through ``models.ops.dense`` (dequantized for that call, or the platform's
+``quant_linear``), so only the experts that received rows are touched.
 """
 
 from __future__ import annotations
