@@ -27,8 +27,9 @@ Modes, interleaved per repeat (median reported):
 * ``native``: ``model.quant_compute=native`` with the reference ops: the plain-torch
   statement of the semantics (FP8/MXFP4: e4m3 activation blocks, fp32 GEMM on the
   dequantized weight; W8A8: int8 activations, ``torch._int_mm`` on the int8 weight);
-* ``kernel`` (W8A8 only): ``model.quant_compute=auto`` on ``platform=cpu``: the native
-  host kernel reading the stored int8 weight (same results as ``native``, bit for bit).
+* ``kernel``: ``model.quant_compute=auto`` on ``platform=cpu``: the native host kernels
+  reading the stored bytes (W8A8: int8 GEMV, bit for bit ``native``; FP8 / MXFP4: each
+  weight row decoded once for all rows, ``native`` up to summation order).
 
 "weights read / token": the bytes of the weights the step touches, divided by its rows
 (stored bytes for the quantized modes; a dequantizing call also writes and reads a float
@@ -165,7 +166,7 @@ def main() -> None:
     print(f"{'format':7} {'rows':>4} {'mode':8} {'ms/step':>9} {'x bf16':>7} {'MB read/token':>14}")
     for fmt in a.formats:
         layer = Layer(fmt)
-        modes = [m for m in MODES if m != "kernel" or (fmt == "w8a8" and kernels is not None)]
+        modes = [m for m in MODES if m != "kernel" or kernels is not None]
         held = {m: layer.weights(m) for m in modes}
         ops = {m: host_ops if m == "kernel" else REFERENCE_OPS for m in modes}
         one = torch.randn(1, D, generator=torch.Generator().manual_seed(1)).bfloat16()
