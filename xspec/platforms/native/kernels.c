@@ -667,14 +667,23 @@ void xspec_lowbit_linear(const float *xd, const float *xs, const uint8_t *w, con
         if (fmt == 0) {
             const uint8_t *wr = w + j * k;
             const float *sw = ws + (j / 128) * kb;
-            for (int64_t i = 0; i < k; ++i) scratch[i] = lut[wr[i]] * sw[i / 128];
+            for (int64_t b = 0; b < kb; ++b) {  /* one scale per 128 columns */
+                const float s = sw[b];
+                const uint8_t *src = wr + b * 128;
+                float *dst = scratch + b * 128;
+                for (int i = 0; i < 128; ++i) dst[i] = lut[src[i]] * s;
+            }
         } else {
             const uint8_t *wr = w + j * (k / 2);
             const float *sw = ws + j * (k / 32);
-            for (int64_t i = 0; i < k / 2; ++i) {
-                const float s = sw[(2 * i) / 32];
-                scratch[2 * i] = lut[wr[i] & 15] * s;
-                scratch[2 * i + 1] = lut[wr[i] >> 4] * s;
+            for (int64_t g = 0; g < k / 32; ++g) {  /* one scale per 32 columns: 16 bytes */
+                const float s = sw[g];
+                const uint8_t *src = wr + g * 16;
+                float *dst = scratch + g * 32;
+                for (int i = 0; i < 16; ++i) {
+                    dst[2 * i] = lut[src[i] & 15] * s;
+                    dst[2 * i + 1] = lut[src[i] >> 4] * s;
+                }
             }
         }
         for (int64_t t = 0; t < rows; ++t) {
