@@ -40,7 +40,7 @@ def test_emulated_npu_w8a8_equals_the_native_semantics(dtype: torch.dtype) -> No
     x = torch.randn(2, 5, 256, generator=GEN).to(dtype)
     bias = torch.randn(96, generator=GEN)
     kernels = Recording()
-    got = W8A8DynamicLinear(kernels)(x, w, bias)
+    got = W8A8DynamicLinear(lambda: kernels)(x, w, bias)
     assert got is not None and got.shape == (2, 5, 96) and got.dtype == dtype
     assert torch.equal(got, native_linear(x, w, bias))
     (call,) = kernels.calls
@@ -65,7 +65,7 @@ def test_emulated_operators_refuse_wrong_layouts() -> None:
 
 def test_what_the_npu_op_does_not_take_falls_back() -> None:
     """Asymmetric W8A8 (non-zero offset) and FP8 answer None: the model's reference runs."""
-    op = W8A8DynamicLinear(EmulatedQuantOps())
+    op = W8A8DynamicLinear(EmulatedQuantOps)
     x = torch.randn(4, 256, generator=GEN)
     assert op(x, w8a8(32, 256, torch.float32, offset=2.0), None) is None
     q, s = quantize_fp8_blocks(torch.randn(32, 256, generator=GEN), [128, 128])

@@ -199,10 +199,13 @@ def dynamic_quant_int8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 def int8_matmul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """``a [T, K] int8 @ b [N, K].T int8`` with exact int32 accumulation -> ``[T, N]``
-    (``torch._int_mm`` reading ``b`` in place where the build has it; otherwise fp64,
+    (``torch._int_mm`` reading ``b`` in place where it takes the shapes; otherwise fp64,
     which holds every partial sum of int8 products exactly for K < 2^37)."""
-    if hasattr(torch, "_int_mm") and a.device.type == "cpu":
-        return torch._int_mm(a.contiguous(), b.T)
+    if hasattr(torch, "_int_mm"):
+        try:
+            return torch._int_mm(a.contiguous(), b.T)
+        except RuntimeError:  # a device kernel with shape limits (e.g. rows <= 16)
+            pass
     return (a.double() @ b.double().T).to(torch.int32)
 
 

@@ -130,7 +130,7 @@ class NpuPlatform(Platform):
         (:mod:`.quant`); every other op: the model's reference."""
         from xspec.platforms.npu.quant import W8A8DynamicLinear
 
-        op = W8A8DynamicLinear(self._quant_kernels())
+        op = W8A8DynamicLinear(self._quant_kernels)  # torch_npu imported at the first call
         return ModelOps(quant_linear=op), "W8A8 dynamic linears (npu_quant_matmul)"
 
     def _quant_kernels(self) -> Any:

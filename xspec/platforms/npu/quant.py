@@ -19,6 +19,7 @@ above does not take) answer None: the model runs its reference for them.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -71,11 +72,20 @@ class EmulatedQuantOps:
 
 
 class W8A8DynamicLinear:
-    """The ``quant_linear`` op for W8A8 weights through ``kernels`` (``torch_npu`` or
-    :class:`EmulatedQuantOps`); see the module docstring."""
+    """The ``quant_linear`` op for W8A8 weights through the operators ``provide()``
+    returns on first use (``torch_npu`` or :class:`EmulatedQuantOps`: building the
+    platform's ops imports nothing); see the module docstring."""
 
-    def __init__(self, kernels: Any) -> None:
-        self.kernels = kernels
+    def __init__(self, provide: Callable[[], Any]) -> None:
+        self._provide = provide
+        self._kernels: Any = None
+
+    @property
+    def kernels(self) -> Any:
+        """The operators (resolved once)."""
+        if self._kernels is None:
+            self._kernels = self._provide()
+        return self._kernels
 
     def __call__(
         self, x: torch.Tensor, weight: QuantizedWeight, bias: torch.Tensor | None
