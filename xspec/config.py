@@ -61,6 +61,15 @@ class StepKernels(str, enum.Enum):
     reference = "reference"
 
 
+class QuantCompute(str, enum.Enum):
+    """``model.quant_compute``: how weights a checkpoint stores quantized (FP8, MXFP4,
+    W8A8; kept resident as stored) compute (docs/checkpoints.md)."""
+
+    auto = "auto"  # the platform's native quantized op where it has one, else dequant
+    dequant = "dequant"  # dequantize one weight per call, float op: exact vs the float model
+    native = "native"  # quantize activations as the format prescribes (FP8 / int8 per token)
+
+
 class TokenizerKind(str, enum.Enum):
     """``model.tokenizer``: where text <-> ids comes from (see xspec/tokenizer.py)."""
 
@@ -78,6 +87,7 @@ class ModelConfig:
     dtype: DType = DType.float32
     max_context: int | None = None  # null = the model's limit (capped to keep caches small)
     tokenizer: TokenizerKind = TokenizerKind.auto
+    quant_compute: QuantCompute = QuantCompute.auto  # quantized checkpoints only
 
 
 class Calibration(str, enum.Enum):

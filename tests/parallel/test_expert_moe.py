@@ -18,7 +18,9 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from xspec.models.deepseek_v4.args import DeepseekV4Args
+from xspec.models.deepseek_v4.convert import quantize_int8
 from xspec.models.deepseek_v4.moe import MoE
+from xspec.models.resident import QuantLinear, StoredWeight, make_resident
 from xspec.parallel.expert import ExpertParallel, routed_expert_bytes
 from xspec.parallel.runtime import Parallel
 from xspec.parallel.topology import Topology
@@ -39,6 +41,35 @@ def _full_moe(hash_routed: bool) -> MoE:
     return moe
 
 
+def _w8a8_layout(moe: MoE) -> dict[str, StoredWeight]:
+    """W8A8 storage (int8 weight, per-channel scale and offset) of ``moe``'s experts."""
+    out = {}
+    for key, w in moe.state_dict().items():
+        if "experts" in key and key.endswith(".weight"):
+            n, k = w.shape
+            tensors = {
+                "weight": ([n, k], torch.int8),
+                "weight_scale": ([n, 1], torch.float32),
+                "weight_offset": ([n, 1], torch.float32),
+            }
+            out[key.removesuffix(".weight")] = StoredWeight("w8a8", tensors)
+    return out
+
+
+def _w8a8_experts(moe: MoE) -> MoE:
+    """``moe`` with its routed and shared experts resident in W8A8, quantized from its
+    float weights (the same on every rank)."""
+    floats = {k: t.detach().clone() for k, t in moe.state_dict().items() if "experts" in k}
+    make_resident(moe, _w8a8_layout(moe), dtype=torch.float32, compute="dequant")
+    for key, w in floats.items():
+        q, scale = quantize_int8(w)
+        lin = moe.get_submodule(key.removesuffix(".weight"))
+        lin.weight.copy_(q)
+        lin.weight_scale.copy_(scale)
+        lin.weight_offset.zero_()
+    return moe.float()  # restacks: quantized experts hold no float stacks
+
+
 def _tokens(rank: int, n: int) -> tuple[torch.Tensor, torch.Tensor]:
     gen = torch.Generator().manual_seed(100 + rank)
     args = DeepseekV4Args.tiny()
@@ -48,7 +79,7 @@ def _tokens(rank: int, n: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 @torch.no_grad()
-def _worker(rank: int, port: int, exchange: str, failures: dict) -> None:
+def _worker(rank: int, port: int, exchange: str, quantized: bool, failures: dict) -> None:
     try:
         dist.init_process_group(
             "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORLD
@@ -57,6 +88,8 @@ def _worker(rank: int, port: int, exchange: str, failures: dict) -> None:
         ep = ExpertParallel(Parallel(topo, 30.0, dist.new_group([0, 1]), exchange))
         for hash_routed in (False, True):
             full = _full_moe(hash_routed)
+            if quantized:
+                full = _w8a8_experts(full)
             shard = MoE(
                 DeepseekV4Args.tiny(),
                 hash_routed,
@@ -65,6 +98,10 @@ def _worker(rank: int, port: int, exchange: str, failures: dict) -> None:
                 expert_parallel=ep,
                 tag=3,
             )
+            if quantized:  # the local experts resident too, loaded from the full layer
+                make_resident(shard, _w8a8_layout(full), dtype=torch.float32, compute="dequant")
+                shard = shard.float()
+                assert isinstance(shard.experts[ep.local(8)[0]].w1, QuantLinear)
             missing, unexpected = shard.load_state_dict(full.state_dict(), strict=False)
             assert not missing, missing
             assert all(f".experts.{e}." not in k for k in unexpected for e in ep.local(8))
@@ -87,8 +124,12 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
-@pytest.mark.parametrize("exchange", ["all_to_all", "all_gather"])
-def test_expert_parallel_moe_equals_the_full_layer(exchange):
+@pytest.mark.parametrize(
+    ("exchange", "quantized"),
+    [("all_to_all", False), ("all_gather", False), ("all_to_all", True)],
+)
+def test_expert_parallel_moe_equals_the_full_layer(exchange, quantized):
+    """``quantized``: W8A8 experts resident on every rank, each dequantized per call."""
     failures = mp.Manager().dict()
-    mp.spawn(_worker, args=(_free_port(), exchange, failures), nprocs=WORLD, join=True)
+    mp.spawn(_worker, args=(_free_port(), exchange, quantized, failures), nprocs=WORLD, join=True)
     assert not failures, "\n".join(failures.values())

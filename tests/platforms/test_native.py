@@ -515,3 +515,55 @@ def test_the_kernel_tests_pass_under_asan(tmp_path):
     assert "AddressSanitizer: heap-buffer-overflow" in probe.stderr, probe.stderr[-2000:]
     tests = run("-m", "pytest", "-q", "-p", "no:cacheprovider", "-m", "not slow", __file__)
     assert tests.returncode == 0, (tests.stdout + tests.stderr)[-4000:]
+
+
+# -- W8A8 quant_linear ---------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("rows", [1, 6, 16])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_w8a8_quant_linear_equals_the_native_semantics(
+    kernels, rows: int, dtype: torch.dtype
+) -> None:
+    """int8 codes times the stored int8 weight, exact int32 sums: bit for bit the
+    plain-torch semantics (xspec.models.quantized.native_linear), bias included."""
+    from xspec.models.deepseek_v4.convert import quantize_int8
+    from xspec.models.quantized import QuantizedWeight, native_linear
+
+    gen = torch.Generator().manual_seed(rows)
+    q, s = quantize_int8(torch.randn(200, 1000, generator=gen))
+    w = QuantizedWeight("w8a8", q, s, torch.zeros_like(s), dtype, "native")
+    x = (torch.randn(rows, 1000, generator=gen) * 3).to(dtype)
+    bias = torch.randn(200, generator=gen)
+    got = kernels.quant_linear(x, w, bias)
+    assert got is not None and got.dtype == dtype
+    assert torch.equal(got, native_linear(x, w, bias))
+    prefill = torch.randn(40, 1000, generator=gen).to(dtype)  # torch._int_mm, same semantics
+    assert torch.equal(kernels.quant_linear(prefill, w, None), native_linear(prefill, w, None))
+    asym = QuantizedWeight("w8a8", q, s, torch.ones_like(s), dtype, "native")
+    assert kernels.quant_linear(x, asym, None) is None
+
+
+@pytest.mark.parametrize("fmt", ["fp8", "mxfp4"])
+@pytest.mark.parametrize("rows", [1, 6, 40])
+def test_lowbit_quant_linear_is_the_native_semantics(kernels, fmt: str, rows: int) -> None:
+    """FP8 / MXFP4 from the stored bytes: the plain-torch semantics up to summation
+    order, and each row the same alone as in a batch (prefill, decode and verify agree)."""
+    from xspec.models.deepseek_v4.convert import quantize_fp8_blocks
+    from xspec.models.deepseek_v4.quant import quant_mxfp4
+    from xspec.models.quantized import QuantizedWeight, native_linear
+
+    gen = torch.Generator().manual_seed(rows)
+    w = torch.randn(200, 512, generator=gen) / 16
+    q, s = quant_mxfp4(w) if fmt == "mxfp4" else quantize_fp8_blocks(w, [128, 128])
+    weight = QuantizedWeight(fmt, q, s, None, torch.float32, "native")
+    x = torch.randn(rows, 512, generator=gen) * 2
+    bias = torch.randn(200, generator=gen)
+    got = kernels.quant_linear(x, weight, bias)
+    assert got is not None and got.shape == (rows, 200)
+    torch.testing.assert_close(got, native_linear(x, weight, bias), rtol=1e-5, atol=1e-5)
+    alone = kernels.quant_linear(x[-1:], weight, bias)
+    assert alone is not None and torch.equal(alone[0], got[-1])
+    cut = (q[:, :48] if fmt == "mxfp4" else q[:, :96]).contiguous()
+    odd = QuantizedWeight(fmt, cut, s, None, torch.float32)
+    assert kernels.quant_linear(x[:, :96], odd, None) is None  # K not a multiple of 128

@@ -175,7 +175,7 @@ class Checkpoint:
         self.config: dict = _read_json(config_file)
         self._file_of: dict[str, Path] = {}
         self._headers: dict[Path, dict[str, tuple[list[int], str, int, int]]] = {}
-        self._handles: dict[Path, Any] = {}  # open safe_open handles, see _open
+        self._data_start: dict[Path, int] = {}  # byte where each shard's tensor data begins
         self._index_files()
 
     def _index_files(self) -> None:
@@ -319,24 +319,41 @@ class Checkpoint:
         return self._read(self.file_of(name), name)
 
     def _read(self, file: Path, name: str) -> torch.Tensor:
+        """One tensor, read with plain file reads into fresh memory: the one copy that
+        becomes (or is converted into) the parameter. No memory map: a mapped shard's
+        touched pages would count as this process's resident memory until it is closed,
+        so loading a large shard would hold a second copy of it."""
+        shape, code, offset, _ = self._headers[file][name]
+        dtype = SAFETENSORS_DTYPES.get(code)
+        if dtype is None:
+            raise CheckpointError(
+                f"tensor {name!r} in {file} has dtype {code}, which this torch build cannot "
+                f"hold; supported: {sorted(SAFETENSORS_DTYPES)}"
+            )
+        nbytes = math.prod(shape) * dtype.itemsize
+        raw = torch.empty(nbytes, dtype=torch.uint8)
         try:
-            return self._open(file).get_tensor(name)
-        except Exception as e:  # safetensors raises SafetensorError (an Exception) on bad files
+            with open(file, "rb") as f:
+                f.seek(self._start_of(file, f) + offset)
+                got = f.readinto(raw.numpy().data) if nbytes else 0
+        except OSError as e:
             raise CheckpointError(
                 f"cannot read tensor {name!r} from {file} ({e}); {_refetch_hint(file)}"
             ) from e
+        if got != nbytes:
+            raise CheckpointError(
+                f"cannot read tensor {name!r} from {file}: {got} of its {nbytes} bytes are "
+                f"there; {_refetch_hint(file)}"
+            )
+        return raw.view(dtype).reshape(shape)
 
-    def _open(self, file: Path) -> Any:
-        """A safe_open handle, cached for the last two shards: a convert hook reading sibling
-        tensors per weight must not re-open (and re-parse the header of) a shard each time.
-        Handles are memory maps: they hold no tensor data themselves."""
-        from safetensors import safe_open  # local: only needed when data is read
-
-        if file not in self._handles:
-            if len(self._handles) >= 2:
-                self._handles.pop(next(iter(self._handles)))
-            self._handles[file] = safe_open(str(file), framework="pt", device="cpu")
-        return self._handles[file]
+    def _start_of(self, file: Path, f: Any) -> int:
+        """Where ``file``'s tensor data starts (after the 8-byte length and the header)."""
+        if file not in self._data_start:
+            f.seek(0)
+            (n,) = struct.unpack("<Q", f.read(8))
+            self._data_start[file] = 8 + n
+        return self._data_start[file]
 
 
 # safetensors dtype codes -> the format names the memory plan reports
@@ -485,12 +502,18 @@ def load_params(
                 )
             target.copy_(tensor)
             del tensor  # drop it before the next read: at most one tensor alive
-            if target.is_floating_point() and not bool(torch.isfinite(target).all()):
+            if _checks_finite(target) and not bool(torch.isfinite(target).all()):
                 raise CheckpointError(
                     f"tensor {name!r} in {ckpt.file_of(name)} holds NaN or Inf values once "
                     f"loaded as {target.dtype}; the file is corrupt, or its values overflow "
                     f"{target.dtype} (try model.dtype=float32)"
                 )
+
+
+def _checks_finite(t: torch.Tensor) -> bool:
+    """Float tensors of 16 bits or more are checked for NaN / Inf once loaded; 8-bit
+    floats (resident FP8 weights, ue8m0 scales) are stored codes, checked by their format."""
+    return t.is_floating_point() and t.element_size() >= 2
 
 
 @contextlib.contextmanager

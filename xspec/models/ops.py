@@ -25,6 +25,8 @@ from typing import Any, Protocol, TypeVar
 
 import torch
 
+from xspec.models.quantized import QuantizedWeight, native_linear
+
 # ---- the op protocols (shapes as the reference ops take them) -------------------------
 
 
@@ -100,7 +102,8 @@ class MoeRouting:
 class MoeOp(Protocol):
     """A whole MoE layer: ``x [T, d]`` fp32, ``input_ids [T]`` int64, the ``routing``,
     the experts' stacks ``w1, w3 [G, inter, d]``, ``w2 [G, d, inter]`` (the shared
-    expert last when ``shared``) and the SwiGLU clamp ``limit`` -> ``[T, d]`` fp32."""
+    expert last when ``shared``) and the SwiGLU clamp ``limit`` -> ``[T, d]`` fp32.
+    Float stacks only: a layer with resident quantized experts does not call it."""
 
     def __call__(
         self,
@@ -157,6 +160,18 @@ class LinearOp(Protocol):
     ) -> torch.Tensor | None: ...
 
 
+class QuantLinearOp(Protocol):
+    """``x [..., in] @ W.T (+ bias [out])`` for a resident quantized ``weight``
+    (:class:`~xspec.models.quantized.QuantizedWeight`) with the format's *native*
+    semantics (activations quantized as the format prescribes:
+    :func:`~xspec.models.quantized.native_linear` states them) -> ``[..., out]`` in
+    x.dtype, or None for a format / shape it does not take."""
+
+    def __call__(
+        self, x: torch.Tensor, weight: QuantizedWeight, bias: torch.Tensor | None
+    ) -> torch.Tensor | None: ...
+
+
 @dataclass(frozen=True, eq=False)
 class ModelOps:
     """The ops a platform runs for a model; None = the model's reference op.
@@ -174,6 +189,7 @@ class ModelOps:
     index_topk: IndexTopkOp | None = None
     compress_pool: CompressPoolOp | None = None
     linear: LinearOp | None = None
+    quant_linear: QuantLinearOp | None = None
     grouped_mm_dtypes: frozenset[str] = frozenset()
     grouped_mm_eager: bool = False
 
@@ -192,13 +208,49 @@ def eager(op: _Op | None) -> _Op | None:
 
 
 def linear(
-    ops: ModelOps, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
+    ops: ModelOps,
+    x: torch.Tensor,
+    weight: torch.Tensor | QuantizedWeight,
+    bias: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """``ops.linear`` where it runs and takes the inputs, else ``F.linear``."""
+    """``ops.linear`` where it runs and takes the inputs, else ``F.linear``; a quantized
+    weight goes through :func:`quant_native` first (``dequant`` mode comes back here with
+    the dequantized weight, so it runs exactly the float model's op)."""
+    if isinstance(weight, QuantizedWeight):
+        y = quant_native(ops, x, weight, bias)
+        if y is not None:
+            return y
+        weight = weight.dequantize()
     op = eager(ops.linear)
     if op is not None and (y := op(x, weight, bias)) is not None:
         return y
     return torch.nn.functional.linear(x, weight, bias)
+
+
+def dense(ops: ModelOps, x: torch.Tensor, weight: torch.Tensor | QuantizedWeight) -> torch.Tensor:
+    """``F.linear(x, weight)`` for call sites that never delegate a float weight (the MoE
+    experts): a quantized weight computes natively (see :func:`quant_native`) or is
+    dequantized for this call only."""
+    if isinstance(weight, QuantizedWeight):
+        y = quant_native(ops, x, weight, None)
+        if y is not None:
+            return y
+        weight = weight.dequantize()
+    return torch.nn.functional.linear(x, weight)
+
+
+def quant_native(
+    ops: ModelOps, x: torch.Tensor, weight: QuantizedWeight, bias: torch.Tensor | None
+) -> torch.Tensor | None:
+    """The native result for ``weight.compute``, or None for the ``dequant`` path:
+    ``native``: the platform's ``quant_linear`` where it takes the call, else the
+    plain-torch semantics; ``auto``: the platform's op or None; ``dequant``: None."""
+    if weight.compute == "dequant":
+        return None
+    op = eager(ops.quant_linear)
+    if op is not None and (y := op(x, weight, bias)) is not None:
+        return y
+    return native_linear(x, weight, bias) if weight.compute == "native" else None
 
 
 @dataclass(frozen=True, eq=False)
@@ -286,12 +338,16 @@ __all__ = [
     "ModelOps",
     "MoeOp",
     "MoeRouting",
+    "QuantLinearOp",
+    "QuantizedWeight",
     "RmsNormOp",
     "RopeOp",
     "SasIndicesRejected",
     "SasMode",
     "SparseAttentionOp",
     "StepOptions",
+    "dense",
     "eager",
     "linear",
+    "quant_native",
 ]

@@ -166,8 +166,9 @@ def _expert_major(chunks: list[list[int]]) -> torch.Tensor:
 
 
 def routed_expert_bytes(*objects: object) -> int:
-    """Bytes of the routed experts' parameters held here, over the modules among
-    ``objects`` and the ``moe_module`` a drafter exposes (the memory EP divides)."""
+    """Bytes of the routed experts' tensors held here (parameters, and the buffers of
+    resident quantized experts: their stored bytes), over the modules among ``objects``
+    and the ``moe_module`` a drafter exposes (the memory EP divides)."""
     from torch import nn
 
     modules = [o for o in objects if isinstance(o, nn.Module)]
@@ -175,7 +176,7 @@ def routed_expert_bytes(*objects: object) -> int:
     seen: set[int] = set()
     total = 0
     for module in modules:
-        for name, p in module.named_parameters():
+        for name, p in [*module.named_parameters(), *module.named_buffers()]:
             if _EXPERT_TENSOR.search(name) and id(p) not in seen:
                 seen.add(id(p))
                 total += p.numel() * p.element_size()

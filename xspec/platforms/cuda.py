@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from xspec.platforms.base import Capabilities, Platform
+from xspec.platforms.base import Capabilities, ModelOps, Platform
 
 
 class CudaPlatform(Platform):
@@ -48,6 +48,15 @@ class CudaPlatform(Platform):
 
     def device(self) -> torch.device:
         return torch.device("cuda", self.device_index)
+
+    def model_ops(self) -> tuple[ModelOps, str]:
+        """FP8 block-scaled linears through ``torch._scaled_mm`` where the GPU has FP8
+        tensor cores (sm89+; :mod:`.cuda_quant`); everything else the model's reference."""
+        from xspec.platforms.cuda_quant import Fp8ScaledMM, fp8_supported
+
+        if self.device_index < torch.cuda.device_count() and fp8_supported(self.device()):
+            return ModelOps(quant_linear=Fp8ScaledMM()), "FP8 linears (torch._scaled_mm)"
+        return super().model_ops()
 
     def validate(self, *, dtype: str, num_speculative_tokens: int) -> list[str]:
         problems = super().validate(dtype=dtype, num_speculative_tokens=num_speculative_tokens)

@@ -148,9 +148,7 @@ class MtpDrafter(Drafter):
         from xspec.models.deepseek_v4.state import layer_kv_bytes
 
         m = self.module
-        fixed, per_token = layer_kv_bytes(
-            m.args, m.compress_ratio, m.attn.wkv.weight.dtype, self.gamma - 1
-        )
+        fixed, per_token = layer_kv_bytes(m.args, m.compress_ratio, m.attn.dtype, self.gamma - 1)
         return KvBytes(fixed, per_token)
 
     @torch.no_grad()

@@ -25,6 +25,7 @@ from xspec.models.deepseek_v4.mtp import (
 )
 from xspec.models.deepseek_v4.state import BlockContext
 from xspec.models.loading import write_checkpoint
+from xspec.models.resident import QuantLinear
 
 SEQ = 300  # crosses the 128-token window and wraps the SWA ring twice
 
@@ -234,7 +235,9 @@ def test_rot_applies_to_the_target_hidden_before_hnorm(tmp_path: Path) -> None:
 
 @pytest.mark.parametrize("scheme", ["w8a8", "fp8"])
 @torch.no_grad()
-def test_quantised_mtp_is_dequantised(tmp_path: Path, scheme: str) -> None:
+def test_quantised_mtp_is_resident(tmp_path: Path, scheme: str) -> None:
+    """The MTP block's quantized linears stay as stored; dequantized, they are within the
+    format's step of the float weights."""
     from xspec.models.deepseek_v4.convert import quantize_fp8, quantize_w8a8
 
     args = DeepseekV4Args.tiny()
@@ -244,7 +247,10 @@ def test_quantised_mtp_is_dequantised(tmp_path: Path, scheme: str) -> None:
     plan = plan_mtp(tmp_path / "q", args)
     assert plan.dequant.get("mtp.0.attn.wq_a.weight") == scheme
     loaded = load_mtp(plan, embed=embed, head=head, dtype=torch.float32, device="cpu")
-    w, q = mtp.attn.wq_a.weight, loaded.attn.wq_a.weight
+    stored = {"w8a8": torch.int8, "fp8": torch.float8_e4m3fn}[scheme]
+    assert isinstance(loaded.attn.wq_a, QuantLinear)
+    assert loaded.attn.wq_a.weight.dtype == stored
+    w, q = mtp.attn.wq_a.weight, loaded.attn.wq_a.quantized().dequantize()
     if scheme == "w8a8":  # symmetric per-channel int8: within half a step
         bound = w.abs().amax(dim=1, keepdim=True) / 127 / 2 + 1e-7
     else:  # e4m3 keeps 3 mantissa bits: relative error <= 2**-4 (plus subnormal steps)

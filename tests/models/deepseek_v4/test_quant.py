@@ -17,9 +17,22 @@ from xspec.models.deepseek_v4.convert import quantize_fp8, quantize_w8a8, quarot
 from xspec.models.deepseek_v4.tiny import generate_tiny
 from xspec.models.deepseek_v4.weights import DEFAULT_QUANTIZED, load_checkpoint, load_rot
 from xspec.models.loading import Checkpoint, load_params, write_checkpoint
+from xspec.models.resident import QuantLinear
 
 CPU = torch.device("cpu")
 IDS = torch.randint(0, 512, (64,), generator=torch.Generator().manual_seed(1))
+
+
+def dequantized_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """``model.state_dict()`` with every resident quantized linear's ``X.weight``
+    dequantized (model dtype) and its scale / offset siblings dropped."""
+    sd = dict(model.state_dict())
+    for key, module in model.named_modules():
+        if isinstance(module, QuantLinear):
+            for sib in ("scale", "weight_scale", "weight_offset"):
+                sd.pop(f"{key}.{sib}", None)
+            sd[f"{key}.weight"] = module.quantized().dequantize()
+    return sd
 
 
 @pytest.fixture(scope="module")
@@ -59,7 +72,8 @@ def test_w8a8_dequantises_within_half_a_step(dirs) -> None:
     floats = dict(Checkpoint(dirs["float"]).iter_tensors())
     qckpt = Checkpoint(dirs["w8a8"])
     model = _load(dirs["w8a8"])
-    sd = model.state_dict()
+    assert model.layers[0].attn.wq_a.weight.dtype == torch.int8  # resident as stored
+    sd = dequantized_state(model)
     worst = 0.0
     for name, w in floats.items():
         if name.startswith("mtp."):  # the drafter's, not loaded into the target
@@ -185,7 +199,8 @@ def test_fp8_blocks_dequantise(dirs) -> None:
     assert ckpt.meta("layers.0.attn.wq_a.scale") == ([1, 2], "F8_E8M0")
     assert ckpt.meta("layers.0.attn.wkv.scale") == ([1, 2], "F8_E8M0")  # partial 64-row block
     model = _load(path)
-    sd = model.state_dict()
+    assert model.layers[0].attn.wq_a.weight.dtype == torch.float8_e4m3fn  # resident as stored
+    sd = dequantized_state(model)
     for name, w in Checkpoint(dirs["float"]).iter_tensors():
         if name.startswith("mtp."):
             continue

@@ -13,6 +13,7 @@ checkpoint with every Flash feature, generated on first use (:mod:`.tiny`).
 
 from __future__ import annotations
 
+import enum
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -83,7 +84,15 @@ def load_model(
         max_context=cfg.max_context,
         expert_parallel=expert_parallel,
         steps=steps or EAGER_STEPS,
+        quant_compute=quant_compute_of(cfg),
     )
+
+
+def quant_compute_of(cfg: Any) -> str:
+    """``model.quant_compute`` as its string value (an enum member or its value; a
+    hand-built section without the key, as older callers pass, means ``auto``)."""
+    value = getattr(cfg, "quant_compute", "auto")
+    return str(value.value if isinstance(value, enum.Enum) else value)
 
 
 def preflight(cfg: Any) -> list[str]:
@@ -254,6 +263,7 @@ class DeepseekV4Family(ModelFamily):
             device=target.device,  # the platform's device, where the target was loaded
             expert_parallel=target.expert_parallel,  # the target's EP share
             steps=target.steps,  # the platform's ops and compiler, as the target's
+            quant_compute=target.quant_compute,
         )
 
 

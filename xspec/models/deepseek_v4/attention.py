@@ -42,6 +42,7 @@ from xspec.models.deepseek_v4.state import (
     stack_rings,
 )
 from xspec.models.ops import REFERENCE_OPS, ModelOps, SparseAttentionOp, eager, linear
+from xspec.models.resident import float_weight, weight_of
 
 _QUERY_BLOCK = 256  # queries per gather: bounds the [block, K, D] workspace of long chunks
 
@@ -155,6 +156,7 @@ class Attention(nn.Module):
         h, hd, d = args.num_attention_heads, args.head_dim, args.hidden_size
         self.args = args
         self.ops = ops
+        self.dtype = dtype  # the linears may hold quantized storage (models.resident)
         self.compress_ratio = compress_ratio
         self.n_heads, self.head_dim, self.o_groups = h, hd, args.o_groups
         kw = dict(bias=False, dtype=dtype, device=device)
@@ -169,7 +171,7 @@ class Attention(nn.Module):
         self.attn_sink = nn.Parameter(torch.zeros(h, dtype=torch.float32, device=device))
         # SWA-only layers use plain rope_theta; compressed layers (and their compressor and
         # indexer) use compress_rope_theta with YaRN.
-        self.rope = Rope(rope_inv_freq(args, compressed=compress_ratio > 0).to(device))
+        self.rope = Rope(rope_inv_freq(args, compressed=compress_ratio > 0), device=device)
         self.compressor = (
             Compressor(args, compress_ratio, hd, self.rope, dtype=dtype, device=device, ops=ops)
             if compress_ratio
@@ -242,14 +244,14 @@ class Attention(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """``x [T, d]`` -> (``qr [T, q_lora]``, the indexer's input; roped ``q [T, H, D]``)."""
         ops = self.ops
-        qr = self.q_norm(linear(ops, x, self.wq_a.weight))
-        q = linear(ops, qr, self.wq_b.weight).view(x.shape[0], self.n_heads, self.head_dim)
+        qr = self.q_norm(linear(ops, x, weight_of(self.wq_a)))
+        q = linear(ops, qr, weight_of(self.wq_b)).view(x.shape[0], self.n_heads, self.head_dim)
         q = rms_normalize(q, self.args.rms_norm_eps, ops)
         return qr, rotate(q, *rot, kernel=eager(ops.rope))
 
     def key_value(self, x: torch.Tensor, rot: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
         """``x [T, d]`` -> the shared, roped K=V row of each input ``[T, D]``."""
-        kv = self.kv_norm(linear(self.ops, x, self.wkv.weight))
+        kv = self.kv_norm(linear(self.ops, x, weight_of(self.wkv)))
         return rotate(kv, *rot, kernel=eager(self.ops.rope))
 
     def output(
@@ -258,7 +260,7 @@ class Attention(nn.Module):
         """Attention result ``out [T, H, D]`` -> ``[T, d]``: inverse RoPE at the query
         positions (V carries rotated dims), then the grouped low-rank output."""
         out = rotate(out.to(dtype), *rot, inverse=True, kernel=eager(self.ops.rope))
-        return linear(self.ops, self.grouped_out(out), self.wo_b.weight)
+        return linear(self.ops, self.grouped_out(out), weight_of(self.wo_b))
 
     def _compressed(
         self, proj: Projected, caches: list[LayerCache], layout: BatchLayout
@@ -287,7 +289,7 @@ class Attention(nn.Module):
     def grouped_out(self, out: torch.Tensor) -> torch.Tensor:
         """``out [T, H, D]`` -> ``[T, G*o_lora]``: ``wo_a`` applied per group of heads."""
         groups = out.reshape(out.shape[0], self.o_groups, -1).transpose(0, 1)  # [G, T, H*D/G]
-        w = self.wo_a.weight.view(self.o_groups, -1, groups.shape[-1])  # [G, o_lora, H*D/G]
+        w = float_weight(self.wo_a).view(self.o_groups, -1, groups.shape[-1])  # [G, o_lora, H*D/G]
         return torch.bmm(groups, w.transpose(1, 2)).transpose(0, 1).flatten(1)
 
     def new_cache(self, *, max_rollback: int, max_context: int) -> LayerCache:
@@ -295,8 +297,8 @@ class Attention(nn.Module):
         return LayerCache(
             self.args,
             self.compress_ratio,
-            dtype=self.wkv.weight.dtype,
-            device=self.wkv.weight.device,
+            dtype=self.dtype,
+            device=self.attn_sink.device,
             max_rollback=max_rollback,
             max_context=max_context,
         )

@@ -35,7 +35,8 @@ from xspec.models.deepseek_v4.layout import BatchLayout, Emission
 from xspec.models.deepseek_v4.mhc import RMSNorm
 from xspec.models.deepseek_v4.rope import Rope, rotate
 from xspec.models.deepseek_v4.state import CompressorCache, scatter_rows, stack_rings
-from xspec.models.ops import REFERENCE_OPS, ModelOps, eager
+from xspec.models.ops import REFERENCE_OPS, ModelOps, dense, eager
+from xspec.models.resident import float_weight, weight_of
 
 
 class Compressor(nn.Module):
@@ -73,8 +74,8 @@ class Compressor(nn.Module):
 
     def _project(self, x: torch.Tensor, phase: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         xf = x.float()  # the official compressor runs in fp32
-        kv = F.linear(xf, self.wkv.weight.float())
-        score = F.linear(xf, self.wgate.weight.float()) + self.ape[phase]
+        kv = F.linear(xf, float_weight(self.wkv).float())
+        score = F.linear(xf, float_weight(self.wgate).float()) + self.ape[phase]
         return kv, score
 
     def rows(self, x: torch.Tensor, phase: torch.Tensor) -> torch.Tensor:
@@ -171,9 +172,9 @@ class Indexer(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """``qr [T, q_lora]``, ``x [T, d]`` at rotation ``rot`` (``cos, sin``) -> ``q [T,
         n_heads, head_dim]`` fp32 (roped), head weights ``[T, n_heads]`` fp32."""
-        q = F.linear(qr, self.wq_b.weight).view(qr.shape[0], self.n_heads, self.head_dim)
+        q = dense(self.ops, qr, weight_of(self.wq_b)).view(qr.shape[0], self.n_heads, self.head_dim)
         q = rotate(q, *rot, kernel=eager(self.ops.rope)).float()
-        weights = F.linear(x, self.weights_proj.weight).float() * self.n_heads**-0.5
+        weights = dense(self.ops, x, weight_of(self.weights_proj)).float() * self.n_heads**-0.5
         return q, weights
 
     def select(

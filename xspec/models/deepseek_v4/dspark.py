@@ -341,15 +341,14 @@ class DSparkDraft(nn.Module):
     def kv_bytes(self, gamma: int) -> KvBytes:
         """One ``[window, head_dim]`` context ring per stage; every stage is ratio 1, so
         nothing grows with the context (xLLM: the DSpark draft reserves only its SWA pool)."""
-        ref = self.stages[0].attn.wkv.weight
         w, hd = self.args.sliding_window, self.args.head_dim
-        return KvBytes(len(self.stages) * w * hd * ref.element_size(), 0.0)
+        return KvBytes(len(self.stages) * w * hd * self.stages[0].attn.dtype.itemsize, 0.0)
 
     def new_cache(self, gamma: int, max_tokens: int | None = None) -> DSparkCache:
         w, hd = self.args.sliding_window, self.args.head_dim
-        ref = self.stages[0].attn.wkv.weight
-        return DSparkCache(
-            [Ring(ref.new_zeros(w, hd)) for _ in self.stages]  # one ring per stage
+        attn = self.stages[0].attn
+        return DSparkCache(  # one ring per stage
+            [Ring(attn.attn_sink.new_zeros(w, hd, dtype=attn.dtype)) for _ in self.stages]
         )
 
     def write_context(
@@ -370,7 +369,7 @@ class DSparkDraft(nn.Module):
         """Each stage's context K/V rows ``[T, D]`` (roped at ``layout``'s positions) of the
         captures ``aux [T, K*d]``: ``kv_norm(wkv(main_norm(main_proj(aux))))``."""
         first = self.stages[0]
-        main_x = first.main_norm(first.main_proj(aux.to(first.main_proj.weight.dtype)))
+        main_x = first.main_norm(first.main_proj(aux.to(first.attn.dtype)))
         return [
             stage.attn.key_value(main_x, layout.rotation(stage.attn.rope)) for stage in self.stages
         ]
@@ -632,25 +631,40 @@ def load_dspark(
     device: torch.device | str,
     expert_parallel: ExpertParallel | None = None,
     steps: StepOptions = EAGER_STEPS,
+    quant_compute: str = "auto",
 ) -> DSparkDraft:
     """Allocate the stages of ``plan`` and stream their weights in (with
     ``expert_parallel``: only this rank's experts; ``steps``: the platform's ops and
-    compiler)."""
-    draft = DSparkDraft(
+    compiler; quantized linears stay resident, computed per ``quant_compute``)."""
+
+    def build(on: torch.device | str) -> DSparkDraft:
+        return DSparkDraft(
+            plan.args,
+            num_stages=plan.num_stages,
+            markov_rank=plan.markov_rank,
+            noise_token_id=plan.noise_token_id,
+            confidence=plan.confidence,
+            embed=None if plan.own_embed else embed,
+            head=None if plan.own_head else head,
+            window=window,
+            dtype=dtype,
+            device=on,
+            expert_parallel=expert_parallel,
+            steps=steps,
+        )
+
+    return load_drafter(
+        build,
+        plan.ckpt,
+        plan.names,
+        plan.dequant,
         plan.args,
-        num_stages=plan.num_stages,
-        markov_rank=plan.markov_rank,
-        noise_token_id=plan.noise_token_id,
-        confidence=plan.confidence,
-        embed=None if plan.own_embed else embed,
-        head=None if plan.own_head else head,
-        window=window,
-        dtype=dtype,
+        expert_parallel,
         device=device,
-        expert_parallel=expert_parallel,
+        dtype=dtype,
         steps=steps,
+        quant_compute=quant_compute,
     )
-    return load_drafter(draft, plan.ckpt, plan.names, plan.dequant, plan.args, expert_parallel)
 
 
 # -- the family hooks of xspec.spec.dspark ------------------------------------------------
@@ -740,6 +754,7 @@ def load_block_draft(
         device=platform.device(),
         expert_parallel=target.expert_parallel,  # the target's EP share
         steps=steps,
+        quant_compute=target.quant_compute,
     )
     return LoadedDraft(
         draft, plan.block_size, plan.capture_layer_ids, plan.ckpt.path, BlockLayout.DSPARK

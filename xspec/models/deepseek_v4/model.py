@@ -139,6 +139,7 @@ class DeepseekV4Model(nn.Module, HyperHead):
     """DeepSeek-V4 target: logits, the pre-``hc_head`` residual and captured hidden states."""
 
     checkpoint_dir: Path | None = None  # set by load_checkpoint: tokenizer.json, drafters
+    quant_compute: str = "auto"  # set by load_checkpoint (model.quant_compute): drafters
 
     def __init__(
         self,

@@ -31,6 +31,11 @@ experts:
 
 Grouped GEMMs run only where ``ModelOps.grouped_mm_dtypes`` lists the dtype and the
 kernel takes the shapes; a layer built without a platform's ops runs the reference.
+
+Experts held quantized as stored (FP8, MXFP4, W8A8: :mod:`xspec.models.resident`) are not
+stacked: the layer runs the reference, one expert after another, and each expert's
+weights go through ``models.ops.dense`` (dequantized for that call, or the platform's
+``quant_linear``), so only the experts that received rows are touched.
 """
 
 from __future__ import annotations
@@ -43,29 +48,49 @@ import torch.nn.functional as F
 from torch import nn
 
 from xspec.models.deepseek_v4.args import DeepseekV4Args
-from xspec.models.ops import EAGER_STEPS, MoeRouting, StepOptions, eager
+from xspec.models.ops import (
+    EAGER_STEPS,
+    REFERENCE_OPS,
+    ModelOps,
+    MoeRouting,
+    StepOptions,
+    dense,
+    eager,
+)
+from xspec.models.resident import QuantLinear, weight_of
 
 if TYPE_CHECKING:
     from xspec.parallel.expert import ExpertParallel
 
 
 class Expert(nn.Module):
-    """Checkpoint tensors: ``w1, w3 [inter, d]``, ``w2 [d, inter]``."""
+    """Checkpoint tensors: ``w1, w3 [inter, d]``, ``w2 [d, inter]`` (float, or resident
+    quantized :class:`~xspec.models.resident.QuantLinear`); ``ops``: the platform's (its
+    ``quant_linear`` computes quantized weights)."""
 
     def __init__(
-        self, dim: int, inter: int, limit: float, *, dtype: torch.dtype, device: torch.device | str
+        self,
+        dim: int,
+        inter: int,
+        limit: float,
+        *,
+        dtype: torch.dtype,
+        device: torch.device | str,
+        ops: ModelOps = REFERENCE_OPS,
     ) -> None:
         super().__init__()
         self.limit = limit
+        self.ops = ops
         self.w1 = nn.Linear(dim, inter, bias=False, dtype=dtype, device=device)
         self.w2 = nn.Linear(inter, dim, bias=False, dtype=dtype, device=device)
         self.w3 = nn.Linear(dim, inter, bias=False, dtype=dtype, device=device)
 
     def forward(self, x: torch.Tensor, weights: torch.Tensor | None = None) -> torch.Tensor:
         """``x [N, d]``, optional routing ``weights [N, 1]`` fp32 -> ``[N, d]`` (x.dtype)."""
-        gate = F.linear(x, self.w1.weight).float()
-        up = F.linear(x, self.w3.weight).float()
-        return F.linear(swiglu(gate, up, self.limit, weights).to(x.dtype), self.w2.weight)
+        gate = dense(self.ops, x, weight_of(self.w1)).float()
+        up = dense(self.ops, x, weight_of(self.w3)).float()
+        h = swiglu(gate, up, self.limit, weights).to(x.dtype)
+        return dense(self.ops, h, weight_of(self.w2))
 
 
 def swiglu(
@@ -186,13 +211,17 @@ class MoE(nn.Module):
             else expert_parallel.local(args.n_routed_experts)
         )
         self.experts = nn.ModuleList(
-            Expert(d, inter, limit, dtype=dtype, device=device) if e in local else RemoteExpert()
+            Expert(d, inter, limit, dtype=dtype, device=device, ops=self.ops)
+            if e in local
+            else RemoteExpert()
             for e in range(args.n_routed_experts)
         )
         self.first_local = local.start if isinstance(local, range) else 0
         self.num_local = len(local)
         self.shared_experts = (
-            Expert(d, inter * args.n_shared_experts, limit, dtype=dtype, device=device)
+            Expert(
+                d, inter * args.n_shared_experts, limit, dtype=dtype, device=device, ops=self.ops
+            )
             if args.n_shared_experts
             else None
         )
@@ -200,6 +229,15 @@ class MoE(nn.Module):
         # row and runs as one more group (all rows, weight 1) in the same grouped GEMMs
         self.shared_in_stack = args.n_shared_experts == 1
         self._stack_experts()
+
+    @property
+    def quantized(self) -> bool:
+        """Whether the experts hold resident quantized weights (no float stacks then)."""
+        return any(
+            isinstance(getattr(ex, n), QuantLinear)
+            for ex in [*self._local(), *([self.shared_experts] if self.shared_experts else [])]
+            for n in ("w1", "w2", "w3")
+        )
 
     def _local(self) -> list[Expert]:
         return [e for e in self.experts if isinstance(e, Expert)]
@@ -210,7 +248,10 @@ class MoE(nn.Module):
         through the views; the shared expert is the last row when ``shared_in_stack``).
         Buffers, so a compiler treats them like parameters."""
         local: list[Expert] = self._local()
-        stacked = bool(local)
+        # resident quantized experts (QuantLinear) are not stacked: the reference runs
+        # them one at a time, dequantizing only the experts that have rows
+        stacked = bool(local) and not self.quantized
+
         if stacked and self.shared_in_stack:
             assert self.shared_experts is not None
             local = [*local, self.shared_experts]
@@ -373,10 +414,11 @@ class MoE(nn.Module):
             if n:
                 groups.append((cast(Expert, self.experts[e]), slice(lo, lo + n)))
                 lo += n
-        gate = torch.cat([F.linear(xs[g], ex.w1.weight) for ex, g in groups]).float()
-        up = torch.cat([F.linear(xs[g], ex.w3.weight) for ex, g in groups]).float()
+        ops = self.ops  # a quantized expert is dequantized (or computed natively) per call
+        gate = torch.cat([dense(ops, xs[g], weight_of(ex.w1)) for ex, g in groups]).float()
+        up = torch.cat([dense(ops, xs[g], weight_of(ex.w3)) for ex, g in groups]).float()
         h = swiglu(gate, up, self.limit, ws).to(xs.dtype)  # [N, inter]
-        return torch.cat([F.linear(h[g], ex.w2.weight) for ex, g in groups])
+        return torch.cat([dense(ops, h[g], weight_of(ex.w2)) for ex, g in groups])
 
 
 def _grouped_swiglu(

@@ -312,26 +312,42 @@ def load_mtp(
     device: torch.device | str,
     expert_parallel: ExpertParallel | None = None,
     steps: StepOptions = EAGER_STEPS,
+    quant_compute: str = "auto",
 ) -> MtpBlock:
     """Allocate the MTP block of ``plan`` and stream its weights in.
 
     ``embed`` / ``head``: the target's, used unless the checkpoint has dedicated ones.
     ``expert_parallel``: only this rank's experts (the target's EP share). ``steps``:
-    the platform's ops and compiler (``Platform.step_options``).
+    the platform's ops and compiler (``Platform.step_options``); quantized linears stay
+    resident, computed per ``quant_compute`` (the target's ``model.quant_compute``).
     """
     keys = plan.keys
-    module = MtpBlock(
+
+    def build(on: torch.device | str) -> MtpBlock:
+        return MtpBlock(
+            plan.args,
+            layer_id=plan.layer_id,
+            embed=None if "embed.weight" in keys else embed,
+            head=None if "head.weight" in keys else head,
+            rot="rot.weight" in keys,
+            dtype=dtype,
+            device=on,
+            expert_parallel=expert_parallel,
+            steps=steps,
+        )
+
+    return load_drafter(
+        build,
+        plan.ckpt,
+        plan.names,
+        plan.dequant,
         plan.args,
-        layer_id=plan.layer_id,
-        embed=None if "embed.weight" in keys else embed,
-        head=None if "head.weight" in keys else head,
-        rot="rot.weight" in keys,
-        dtype=dtype,
+        expert_parallel,
         device=device,
-        expert_parallel=expert_parallel,
+        dtype=dtype,
         steps=steps,
+        quant_compute=quant_compute,
     )
-    return load_drafter(module, plan.ckpt, plan.names, plan.dequant, plan.args, expert_parallel)
 
 
 def mtp_tensors(module: MtpBlock, layout: MtpLayout = OFFICIAL) -> dict[str, torch.Tensor]:

@@ -8,7 +8,9 @@ Storage (``expert_dtype: "fp4"`` in config.json), for a linear weight ``W [N, K]
 * ``X.scale`` ue8m0 (``float8_e8m0fnu``, or its raw bytes as uint8) ``[N, K/32]``: one
   power of two ``2^(byte - 127)`` per 32 consecutive values along K.
 
-``W[n, k] = E2M1_VALUES[code(n, k)] * scale[n, k // 32]``. This equals transformers'
+``W[n, k] = E2M1_VALUES[code(n, k)] * scale[n, k // 32]``. The decoder lives in
+:mod:`xspec.models.quantized` (the op interface: resident weights dequantize per call); it
+equals transformers'
 ``Fp8Dequantize`` FP4 path bit for bit (tests/models/deepseek_v4/test_mxfp4.py).
 """
 
@@ -16,64 +18,18 @@ from __future__ import annotations
 
 import torch
 
-BLOCK = 32  # values per ue8m0 scale along K
-E2M1_MAX = 6.0
-E2M1_VALUES = (
-    0.0,
-    0.5,
-    1.0,
-    1.5,
-    2.0,
-    3.0,
-    4.0,
-    6.0,
-    -0.0,
-    -0.5,
-    -1.0,
-    -1.5,
-    -2.0,
-    -3.0,
-    -4.0,
-    -6.0,
+from xspec.models.quantized import (
+    E2M1_VALUES,
+    dequant_mxfp4,
+    mxfp4_shape_problem,
 )
+from xspec.models.quantized import MXFP4_BLOCK as BLOCK
+
+E2M1_MAX = 6.0
 # Midpoints between consecutive non-negative e2m1 values (rounding boundaries).
 _MIDPOINTS = (0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0)
 
-
-def mxfp4_shape_problem(packed: list[int], scale: list[int], want: list[int]) -> str | None:
-    """Why ``packed`` / ``scale`` shapes cannot hold an MXFP4 ``want = [N, K]`` weight
-    (None when they can): K must be a multiple of 32, packed ``[N, K/2]``, scale ``[N, K/32]``."""
-    if len(want) != 2 or want[1] % BLOCK:
-        return f"MXFP4 needs a 2-D weight with K a multiple of {BLOCK}, the config gives {want}"
-    n, k = want
-    if packed != [n, k // 2]:
-        return f"packed MXFP4 weight is {packed}, expected [N, K/2] = {[n, k // 2]}"
-    if scale != [n, k // BLOCK]:
-        return f"MXFP4 scale is {scale}, expected one per {BLOCK} values: {[n, k // BLOCK]}"
-    return None
-
-
-def _scale_f32(scale: torch.Tensor) -> torch.Tensor:
-    """ue8m0 scales as fp32: ``float8_e8m0fnu`` converts exactly; raw uint8 bytes are
-    exponents ``2^(byte - 127)`` (transformers' convention for both)."""
-    if scale.dtype == torch.uint8:
-        return (scale.to(torch.float32) - 127.0).exp2()
-    if scale.dtype != torch.float8_e8m0fnu:
-        raise TypeError(f"MXFP4 scales are float8_e8m0fnu or uint8, got {scale.dtype}")
-    return scale.to(torch.float32)
-
-
-def dequant_mxfp4(packed: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    """packed int8 ``[N, K/2]`` + scale ue8m0 ``[N, K/32]`` -> fp32 ``[N, K]``."""
-    n, half = packed.shape
-    problem = mxfp4_shape_problem(list(packed.shape), list(scale.shape), [n, 2 * half])
-    if problem is not None:
-        raise ValueError(problem)
-    lut = torch.tensor(E2M1_VALUES, dtype=torch.float32, device=packed.device)
-    u8 = packed.contiguous().view(torch.uint8)  # [N, K/2]
-    low, high = lut[(u8 & 0xF).long()], lut[(u8 >> 4).long()]  # even, odd columns
-    values = torch.stack([low, high], dim=-1).reshape(n, -1, BLOCK)  # [N, K/32, 32]
-    return (values * _scale_f32(scale).unsqueeze(-1)).reshape(n, 2 * half)
+__all__ = ["BLOCK", "E2M1_VALUES", "dequant_mxfp4", "mxfp4_shape_problem", "quant_mxfp4"]
 
 
 def quant_mxfp4(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

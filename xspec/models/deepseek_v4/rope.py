@@ -15,6 +15,7 @@ checkpoint whose ``max_position_embeddings`` exceeds the original length (Flash:
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import torch
 from torch import nn
@@ -64,17 +65,26 @@ class Rope(nn.Module):
 
     inv_freq: torch.Tensor
 
-    def __init__(self, inv_freq: torch.Tensor) -> None:
+    def __init__(self, inv_freq: torch.Tensor, *, device: torch.device | str = "cpu") -> None:
+        """``inv_freq [rd/2]`` (with values: kept as ``key``), placed on ``device``."""
         super().__init__()
-        self.register_buffer("inv_freq", inv_freq, persistent=False)
-        self._key: tuple[float, ...] | None = None
+        self.register_buffer("inv_freq", inv_freq.to(device), persistent=False)
+        self._key = tuple(inv_freq.tolist())
 
     @property
     def key(self) -> tuple[float, ...]:
-        """The frequency values (read once, on first use: meta modules never run)."""
-        if self._key is None:
-            self._key = tuple(self.inv_freq.tolist())
+        """The frequency values."""
         return self._key
+
+    def _apply(self, fn: Callable[[torch.Tensor], torch.Tensor], recurse: bool = True) -> Rope:
+        # a module built on the meta device and materialised with to_empty() (resident
+        # quantized loading) gets its table back from the values kept at construction
+        out = super()._apply(fn, recurse)
+        if not self.inv_freq.is_meta:
+            with torch.no_grad():
+                values = torch.tensor(self._key, dtype=torch.float64)
+                self.inv_freq.copy_(values.to(self.inv_freq.dtype))
+        return out
 
     def cos_sin(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """``positions [N]`` int -> ``cos, sin [N, rd/2]`` fp32."""

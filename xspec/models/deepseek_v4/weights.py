@@ -10,16 +10,21 @@ Layouts (all safetensors; sharded ``*.index.json`` honoured by :class:`Checkpoin
 * **W8A8** (msModelSlim, e.g. ``DeepSeek-V4-Flash-w8a8``): ``X.weight`` int8 ``[N, K]``
   + ``X.weight_scale`` ``[N, 1]`` + ``X.weight_offset`` ``[N, 1]``; the per-tensor type
   (``W8A8_DYNAMIC``, ``W8A8``, ``FLOAT``) comes from ``quant_model_description.json``.
-  Dequantised while streaming, ``w = (q - offset) * scale``, into the model dtype
-  (activations stay in float: this is the float reference of the W8A8 model). Static
-  W8A8 activation tensors (``input_scale``, ``deq_scale``, ...) are skipped.
+  ``w = (q - offset) * scale``. Static W8A8 activation tensors (``input_scale``,
+  ``deq_scale``, ...) are skipped.
 * **FP8** (official ``quantization_config: fp8``): ``X.weight`` e4m3 + ``X.scale`` with one
-  (ue8m0 / fp32) scale per ``weight_block_size`` block (128x128), dequantised the same way.
+  (ue8m0 / fp32) scale per ``weight_block_size`` block (128x128).
 * **MXFP4** routed experts (official Flash, ``expert_dtype: "fp4"``): ``X.weight`` int8
   ``[N, K/2]`` (two e2m1 codes per byte) + ue8m0 ``X.scale`` ``[N, K/32]``; recognised
-  by the int8 dtype and the ``.scale`` sibling (no W8A8 description entry), dequantised
-  while streaming like FP8 (:mod:`xspec.models.deepseek_v4.quant`). Resident memory is
-  the dequantised size.
+  by the int8 dtype and the ``.scale`` sibling (no W8A8 description entry)
+  (:mod:`xspec.models.deepseek_v4.quant`).
+
+Quantized linear weights stay resident as stored (:func:`load_resident`: the module is
+built on the meta device, those linears become
+:class:`~xspec.models.resident.QuantLinear`, then memory is allocated and the stored
+bytes streamed in); they compute per ``model.quant_compute``
+(:mod:`xspec.models.quantized`). A quantized tensor that is not a plain linear weight is
+dequantised while streaming into the model dtype.
 
 :mod:`xspec.models.deepseek_v4.convert` writes such checkpoints from a float one
 (``quantize_w8a8``, ``quantize_fp8`` with optional MXFP4 experts, ``quarot_rotate``) for
@@ -51,9 +56,21 @@ from torch import nn
 
 from xspec.errors import CheckpointError
 from xspec.models.deepseek_v4.args import DeepseekV4Args
-from xspec.models.deepseek_v4.quant import dequant_mxfp4, mxfp4_shape_problem
-from xspec.models.loading import CONFIG_NAME, Checkpoint, held_bytes, load_params
+from xspec.models.loading import (
+    CONFIG_NAME,
+    SAFETENSORS_DTYPES,
+    Checkpoint,
+    held_bytes,
+    load_params,
+)
 from xspec.models.ops import EAGER_STEPS, StepOptions
+from xspec.models.quantized import (
+    dequant_fp8,
+    dequant_mxfp4,
+    dequant_w8a8,
+    mxfp4_shape_problem,
+)
+from xspec.models.resident import SIBLINGS, StoredWeight, make_resident
 
 if TYPE_CHECKING:
     from xspec.models.deepseek_v4.model import DeepseekV4Model
@@ -174,20 +191,29 @@ Drafter = TypeVar("Drafter", bound=nn.Module)
 
 
 def load_drafter(
-    module: Drafter,
+    build: Callable[[torch.device | str], Drafter],
     ckpt: Checkpoint,
     names: dict[str, str],
     dequant: dict[str, str],
     args: DeepseekV4Args,
     expert_parallel: ExpertParallel | None,
+    *,
+    device: torch.device | str,
+    dtype: torch.dtype,
+    steps: StepOptions = EAGER_STEPS,
+    quant_compute: str = "auto",
 ) -> Drafter:
-    """Stream a planned drafter's tensors (``names``: checkpoint name -> module key, from
-    :func:`~xspec.models.deepseek_v4.draft_plan.plan_tensors`) into ``module``,
-    dequantising as planned and skipping other EP ranks' experts -> ``module.eval()``."""
+    """Build a planned drafter with ``build(device)`` and stream its tensors (``names``:
+    checkpoint name -> module key, from
+    :func:`~xspec.models.deepseek_v4.draft_plan.plan_tensors`) into it, keeping quantized
+    linears resident (:func:`load_resident`) and skipping other EP ranks' experts ->
+    ``module.eval()``."""
     if expert_parallel is not None:
         names = {n: k for n, k in names.items() if expert_parallel.holds(k, args.n_routed_experts)}
-    convert = make_converter(ckpt, dequant) if dequant else None
-    load_params(module, ckpt, names.get, convert=convert, logical_shape=unpacked_shape(dequant))
+    dequant = {n: s for n, s in dequant.items() if n in names}
+    module = load_resident(
+        build, ckpt, names, dequant, device=device, dtype=dtype, steps=steps, compute=quant_compute
+    )
     return module.eval()
 
 
@@ -438,22 +464,9 @@ def stored_footprint(
     return out
 
 
-# -- dequantisation ------------------------------------------------------------------------
+# -- dequantisation (what is not kept resident) and resident loading ---------------------------
 
-
-def dequant_w8a8(q: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor | None) -> torch.Tensor:
-    """q [N, K] int8, scale / offset [N, 1] or [N] -> fp32 [N, K] = (q - offset) * scale."""
-    w = q.to(torch.float32)
-    if offset is not None:
-        w = w - offset.to(torch.float32).reshape(-1, 1)
-    return w * scale.to(torch.float32).reshape(-1, 1)
-
-
-def dequant_fp8(w: torch.Tensor, scale: torch.Tensor, block: list[int]) -> torch.Tensor:
-    """w [N, K] e4m3, scale [ceil(N/bn), ceil(K/bk)] -> fp32 [N, K] (one scale per block)."""
-    n, k = w.shape
-    full = scale.to(torch.float32).repeat_interleave(block[0], 0).repeat_interleave(block[1], 1)
-    return w.to(torch.float32) * full[:n, :k]
+__all__ = ["dequant_fp8", "dequant_mxfp4", "dequant_w8a8"]  # re-exported (models.quantized)
 
 
 def unpacked_shape(dequant: dict[str, str]) -> Callable[[str, list[int]], list[int]]:
@@ -495,33 +508,106 @@ def load_checkpoint(
     max_context: int | None = None,
     expert_parallel: ExpertParallel | None = None,
     steps: StepOptions = EAGER_STEPS,
+    quant_compute: str = "auto",
 ) -> DeepseekV4Model:
     """Validate everything from headers, then allocate the model and stream the weights in.
     With ``expert_parallel`` only this rank's experts are allocated and read; ``steps``:
-    the platform's ops and compiler (``Platform.step_options``)."""
+    the platform's ops and compiler (``Platform.step_options``); quantized linears stay
+    resident as stored, computed per ``quant_compute`` (``auto | dequant | native``,
+    :mod:`xspec.models.quantized`)."""
     from xspec.models.deepseek_v4.model import DeepseekV4Model
 
     ckpt = Checkpoint(path)
     args = DeepseekV4Args.from_config(ckpt.config, ckpt.path / CONFIG_NAME)
     dequant = check_checkpoint(ckpt, args)
-    model = DeepseekV4Model(
-        args,
-        dtype=dtype,
-        device=device,
-        max_rollback=max_rollback,
-        max_context=max_context,
-        expert_parallel=expert_parallel,
-        steps=steps,
-    )
     wanted = local_tensors(expected_tensors(args), expert_parallel, args)
-    load_params(
-        model,
-        ckpt,
-        lambda n: n if n in wanted else None,
-        convert=make_converter(ckpt, dequant),
-        logical_shape=unpacked_shape(dequant),
+
+    def build(on: torch.device | str) -> DeepseekV4Model:
+        return DeepseekV4Model(
+            args,
+            dtype=dtype,
+            device=on,
+            max_rollback=max_rollback,
+            max_context=max_context,
+            expert_parallel=expert_parallel,
+            steps=steps,
+        )
+
+    names = {n: n for n in ckpt.names() if n in wanted}
+    dequant = {n: s for n, s in dequant.items() if n in wanted}
+    model = load_resident(
+        build, ckpt, names, dequant, device=device, dtype=dtype, steps=steps, compute=quant_compute
     )
     # drafters (MTP, DSpark) and the tokenizer read the same dir; nn.Module's __setattr__
     # is typed for tensors and modules only, hence the ignore
     model.checkpoint_dir = ckpt.path
+    model.quant_compute = quant_compute
     return model.eval()
+
+
+M = TypeVar("M", bound=nn.Module)
+
+
+def stored_weights(
+    ckpt: Checkpoint, names: dict[str, str], dequant: dict[str, str]
+) -> dict[str, StoredWeight]:
+    """Module path (``layers.0.attn.wq_b``) -> how its quantized weight is stored (formats,
+    shapes and dtypes of the weight and its scale / offset siblings, from the headers)."""
+    block = tuple(_fp8_block(ckpt.config))
+    out: dict[str, StoredWeight] = {}
+    for name, scheme in dequant.items():
+        base, key = name.removesuffix(".weight"), names[name].removesuffix(".weight")
+        tensors: dict[str, tuple[list[int], torch.dtype]] = {}
+        for buffer in SIBLINGS[scheme]:
+            if buffer is not None and f"{base}.{buffer}" in ckpt:
+                shape, code = ckpt.meta(f"{base}.{buffer}")
+                tensors[buffer] = (shape, SAFETENSORS_DTYPES[code])
+        out[key] = StoredWeight(scheme, tensors, (block[0], block[1]))
+    return out
+
+
+def load_resident(
+    build: Callable[[torch.device | str], M],
+    ckpt: Checkpoint,
+    names: dict[str, str],
+    dequant: dict[str, str],
+    *,
+    device: torch.device | str,
+    dtype: torch.dtype,
+    steps: StepOptions,
+    compute: str,
+) -> M:
+    """Build a module with ``build(device)`` and stream ``names`` (checkpoint name -> key)
+    into it. Quantized weights (``dequant``: name -> scheme) of plain linears stay as stored
+    (:class:`~xspec.models.resident.QuantLinear`): the module is built on the meta device,
+    those linears are swapped, and only then is memory allocated, so no float copy of them
+    ever exists. Any other quantized tensor is dequantized while streaming, as before.
+    A checkpoint without quantized tensors loads exactly as a float one always did."""
+    if not dequant:
+        module = build(device)
+        load_params(module, ckpt, names.get, convert=make_converter(ckpt, {}))
+        return module
+    module = build("meta")
+    stored = stored_weights(ckpt, names, dequant)
+    resident = make_resident(module, stored, dtype=dtype, compute=compute, ops=steps.ops)
+    module.to("meta")  # modules that derive buffers (MoE stacks) redo them for the swap
+    module.to_empty(device=device)  # untouched until loaded: no float pages are resident
+    rename = dict(names)
+    for name, scheme in dequant.items():
+        key = names[name].removesuffix(".weight")
+        if key in resident:  # the scale / offset siblings load into the QuantLinear too
+            base = name.removesuffix(".weight")
+            for buffer in SIBLINGS[scheme][1:]:
+                if buffer is not None and f"{base}.{buffer}" in ckpt:
+                    rename[f"{base}.{buffer}"] = f"{key}.{buffer}"
+    converted = {
+        n: s for n, s in dequant.items() if names[n].removesuffix(".weight") not in resident
+    }
+    load_params(
+        module,
+        ckpt,
+        rename.get,
+        convert=make_converter(ckpt, converted),
+        logical_shape=unpacked_shape(converted),
+    )
+    return module

@@ -17,7 +17,14 @@ the ones a DeepSeek-V4 step calls most:
 * ``moe``: a whole MoE layer, gate, top-k or hash routing, experts and the shared
   expert (about forty ops and a host sync in torch);
 * ``compress_pool``: a compressor's softmax pooling of the windows a forward completes
-  (gather, concatenations, softmax, product and sum in torch).
+  (gather, concatenations, softmax, product and sum in torch);
+* ``quant_linear`` for weights kept as stored (``model.quant_compute=auto|native``), the
+  ``native`` semantics of :mod:`xspec.models.quantized` reading the stored bytes: W8A8,
+  int8 activations per token (torch) and an int8 x int8 product with exact int32
+  accumulation, bit for bit the reference (decode / verify rows; larger calls run the
+  same semantics on ``torch._int_mm``); FP8 (128 x 128 blocks) and MXFP4, e4m3
+  activation blocks of 128 (torch) and each weight row decoded to fp32 once per call
+  for all rows, summed per block (the reference's sums in another order).
 
 The attention and expert products are vectorised explicitly (the GCC / clang vector
 extension) and may fuse multiply-adds, as the BLAS behind the reference ops does; the
@@ -56,6 +63,15 @@ from pathlib import Path
 import torch
 
 from xspec.models.ops import ModelOps, MoeRouting
+from xspec.models.quantized import (
+    ACT_BLOCK,
+    E2M1_VALUES,
+    QuantizedWeight,
+    act_quant_fp8,
+    dynamic_quant_int8,
+    mxfp4_scale_f32,
+    native_linear,
+)
 from xspec.platforms.native import cache as _cache
 
 _SOURCE = Path(__file__).with_name("kernels.c")
@@ -65,6 +81,11 @@ _FLAGS = ("-O3", "-shared", "-fPIC", "-ffp-contract=off", "-fno-fast-math")
 # layers (d 256, inter 32 and 128), the kernel is faster up to ~9 M multiply-adds per call
 # (decode and verify batches) and no faster above (prefill chunks).
 MOE_MAX_MACS = 8_000_000
+# rows the int8 GEMV kernel runs (decode and verify); more go to torch._int_mm
+W8A8_MAX_ROWS = 16
+# decode tables of the low-bit kernel: every e4m3 byte's value, the 16 e2m1 values
+_E4M3 = torch.arange(256, dtype=torch.int32).to(torch.uint8).view(torch.float8_e4m3fn).float()
+_E2M1 = torch.tensor(E2M1_VALUES, dtype=torch.float32)
 # the targets a build tries, in order: this CPU's vector units, then the compiler's baseline
 _TARGETS: tuple[tuple[str, ...], ...] = (("-march=native",), ())
 _P = ctypes.c_void_p
@@ -316,9 +337,82 @@ class NativeKernels:
         )  # fmt: skip
         return None if bad else out  # an index out of range: the reference op says so
 
+    def quant_linear(
+        self, x: torch.Tensor, weight: QuantizedWeight, bias: torch.Tensor | None
+    ) -> torch.Tensor | None:
+        """``models.ops.QuantLinearOp``: ``x [..., K]`` -> ``[..., N]`` in x.dtype with the
+        ``native`` semantics, reading the stored bytes (see the module docstring). None
+        (per weight, whatever the row count: a model's prefill and decode must compute
+        alike) for a non-zero W8A8 offset, FP8 blocks other than 128 x 128, K not a
+        multiple of 128, non-contiguous storage."""
+        data = weight.data
+        if not (x.is_cpu and data.is_cpu and data.is_contiguous()) or data.dim() != 2:
+            return None
+        n, k = weight.shape
+        if x.shape[-1] != k:
+            return None
+        lead, x2 = x.shape[:-1], x.reshape(-1, k)
+        if weight.format == "w8a8":
+            y = self._w8a8(x, x2, weight)
+        elif weight.format in ("fp8", "mxfp4"):
+            y = self._lowbit(x2, weight)
+        else:
+            y = None
+        if y is None:
+            return None
+        if bias is not None:
+            y += bias.float()
+        return y.to(x.dtype).reshape(*lead, n)
+
+    def _w8a8(
+        self, x: torch.Tensor, x2: torch.Tensor, weight: QuantizedWeight
+    ) -> torch.Tensor | None:
+        """W8A8: int8 codes per token, int8 x int8 with exact int32 sums -> fp32 ``[T, N]``."""
+        n, k = weight.shape
+        scale = weight.scale
+        if scale.numel() != n or scale.dtype is not torch.float32:
+            return None
+        if weight.offset is not None and bool(weight.offset.ne(0).any()):
+            return None
+        if x2.shape[0] > W8A8_MAX_ROWS:  # prefill: the same semantics, on torch._int_mm
+            plain = QuantizedWeight("w8a8", weight.data, scale, None, torch.float32)
+            return native_linear(x2.float(), plain, None)
+        xq, xs = dynamic_quant_int8(x2)
+        ws = scale.reshape(-1).contiguous()  # [N], alive through the call
+        y = torch.empty(x2.shape[0], n)
+        self.lib.xspec_w8a8_linear(
+            xq.data_ptr(), xs.data_ptr(), weight.data.data_ptr(), ws.data_ptr(),
+            x2.shape[0], n, k, y.data_ptr(),
+        )  # fmt: skip
+        return y
+
+    def _lowbit(self, x2: torch.Tensor, weight: QuantizedWeight) -> torch.Tensor | None:
+        """FP8 / MXFP4: e4m3 activation blocks of 128, the weight decoded row by row ->
+        fp32 ``[T, N]``."""
+        n, k = weight.shape
+        if k % ACT_BLOCK:
+            return None
+        if weight.format == "fp8":
+            if tuple(weight.block) != (ACT_BLOCK, ACT_BLOCK):
+                return None
+            fmt, lut, ws = 0, _E4M3, weight.scale.float().contiguous()
+        else:
+            fmt, lut, ws = 1, _E2M1, mxfp4_scale_f32(weight.scale).contiguous()
+        xq, xs = act_quant_fp8(x2)
+        xd = xq.float().contiguous()  # the e4m3 values, unscaled
+        xs = xs.contiguous()
+        y = torch.empty(x2.shape[0], n)
+        scratch = torch.empty(k)
+        self.lib.xspec_lowbit_linear(
+            xd.data_ptr(), xs.data_ptr(), weight.data.data_ptr(), ws.data_ptr(),
+            lut.data_ptr(), fmt, x2.shape[0], n, k, scratch.data_ptr(), y.data_ptr(),
+        )  # fmt: skip
+        return y
+
     def ops(self) -> ModelOps:
         """The ops these kernels run for the models (the rest: the models' reference)."""
         return ModelOps(
+            quant_linear=self.quant_linear,
             rms_norm=self.rms_norm,
             rope=self.rope,
             mhc_pre=self.mhc_pre,
@@ -458,6 +552,8 @@ def _open(data: bytes, copy: Path) -> ctypes.CDLL:
         ("xspec_moe", status,
          [_P, _P, *(_I,) * 3, *(_P,) * 3, *(_I,) * 5, f, f, *(_P,) * 3, _I, *(_P,) * 5]),
         ("xspec_compress_pool", status, [_P, _I, _P, _I, _P, _I, _I, _I, _I, _P, _P]),
+        ("xspec_w8a8_linear", None, [*(_P,) * 4, _I, _I, _I, _P]),
+        ("xspec_lowbit_linear", None, [*(_P,) * 5, *(_I,) * 4, _P, _P]),
     ):  # fmt: skip
         try:
             fn = getattr(lib, name)

@@ -631,3 +631,67 @@ int64_t xspec_compress_pool(const float *ring, int64_t ring_rows, const float *r
     }
     return 0;
 }
+
+/* W8A8 dynamic linear (the "native" semantics of models/quantized.py), reading the int8
+ * weight as stored: y[t, j] = ((float)(xq[t] . w[j]) * xs[t]) * ws[j], the dot product of
+ * int8 codes accumulated exactly in int32 (|acc| < 2^31 for k < 133000). xq [rows, k]
+ * int8 per-token codes, xs [rows] their scales, w [n, k] int8, ws [n] per-channel scales,
+ * y [rows, n] fp32. Each weight row is read once for all rows (decode / verify sizes). */
+void xspec_w8a8_linear(const int8_t *xq, const float *xs, const int8_t *w, const float *ws,
+                       int64_t rows, int64_t n, int64_t k, float *y) {
+    for (int64_t j = 0; j < n; ++j) {
+        const int8_t *wr = w + j * k;
+        for (int64_t t = 0; t < rows; ++t) {
+            const int8_t *xr = xq + t * k;
+            int32_t acc = 0;
+            for (int64_t i = 0; i < k; ++i) acc += (int32_t)xr[i] * (int32_t)wr[i];
+            y[t * n + j] = ((float)acc * xs[t]) * ws[j];
+        }
+    }
+}
+
+/* FP8 / MXFP4 linear with the "native" semantics of models/quantized.py (e4m3
+ * activations in per-token blocks of 128), decoding the stored weight bytes row by row:
+ *   y[t, j] = sum_b (xd[t, b-block] . wrow[b-block]) * xs[t, b]
+ * xd [rows, k]: the activations' e4m3 values (decoded, unscaled); xs [rows, k/128] their
+ * block scales; wrow: weight row j decoded to fp32 exactly as the reference dequantizes
+ * it (fmt 0, FP8: lut[w[j, i]] * ws[j / 128, i / 128], ws [ceil(n/128), k/128];
+ * fmt 1, MXFP4: e2m1 codes, low nibble = even column, times ws[j, i / 32], ws [n, k/32]).
+ * lut: the 256 e4m3 values (fmt 0) or the 16 e2m1 values (fmt 1). scratch: k floats.
+ * Rows are independent; sums differ from a BLAS GEMM's only in their order. */
+void xspec_lowbit_linear(const float *xd, const float *xs, const uint8_t *w, const float *ws,
+                         const float *lut, int64_t fmt, int64_t rows, int64_t n, int64_t k,
+                         float *scratch, float *y) {
+    const int64_t kb = k / 128;
+    for (int64_t j = 0; j < n; ++j) {
+        if (fmt == 0) {
+            const uint8_t *wr = w + j * k;
+            const float *sw = ws + (j / 128) * kb;
+            for (int64_t b = 0; b < kb; ++b) {  /* one scale per 128 columns */
+                const float s = sw[b];
+                const uint8_t *src = wr + b * 128;
+                float *dst = scratch + b * 128;
+                for (int i = 0; i < 128; ++i) dst[i] = lut[src[i]] * s;
+            }
+        } else {
+            const uint8_t *wr = w + j * (k / 2);
+            const float *sw = ws + j * (k / 32);
+            for (int64_t g = 0; g < k / 32; ++g) {  /* one scale per 32 columns: 16 bytes */
+                const float s = sw[g];
+                const uint8_t *src = wr + g * 16;
+                float *dst = scratch + g * 32;
+                for (int i = 0; i < 16; ++i) {
+                    dst[2 * i] = lut[src[i] & 15] * s;
+                    dst[2 * i + 1] = lut[src[i] >> 4] * s;
+                }
+            }
+        }
+        for (int64_t t = 0; t < rows; ++t) {
+            const float *xr = xd + t * k, *sx = xs + t * kb;
+            float acc = 0.0f;
+            for (int64_t b = 0; b < kb; ++b)
+                acc += xspec_dot(xr + b * 128, scratch + b * 128, 128) * sx[b];
+            y[t * n + j] = acc;
+        }
+    }
+}

@@ -11,6 +11,7 @@ states as capturing at the output of L.
 from __future__ import annotations
 
 from dataclasses import replace
+from typing import Any
 
 import torch
 
@@ -75,6 +76,12 @@ class NpuPolicyCpuPlatform(HostDevice, NpuPlatform):
     def _build_capabilities(self) -> Capabilities:
         # Keep the NPU's policy answers; device-bound ones follow the CPU it really runs on.
         return replace(super()._build_capabilities(), distributed_backend="gloo")
+
+    def _quant_kernels(self) -> Any:
+        # the W8A8 operators' documented semantics in plain torch (platforms/npu/quant.py)
+        from xspec.platforms.npu.quant import EmulatedQuantOps
+
+        return EmulatedQuantOps()
 
     def _probe_sas_operator(self) -> SasOperatorProbe:
         return SasOperatorProbe(EMULATED_SAS_OPERATOR, self._operator_accepts)

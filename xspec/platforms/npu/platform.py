@@ -17,13 +17,21 @@ import os
 from dataclasses import replace
 from functools import cached_property
 from types import ModuleType
+from typing import Any
 
 import torch
 from lightning_utilities.core.imports import package_available
 
 from xspec.capture import CapturePoint, CaptureSite
 from xspec.errors import PlatformError
-from xspec.platforms.base import Capabilities, Platform, SasMode, StepOptions, check_layer_id
+from xspec.platforms.base import (
+    Capabilities,
+    ModelOps,
+    Platform,
+    SasMode,
+    StepOptions,
+    check_layer_id,
+)
 from xspec.platforms.npu.probe import (
     NATIVE_SAS_ARGUMENT,
     SAS_OPERATORS,
@@ -116,6 +124,20 @@ class NpuPlatform(Platform):
                 options, describe=f"{options.describe}; {self.sas_summary()}"
             )
         return self._step_options
+
+    def model_ops(self) -> tuple[ModelOps, str]:
+        """W8A8 dynamic linears through ``npu_dynamic_quant`` + ``npu_quant_matmul``
+        (:mod:`.quant`); every other op: the model's reference."""
+        from xspec.platforms.npu.quant import W8A8DynamicLinear
+
+        op = W8A8DynamicLinear(self._quant_kernels)  # torch_npu imported at the first call
+        return ModelOps(quant_linear=op), "W8A8 dynamic linears (npu_quant_matmul)"
+
+    def _quant_kernels(self) -> Any:
+        """The module holding the W8A8 operators: ``torch_npu``."""
+        import torch_npu  # only here: the NPU plugin
+
+        return torch_npu
 
     def _build_capabilities(self) -> Capabilities:
         native = self.native_sas != "off" and self.operator_accepts_ori_sparse_indices
