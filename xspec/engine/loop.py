@@ -182,7 +182,7 @@ class EngineLoop:
                 if topo.is_main:
                     self._end_open("abort", "the server is shutting down")
                 return
-            deltas = engine.step() if self._has_work(inbox) else []
+            deltas = engine.step() if self._has_work() else []
             if topo.dp > 1:
                 ship = topo.replica_leader and not topo.is_main
                 gathered = self.parallel.gather(deltas if ship else None)
@@ -191,7 +191,7 @@ class EngineLoop:
             if topo.is_main:
                 self._dispatch(deltas)
 
-    def _has_work(self, inbox: Inbox) -> bool:
+    def _has_work(self) -> bool:
         """Whether to step this iteration: always under lockstep (every rank must take
         part in the agreement), else when the engine has work."""
         return self.engine.lockstep is not None or self.engine.busy
