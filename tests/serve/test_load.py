@@ -56,13 +56,21 @@ async def one_round(live: LiveServer, ps: list[list[int]]) -> tuple[dict, set[in
                 model=live.name, prompt=ps[i % len(ps)], max_tokens=MAX_TOKENS,
                 temperature=0, stream=True, extra_body={"ignore_eos": True},
             )  # fmt: skip
-            pieces = []
-            async for chunk in stream:
-                pieces.extend(c.text for c in chunk.choices)
-                if i % CANCEL_EVERY == 0 and len(pieces) >= 1:  # leave mid-stream
-                    cancelled.add(i)
-                    await stream.close()
-                    return
+            pieces: list[str] = []
+            try:
+                # __anext__ rather than ``async for``: no extra async generator is left
+                # suspended (and finalized by the GC) when the client leaves mid-stream
+                while True:
+                    try:
+                        chunk = await stream.__anext__()
+                    except StopAsyncIteration:
+                        break
+                    pieces.extend(c.text for c in chunk.choices)
+                    if i % CANCEL_EVERY == 0 and len(pieces) >= 1:  # leave mid-stream
+                        cancelled.add(i)
+                        return
+            finally:
+                await stream.close()  # the HTTP response: the server sees the disconnect
             texts[i] = "".join(pieces)
 
     await asyncio.gather(*(request(i) for i in range(REQUESTS)))
@@ -77,6 +85,14 @@ async def settle(live: LiveServer) -> None:
         await asyncio.sleep(0.05)
 
 
+# A client that leaves mid-stream leaves the openai/httpx client's inner async generators
+# (Response.aiter_raw, ...) suspended; the GC finalizes them later, sometimes with "async
+# generator already executing" inside the *client* library. That is not the server under
+# test, so that one client-side report is not an error here; nothing else is ignored.
+@pytest.mark.filterwarnings(
+    r"ignore:Exception ignored in. <async_generator object \w+\.(aiter_\w+|__stream__|"
+    r"_iter_events|__aiter__)\b:pytest.PytestUnraisableExceptionWarning"
+)
 def test_load_with_cancellations(live: LiveServer) -> None:
     ps = prompts(live)
     # the served engine belongs to its loop thread: the reference is a second engine
@@ -89,8 +105,10 @@ def test_load_with_cancellations(live: LiveServer) -> None:
         texts, cancelled = asyncio.run(one_round(live, ps))
         asyncio.run(settle(live))
         engine = live.llm._built.engine
-        assert live.ctx.loop.in_flight == 0 and engine.pool.reserved == 0 and not engine.busy
-        assert len(cancelled) == REQUESTS // CANCEL_EVERY
+        assert live.ctx.loop.in_flight == 0, f"{live.ctx.loop.in_flight} requests still open"
+        assert engine.pool.reserved == 0, f"{engine.pool.reserved} bytes still reserved"
+        assert not engine.busy
+        assert len(cancelled) == REQUESTS // CANCEL_EVERY, sorted(cancelled)
         assert set(texts) == set(range(REQUESTS)) - cancelled
         bad = [i for i, t in texts.items() if t != want[i % len(ps)]]
         assert not bad, f"{len(bad)} requests differ from their greedy output, e.g. {bad[:5]}"
