@@ -216,6 +216,8 @@ class ServerConfig:
     request_timeout_s: float = 600.0  # a request running longer is aborted (504)
     max_body_bytes: int = 4 * 1024 * 1024  # larger request bodies get 413
     default_max_tokens: int = 256  # max_tokens when a request leaves it out
+    # on SIGINT / SIGTERM, requests in flight get this long to finish, then are aborted
+    shutdown_grace_s: float = 5.0
     # the name clients pass as "model" (null: the model option, e.g. dsv4_tiny)
     served_model_name: str | None = None
 
@@ -284,6 +286,8 @@ def server_problems(v: ServerConfig) -> list[str]:
             out.append(f"{key} must be >= {low} (got {value})")
     if not v.request_timeout_s > 0:
         out.append(f"server.request_timeout_s must be > 0 seconds (got {v.request_timeout_s})")
+    if not 0 <= v.shutdown_grace_s <= 3600:
+        out.append(f"server.shutdown_grace_s must be in 0..3600 seconds (got {v.shutdown_grace_s})")
     if v.served_model_name is not None and not v.served_model_name.strip():
         out.append("server.served_model_name is empty; give a name or null (the model option)")
     return out

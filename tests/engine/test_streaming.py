@@ -7,6 +7,7 @@ mid-run must produce exactly its batch-run tokens."""
 from __future__ import annotations
 
 import threading
+import time
 
 import pytest
 
@@ -196,3 +197,32 @@ def test_engine_loop_ends_open_requests_when_a_step_fails(llm: xspec.LLM) -> Non
         loop.close()
         engine.abort_all()
         list(engine.drain())
+
+
+def test_engine_loop_runs_in_the_calling_thread(llm: xspec.LLM) -> None:
+    """``run()`` steps on the caller's thread (the server's main thread) until another
+    thread stops it; deltas reach the callbacks from that thread; it runs only once."""
+    engine: Engine = llm._built.engine
+    want = [g.token_ids for g in engine.run([greedy(i) for i in range(3)], concurrency=3)]
+    loop = EngineLoop(engine, concurrency=2, max_queue=4)
+    cols = [Collector() for _ in range(3)]
+    threads: set[threading.Thread] = set()
+
+    def client() -> None:
+        while not loop.running:
+            time.sleep(0.01)
+        for i, c in enumerate(cols):
+            loop.submit(greedy(i), lambda d, c=c: (threads.add(threading.current_thread()), c(d)))
+        assert all(c.done.wait(60) for c in cols)
+        loop.stop()
+
+    t = threading.Thread(target=client)
+    t.start()
+    loop.run()
+    t.join()
+    assert [c.tokens for c in cols] == want
+    assert threads == {threading.current_thread()}
+    assert not loop.running and loop.failure is None and engine.pool.reserved == 0
+    loop.join()  # ended: returns at once
+    with pytest.raises(RuntimeError, match="already started"):
+        loop.run()

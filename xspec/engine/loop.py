@@ -8,6 +8,14 @@ there is work, hands each :class:`~xspec.engine.engine.Delta` to its request's c
 ``loop.call_soon_threadsafe``), and sleeps when idle. Memory is returned at once on finish
 or abort (the engine's reservation pool), so a stream of requests can run forever.
 
+**Which thread.** :meth:`EngineLoop.run` runs the loop in the calling thread and is what
+``python -m xspec.serve`` uses: the engine steps on the main thread, which did the
+process's torch work so far, and the HTTP server lives in a thread of its own. On the CPU
+this matters: torch's OpenMP runtime keeps a worker pool per thread that ran a parallel
+region, and while the main thread's pool is alive, a *second* thread's parallel regions
+ran 2.2x slower here (dsv4_tiny, dspark, concurrency 32: 174 vs 380 tok/s). :meth:`start`
+(a daemon thread) is for callers that cannot give up their thread, such as tests.
+
 Backpressure: at most ``concurrency`` requests run; at most ``max_queue`` more wait;
 beyond that :meth:`submit` raises :class:`QueueFull` (the server answers 503).
 
@@ -30,6 +38,7 @@ import logging
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Literal
 
 from xspec.engine.engine import Delta, Engine, FinishReason, Generation, Request
 from xspec.errors import RequestError
@@ -82,22 +91,41 @@ class EngineLoop:
         self._cond = threading.Condition()
         self._inbox = Inbox()
         self._callbacks: dict[int, OnDelta] = {}  # rank 0: requests not yet ended
-        self._thread: threading.Thread | None = None
-        self._stopped = False
+        self._state: Literal["new", "running", "stopped"] = "new"
+        self._done = threading.Event()  # set when the loop has ended
+        self._loop_thread: threading.Thread | None = None  # the thread that runs it
 
     # ---- rank 0: the server's side --------------------------------------------------------
 
     def start(self) -> None:
-        """Run the loop in a daemon thread (rank 0; the other ranks call :meth:`follow`)."""
+        """Run the loop in a daemon thread (rank 0; the other ranks call :meth:`follow`).
+        Prefer :meth:`run` on the main thread where the caller can give it up (see the
+        module's "Which thread")."""
+        self._begin()
+        thread = threading.Thread(target=self._run, name="xspec-engine", daemon=True)
+        self._loop_thread = thread
+        thread.start()
+
+    def run(self) -> None:
+        """Run the loop in the calling thread until :meth:`stop` / :meth:`close` or a
+        failure (then :attr:`failure` says why). Rank 0's; the other ranks call
+        :meth:`follow`."""
+        self._begin()
+        self._loop_thread = threading.current_thread()
+        self._run()
+
+    def _begin(self) -> None:
         if not self.parallel.topology.is_main:
-            raise RuntimeError("EngineLoop.start is rank 0's; the other ranks call follow()")
+            raise RuntimeError("EngineLoop.start/run is rank 0's; the other ranks call follow()")
+        with self._cond:
+            if self._state != "new":
+                raise RuntimeError(f"this engine loop was already started ({self._state})")
+            self._state = "running"  # requests submitted from now on wait in the inbox
         self.engine.reset_clock()
-        self._thread = threading.Thread(target=self._run, name="xspec-engine", daemon=True)
-        self._thread.start()
 
     @property
     def running(self) -> bool:
-        return self._thread is not None and self._thread.is_alive() and not self._stopped
+        return self._state == "running"
 
     @property
     def in_flight(self) -> int:
@@ -135,18 +163,23 @@ class EngineLoop:
                 self._cond.notify()
 
     def join(self, timeout: float | None = None) -> None:
-        """Wait until the loop thread has ended (closed or failed)."""
-        if self._thread is not None:
-            self._thread.join(timeout)
+        """Wait until the loop has ended (stopped or failed); at once if never started."""
+        if self._state != "new":
+            self._done.wait(timeout)
 
-    def close(self, timeout: float = 30.0) -> None:
-        """Stop the loop (every rank leaves at the same iteration); open requests end
-        as aborted."""
+    def stop(self) -> None:
+        """Ask the loop to stop at its next iteration (every rank leaves at the same
+        one; open requests end as aborted). Does not wait: safe from a signal handler
+        on the loop's own thread."""
         with self._cond:
             self._inbox.stop = True
             self._cond.notify()
-        if self._thread is not None:
-            self._thread.join(timeout)
+
+    def close(self, timeout: float = 30.0) -> None:
+        """:meth:`stop`, then wait (up to ``timeout``) until the loop has ended."""
+        self.stop()
+        if threading.current_thread() is not self._loop_thread:
+            self.join(timeout)
 
     # ---- every rank -------------------------------------------------------------------
 
@@ -157,12 +190,17 @@ class EngineLoop:
     def _run(self) -> None:
         try:
             self._loop()
-        except BaseException as e:  # a dead peer, a bug: nobody must wait forever
+        except Exception as e:  # a dead peer, a bug: nobody must wait forever
             self.failure = f"{type(e).__name__}: {e}"
             log.error("the engine loop stopped: %s", self.failure)
             self._end_open("error", self.failure)
+        except BaseException:  # KeyboardInterrupt / SystemExit in run(): end, re-raise
+            self._end_open("abort", "the server is shutting down")
+            raise
         finally:
-            self._stopped = True
+            with self._cond:
+                self._state = "stopped"
+            self._done.set()
 
     def _loop(self) -> None:
         engine, topo = self.engine, self.parallel.topology

@@ -2,8 +2,8 @@
 
 The same Hydra groups and checks as ``python -m xspec`` (a user error prints one message
 and exits with code 2 before anything loads), then the model is built, warmed up with one
-short generation, and served until interrupted (Ctrl-C / SIGTERM: the open requests end,
-exit 0). Under ``torchrun`` every rank runs this; rank 0 alone binds the port and the
+short generation, and served until interrupted (Ctrl-C / SIGTERM: no new requests, those in
+flight get ``server.shutdown_grace_s`` to finish and then end as aborted, exit 0). Under ``torchrun`` every rank runs this; rank 0 alone binds the port and the
 others follow its engine loop (:mod:`xspec.engine.loop`). A dead or hung rank stops the
 loop: open requests end with an error, new ones get 503, and the server exits with code
 3 (:data:`~xspec.parallel.runtime.PEER_FAILURE_EXIT`) within ``parallel.timeout_s``.
@@ -18,6 +18,7 @@ import signal
 import socket
 import sys
 import threading
+import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -60,24 +61,53 @@ def serve(cfg: Any, built: Any, sock: socket.socket | None, model_option: str) -
     except PeerFailure as e:
         print(f"xspec.serve: error: {e}", file=sys.stderr, flush=True)
         os._exit(PEER_FAILURE_EXIT)
+    grace = cfg.server.shutdown_grace_s
     server = _Server(
         uvicorn.Config(
-            asgi_app(ctx), log_level="warning", access_log=False, timeout_graceful_shutdown=5
+            asgi_app(ctx),
+            log_level="warning",
+            access_log=False,
+            timeout_graceful_shutdown=grace + 5,  # the aborted requests' last chunks go out
         )
     )
     loop = ctx.loop
-    loop.start()
-    threading.Thread(target=_stop_when_loop_dies, args=(loop, server), daemon=True).start()
+
+    def http() -> None:
+        try:
+            server.run(sockets=[sock])
+        finally:
+            loop.stop()  # serving has ended (a signal, or the loop failed): the loop follows
+
+    # the engine steps on this (the main) thread, where the model was built; HTTP gets a
+    # thread of its own (xspec.engine.loop, "Which thread": 2.2x on the CPU)
+    http_thread = threading.Thread(target=http, name="xspec-http", daemon=True)
+    stopping = threading.Event()
+
+    def on_signal(sig: int, frame: Any) -> None:
+        """Stop taking requests; those in flight get ``shutdown_grace_s`` to finish, then
+        end as aborted (each stream with its last chunk and ``[DONE]``). A second
+        Ctrl-C cuts the open connections at once (uvicorn's force exit)."""
+        server.handle_exit(sig, frame)
+        if not stopping.is_set():
+            stopping.set()
+            timer = threading.Timer(grace, loop.stop)
+            timer.daemon = True
+            timer.start()
+
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, on_signal)
+    http_thread.start()
     host, port = sock.getsockname()[:2]
     print(
         f"xspec.serve: {ctx.model_name} (spec={cfg.spec.method}, platform={built.platform.name})"
         f" at http://{host}:{port}/v1",
         flush=True,
     )
-    try:
-        server.run(sockets=[sock])
-    finally:
-        loop.close()
+    loop.run()  # until http() stops it, or a failure
+    if loop.failure is not None:
+        time.sleep(1.0)  # the open requests' error replies go out
+        server.should_exit = True
+    http_thread.join(30)
     if loop.failure is not None:
         print(
             f"xspec.serve: error: the engine stopped: {loop.failure}", file=sys.stderr, flush=True
@@ -93,34 +123,14 @@ def _server_class() -> type:
     import uvicorn
 
     class Server(uvicorn.Server):
-        """uvicorn's server, except that SIGINT / SIGTERM only stop serving (uvicorn
-        re-raises them afterwards, which would skip closing the engine loop that the
-        other ranks follow)."""
+        """uvicorn's server in a thread that is not the main one: the main thread (the
+        engine's) installs the signal handlers, which call :meth:`handle_exit`."""
 
         @contextlib.contextmanager
         def capture_signals(self) -> Iterator[None]:
-            if threading.current_thread() is not threading.main_thread():
-                yield
-                return
-            sigs = (signal.SIGINT, signal.SIGTERM)
-            previous = {s: signal.signal(s, self.handle_exit) for s in sigs}
-            try:
-                yield
-            finally:
-                for s, handler in previous.items():
-                    signal.signal(s, handler)
+            yield
 
     return Server
-
-
-def _stop_when_loop_dies(loop: Any, server: Any) -> None:
-    """The loop failed (a dead rank, a bug): answer 503 a moment, then stop serving."""
-    import time
-
-    loop.join()
-    if loop.failure is not None:
-        time.sleep(1.0)  # the open requests' error replies go out
-        server.should_exit = True
 
 
 def _rank() -> int:

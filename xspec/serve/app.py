@@ -420,7 +420,9 @@ class _Reply:
 
     @staticmethod
     def finish_reason(gen: Generation) -> str:
-        return "length" if gen.finish_reason == "length" else "stop"
+        """OpenAI's ``stop`` / ``length``, and ``abort`` (as vLLM) for a request the
+        server ended (shutdown)."""
+        return gen.finish_reason if gen.finish_reason in ("length", "abort") else "stop"
 
     def usage(self, gen: Generation) -> dict:
         steps = gen.num_steps
