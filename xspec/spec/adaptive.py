@@ -19,6 +19,12 @@ One decision per step, per request, made **before drafting** by :class:`Speculat
    draft forward at all (a plain decode step). Candidates ``(r, j)`` are taken in
    descending ``a_{r,j}`` and the best prefix of that order wins (an exhaustive scan of
    the order: nothing in it depends on this step's drafts);
+   whether the step drafts at all is then decided on the two values corrected by what
+   such steps really delivered (:class:`ValueCheck`: per kind of step, plain or
+   drafting, the EMA of realised committed tokens per second over the value predicted
+   for them). The model's errors are not symmetric: the acceptance it learns comes from
+   the positions the trim kept (the confident ones), and a drafting step has costs the
+   profile does not see; near the crossover they flip the choice the wrong way;
 3. after drafting, a drafter with a confidence head has Algorithm 1
    (:func:`~xspec.spec.schedule.schedule_verify`) trim each request's verified prefix
    within ``d_r``, from its confidences, corrected per position by the realised
@@ -50,6 +56,7 @@ __all__ = [
     "Choice",
     "ConfidenceCorrection",
     "Speculation",
+    "ValueCheck",
     "choose_depths",
     "gamma_for_batch",
     "regime_of",
@@ -60,6 +67,7 @@ PRIOR_ACCEPTANCE = 0.7  # per-position acceptance assumed before anything was ve
 EXPLORE_STEPS = 2  # measured steps of each kind (plain / drafting) per batch size wanted
 SMALL_SCAN = 40  # candidates up to which the depth scan runs in plain Python
 EXPLORE_MARGIN = 0.15  # ... when the other kind is predicted within this of the best
+VALUE_PRIOR_STEPS = 2.0  # ValueCheck: steps' worth of "the model is right" before any data
 
 
 def regime_of(params: SamplingParams) -> str:
@@ -205,6 +213,35 @@ class ConfidenceCorrection:
             real.add(j, 1.0 if j < accepted else 0.0)
 
 
+class ValueCheck:
+    """Per kind of step (plain, drafting), how the value the model predicted compares to
+    what the steps delivered: an EMA (``decay``) of realised / predicted committed tokens
+    per second, shrunk to 1 by :data:`VALUE_PRIOR_STEPS` pseudo-steps. The decision
+    multiplies each kind's predicted value by its factor before comparing them."""
+
+    def __init__(self, decay: float = 0.9) -> None:
+        self.decay = decay
+        self._ema = {False: 1.0, True: 1.0}
+        self._n = {False: 0, True: 0}
+
+    def factor(self, drafting: bool) -> float:
+        n, w = self._n[drafting], VALUE_PRIOR_STEPS
+        return (n * self._ema[drafting] + w) / (n + w)
+
+    def observe(self, drafting: bool, predicted: float, realised: float) -> None:
+        if predicted <= 0 or not math.isfinite(predicted):
+            return
+        self._n[drafting] += 1
+        alpha = max(1.0 / self._n[drafting], 1.0 - self.decay)
+        self._ema[drafting] += alpha * (realised / predicted - self._ema[drafting])
+
+    def summary(self) -> dict[str, float]:
+        return {
+            "value_factor_plain": self.factor(False),
+            "value_factor_drafting": self.factor(True),
+        }
+
+
 @dataclass(frozen=True)
 class Choice:
     """:func:`scan_depths`'s answer: the best depths and its value (expected committed
@@ -291,6 +328,7 @@ class StepRecord:
     depths: list[int]  # decided before drafting
     expected: list[list[float]]  # [R][depth] pre-draft conditional acceptance estimates
     started: float = 0.0  # perf_counter at the decision
+    value: float = math.nan  # the value (tokens/s) predicted for ``depths`` (not corrected)
     raw: torch.Tensor | None = None  # [R, width] the draft's confidences (host, float64)
     confidence: torch.Tensor | None = None  # [R, width] corrected: what the trim used
 
@@ -329,6 +367,7 @@ class Speculation:
         self.synchronize = synchronize
         self.acceptance = AcceptanceModel(gamma)
         self.correction = ConfidenceCorrection(gamma)
+        self.value_check = ValueCheck()
         self.last: StepRecord | None = None
         # a test hook: ``force(caps) -> depths`` replaces the decision (clipped to caps)
         self.force: Callable[[list[int]], list[int]] | None = None
@@ -360,6 +399,7 @@ class Speculation:
         conditional = [
             self.acceptance.conditional(g, h, rates[g]) for g, h in zip(regimes, histories)
         ]
+        value = math.nan
         if self.force is not None:
             depths = [max(0, min(d, c)) for d, c in zip(self.force(caps), caps)]
         elif self.cost is None or not any(caps):
@@ -367,16 +407,30 @@ class Speculation:
         else:
             surv = [list(itertools.accumulate(c, operator.mul)) for c in conditional]
             R = len(caps)
-            choice = scan_depths(surv, caps, self.cost.line(R, R + sum(caps)))
-            depths = choice.depths
+            choice = self._checked(scan_depths(surv, caps, self.cost.line(R, R + sum(caps))))
+            depths, value = choice.depths, choice.value
             if choice.other is not None and self._explore(R, choice):
-                depths = choice.other
+                depths, value = choice.other, choice.other_value
             if self.trim_enabled:  # the draft forward costs the same at any depth: a
                 # drafting request drafts its cap, the trim picks the verified prefix
                 depths = [c if d > 0 else 0 for d, c in zip(depths, caps)]
         expected = [c[:d] for c, d in zip(conditional, depths)]
-        self.last = StepRecord(regimes, depths, expected, started)
+        self.last = StepRecord(regimes, depths, expected, started, value)
         return depths
+
+    def _checked(self, choice: Choice) -> Choice:
+        """``choice`` with the plain / drafting decision made on values corrected by
+        :class:`ValueCheck` (the depths of each kind stay the model's). The values it
+        carries stay the model's predictions, which :meth:`observe` compares with what
+        happened."""
+        if choice.other is None:
+            return choice
+        drafts = any(choice.depths)
+        best = choice.value * self.value_check.factor(drafts)
+        other = choice.other_value * self.value_check.factor(not drafts)
+        if other > best:
+            return Choice(choice.other, choice.other_value, choice.depths, choice.value)
+        return choice
 
     def _explore(self, requests: int, choice: Choice) -> bool:
         """Take the other kind of step (plain / drafting) instead of the best, to measure
@@ -388,7 +442,9 @@ class Speculation:
         assert self.cost is not None
         kind = any(d > 0 for d in choice.other or [])
         seen = self.cost.kind_counts.get((requests, kind), 0)
-        return seen < EXPLORE_STEPS and choice.other_value >= (1 - EXPLORE_MARGIN) * choice.value
+        other = choice.other_value * self.value_check.factor(kind)
+        best = choice.value * self.value_check.factor(not kind)
+        return seen < EXPLORE_STEPS and other >= (1 - EXPLORE_MARGIN) * best
 
     def trim(self, confidence: torch.Tensor, depths: list[int]) -> list[int]:
         """After drafting: Algorithm 1 within ``depths`` on the corrected confidences
@@ -417,6 +473,9 @@ class Speculation:
             seconds = time.perf_counter() - rec.started
             drafting = sum(d > 0 for d in rec.depths)
             self.cost.update(len(verified), len(verified) + sum(verified), drafting, seconds)
+            if seconds > 0 and math.isfinite(rec.value):
+                committed = len(verified) + sum(accepted)
+                self.value_check.observe(drafting > 0, rec.value, committed / seconds)
         raw = rec.raw.tolist() if rec.raw is not None else None  # one copy, not one per row
         for b, history in enumerate(histories):
             self.acceptance.observe(rec.regimes[b], history, verified[b], accepted[b])

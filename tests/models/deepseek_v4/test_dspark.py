@@ -15,6 +15,7 @@ from tests.platforms.conformance import NativeSas, PlatformCfg
 from xspec.errors import CheckpointError
 from xspec.models.deepseek_v4.args import DeepseekV4Args
 from xspec.models.deepseek_v4.dspark import (
+    PENDING_ROWS,
     DraftWindow,
     DSparkDraft,
     block_index,
@@ -118,6 +119,40 @@ def naive_block(
         x = hc_post(stage.ffn(stage.ffn_norm(u), tokens), x, post, comb)
     h = last.hyper_head(x)
     return h, last.head(last.norm(h)).float()
+
+
+def test_context_waits_until_drafting_or_a_full_batch(draft: DSparkDraft) -> None:
+    """Committed rows wait in ``pending`` (steps that do not draft write nothing) and are
+    written in one batch when the sequence drafts or ``PENDING_ROWS`` gathered; a long
+    prompt writes only its last ``window`` rows. The drafts equal a cache written row by
+    row at once."""
+    draft.set_window(DraftWindow(platform("auto")))
+    window = draft.args.sliding_window
+    gen = torch.Generator().manual_seed(3)
+    k_d = 3 * draft.args.hidden_size
+    lazy, eager = draft.new_cache(3), draft.new_cache(3)
+    prompt = torch.randn(2 * window + 5, k_d, generator=gen)
+    draft.write_context([lazy], prompt, [len(prompt)])  # > PENDING_ROWS: written now
+    assert lazy.num_tokens == len(prompt) and lazy.pending_rows == 0
+    for row in prompt:
+        draft.write_context([eager], row[None], [1])
+        draft.flush_context([eager])
+    for n in range(1, PENDING_ROWS):  # plain steps: one committed row each, nothing written
+        draft.write_context([lazy], torch.randn(1, k_d, generator=gen), [1])
+        assert (lazy.num_tokens, lazy.pending_rows, lazy.observed) == (
+            len(prompt),
+            n,
+            len(prompt) + n,
+        )
+    for row in torch.cat(lazy.pending):
+        draft.write_context([eager], row[None], [1])
+        draft.flush_context([eager])
+    tokens = torch.randint(0, 511, (1, 3), generator=gen)
+    got = draft.forward_block([lazy], tokens)[1]  # flushes first
+    assert lazy.pending_rows == 0 and lazy.num_tokens == eager.num_tokens
+    torch.testing.assert_close(got, draft.forward_block([eager], tokens)[1], atol=2e-5, rtol=2e-5)
+    draft.write_context([lazy], torch.randn(PENDING_ROWS, k_d, generator=gen), [PENDING_ROWS])
+    assert lazy.pending_rows == 0  # a full batch is written at once
 
 
 @pytest.mark.parametrize("native_sas", ["auto", "off"])

@@ -257,14 +257,31 @@ class DSparkStage(Block, HyperHead):
         return out, ctx.rot
 
 
+PENDING_ROWS = 8  # committed rows a sequence holds back before its context K/V is written
+
+
 class DSparkCache:
     """One sequence's draft context: per stage a ring ``[window, head_dim]`` of context
-    K/V, position ``p`` in slot ``p % window``. ``num_tokens``: context rows written (the
-    anchor's position when drafting). Only committed positions are written: no rollback."""
+    K/V, position ``p`` in slot ``p % window``. ``num_tokens``: context rows written.
+    Only committed positions are written: no rollback.
+
+    ``pending``: the captures of committed rows not yet turned into K/V (views of the
+    step's capture tensor), ``pending_rows`` of them, at positions ``num_tokens ..``.
+    They are written in one batch when the sequence next drafts or when
+    :data:`PENDING_ROWS` have gathered, so steps that do not draft (``spec.adaptive``
+    deciding depth 0) cost the draft almost nothing, and of a long prompt only the last
+    ``window`` rows are ever computed (the ring keeps no more)."""
 
     def __init__(self, rings: list[Ring]) -> None:
         self.rings = rings
         self.num_tokens = 0
+        self.pending: list[torch.Tensor] = []  # [n_i, K*d] each
+        self.pending_rows = 0
+
+    @property
+    def observed(self) -> int:
+        """Committed positions seen: written plus pending (the anchor's position)."""
+        return self.num_tokens + self.pending_rows
 
     def nbytes_allocated(self) -> int:
         return sum(r.data.numel() * r.data.element_size() for r in self.rings)
@@ -340,9 +357,14 @@ class DSparkDraft(nn.Module):
 
     def kv_bytes(self, gamma: int) -> KvBytes:
         """One ``[window, head_dim]`` context ring per stage; every stage is ratio 1, so
-        nothing grows with the context (xLLM: the DSpark draft reserves only its SWA pool)."""
+        nothing grows with the context (xLLM: the DSpark draft reserves only its SWA pool).
+        Plus the captures a sequence may hold back (:class:`DSparkCache`): at most
+        :data:`PENDING_ROWS` steps of ``gamma + 1`` rows of ``K*d``."""
         w, hd = self.args.sliding_window, self.args.head_dim
-        return KvBytes(len(self.stages) * w * hd * self.stages[0].attn.dtype.itemsize, 0.0)
+        item = self.stages[0].attn.dtype.itemsize
+        capture = len(self.stages) * self.args.hidden_size  # K*d
+        pending = PENDING_ROWS * (gamma + 1) * capture * item
+        return KvBytes(len(self.stages) * w * hd * item + pending, 0.0)
 
     def new_cache(self, gamma: int, max_tokens: int | None = None) -> DSparkCache:
         w, hd = self.args.sliding_window, self.args.head_dim
@@ -351,19 +373,40 @@ class DSparkDraft(nn.Module):
             [Ring(attn.attn_sink.new_zeros(w, hd, dtype=attn.dtype)) for _ in self.stages]
         )
 
+    @torch.no_grad()
     def write_context(
         self, caches: list[DSparkCache], aux: torch.Tensor, seq_lens: list[int]
     ) -> None:
-        """Context K/V of the new committed positions: ``aux [sum seq_lens, K*d]``."""
-        starts = [c.num_tokens for c in caches]
-        layout = BatchLayout(_positions(starts, seq_lens, aux.device), seq_lens, starts)
-        live = [caches[b] for b in layout.live]
+        """Take in the captures ``aux [sum seq_lens, K*d]`` of new committed positions.
+        They wait in each cache's ``pending`` (:class:`DSparkCache`); a cache that has
+        gathered :data:`PENDING_ROWS` rows is written now, in one batch."""
+        due = []
+        for cache, rows in zip(caches, aux.split(seq_lens)):
+            if rows.shape[0]:
+                cache.pending.append(rows)
+                cache.pending_rows += rows.shape[0]
+                if cache.pending_rows >= PENDING_ROWS:
+                    due.append(cache)
+        self.flush_context(due)
+
+    @torch.no_grad()
+    def flush_context(self, caches: list[DSparkCache]) -> None:
+        """Write the pending context K/V of ``caches``: of each, only the rows its ring
+        keeps (the last ``window``)."""
+        caches = [c for c in caches if c.pending_rows]
+        if not caches:
+            return
         window = self.args.sliding_window
+        keep = [min(c.pending_rows, window) for c in caches]
+        aux = torch.cat([torch.cat(c.pending)[-k:] for c, k in zip(caches, keep)])
+        starts = [c.num_tokens + c.pending_rows - k for c, k in zip(caches, keep)]
+        layout = BatchLayout(_positions(starts, keep, aux.device), keep, starts)
         for i, kv in enumerate(self.context_kv(aux, layout)):
-            ring = stack_rings([c.rings[i] for c in live])  # [B, window, D]
-            scatter_rows(ring, kv, layout.ring_slots(window))  # the last `window` rows
-        for cache, n in zip(caches, seq_lens):
-            cache.num_tokens += n
+            ring = stack_rings([c.rings[i] for c in caches])  # [B, window, D]
+            scatter_rows(ring, kv, layout.ring_slots(window))
+        for cache in caches:
+            cache.num_tokens += cache.pending_rows
+            cache.pending, cache.pending_rows = [], 0
 
     def context_kv(self, aux: torch.Tensor, layout: BatchLayout) -> list[torch.Tensor]:
         """Each stage's context K/V rows ``[T, D]`` (roped at ``layout``'s positions) of the
@@ -379,6 +422,7 @@ class DSparkDraft(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """``tokens [B, W]`` at positions ``p_b .. p_b+W-1`` -> (hc_head output before the
         final norm ``[B, W, d]``, raw logits ``[B, W, V]`` fp32)."""
+        self.flush_context(caches)
         starts = torch.tensor([c.num_tokens for c in caches], device=tokens.device)  # [B]
         rows = self.block_rows(tokens, starts)
         return self.run_block(
