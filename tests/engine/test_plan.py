@@ -94,7 +94,9 @@ def hand_kv() -> tuple[int, float, int]:
         coff = 2 if ratio == 4 else 1
         widths = [HD, IHD] if ratio == 4 else [HD] if ratio else []
         fixed += sum(2 * (coff * ratio + ROLLBACK) * coff * w * 4 for w in widths)
-    return fixed, per_token, STAGES * WINDOW * HD * 2  # one window ring per DSpark stage
+    rings = STAGES * WINDOW * HD * 2  # one window ring per DSpark stage
+    held = 8 * (GAMMA + 1) * STAGES * D * 2  # captures held back: 8 steps of K*d rows
+    return fixed, per_token, rings + held
 
 
 def _plan(tmp_path: Path, ckpt: Path, *args: str) -> tuple[int, dict, str, str]:

@@ -30,6 +30,7 @@ from xspec.spec.adaptive import (
     AcceptanceModel,
     ConfidenceCorrection,
     Speculation,
+    ValueCheck,
     choose_depths,
     gamma_for_batch,
     regime_of,
@@ -297,6 +298,35 @@ def test_the_other_kind_of_step_is_measured_a_few_times_when_close() -> None:
     assert True in kinds and False in kinds, kinds
     counts = s2.cost.kind_counts  # type: ignore[union-attr]
     assert counts[(1, True)] >= 1 and counts[(1, False)] >= 1
+
+
+def test_the_plain_or_drafting_choice_follows_what_such_steps_delivered() -> None:
+    """The model predicts drafting 1.86x a plain step (above). When drafting steps deliver
+    only 0.3 of what was predicted for them (and plain steps what was predicted), the
+    step is plain; the depths of a drafting step stay the model's."""
+    v = ValueCheck()
+    assert v.factor(True) == v.factor(False) == 1.0  # no data: the model as it is
+    for _ in range(30):
+        v.observe(True, 100.0, 30.0)
+    assert v.factor(True) == pytest.approx((30 * 0.3 + 2) / 32)  # shrunk by 2 pseudo-steps
+    assert v.factor(False) == 1.0
+    cost = StepCost(
+        requests=[1, 8], drafts=[0, 5], seconds=[[1.0, 1.2]] * 2, draft_seconds=[0.1] * 2
+    )
+    s = Speculation(2, cost=OnlineStepCost(cost))
+    params, histories = [SamplingParams()], [s.new_history()]
+    assert s.depths(params, histories, [2]) == [2]
+    s.observe(histories, [2], [1])  # a drafting step: its realised value is taken in
+    assert s.value_check._n == {False: 0, True: 1}
+    s = Speculation(2, cost=OnlineStepCost(cost))  # (that step's wall time is not the test's)
+    histories = [s.new_history()]
+    assert s.depths(params, histories, [2]) == [2]
+    for _ in range(30):
+        s.value_check.observe(True, 1.0, 0.3)
+        s.value_check.observe(False, 1.0, 1.0)
+    for _ in range(3):  # no exploration either: drafting at about 0.6x plain is beyond the margin
+        assert s.depths(params, histories, [2]) == [0]
+        s.cost.update(1, 1, 0, 1.0)  # type: ignore[union-attr]
 
 
 def _flat(s: Speculation, c: float) -> Any:

@@ -165,7 +165,17 @@ class AcceptanceModel:
     def observe(
         self, regime: str, history: AcceptanceHistory | None, verified: int, accepted: int
     ) -> None:
-        """One request-step: ``verified`` drafts scored, the first ``accepted`` accepted."""
+        """One request-step: ``verified`` drafts scored, the first ``accepted`` accepted.
+        A step that verified nothing still ages the request's own counts, so its estimate
+        drifts back to its regime's: a request that stopped drafting after a bad spell
+        would otherwise keep its bad estimate for good (it never drafts again to learn
+        better), which at concurrency 1 costs the whole rest of the request."""
+        if verified == 0:
+            if history is not None:
+                c = history.counts
+                c.reached = [c.decay * x for x in c.reached]
+                c.hits = [c.decay * x for x in c.hits]
+            return
         batch = self.regimes.setdefault(regime, _Decayed(self.gamma, self.batch_decay))
         for j in range(min(verified, accepted + 1)):  # reached: the prefix before j accepted
             hit = 1.0 if j < accepted else 0.0

@@ -260,6 +260,16 @@ class DSparkStage(Block, HyperHead):
 PENDING_ROWS = 8  # committed rows a sequence holds back before its context K/V is written
 
 
+def context_bytes(num_stages: int, args: DeepseekV4Args, gamma: int, itemsize: int) -> KvBytes:
+    """One sequence's draft state: a ``[window, head_dim]`` context ring per stage; every
+    stage is ratio 1, so nothing grows with the context (xLLM: the DSpark draft reserves
+    only its SWA pool). Plus the captures it may hold back (:class:`DSparkCache`): at
+    most :data:`PENDING_ROWS` steps of ``gamma + 1`` rows of ``K*d``."""
+    ring = num_stages * args.sliding_window * args.head_dim * itemsize
+    pending = PENDING_ROWS * (gamma + 1) * num_stages * args.hidden_size * itemsize
+    return KvBytes(ring + pending, 0.0)
+
+
 class DSparkCache:
     """One sequence's draft context: per stage a ring ``[window, head_dim]`` of context
     K/V, position ``p`` in slot ``p % window``. ``num_tokens``: context rows written.
@@ -356,15 +366,7 @@ class DSparkDraft(nn.Module):
     # -- BlockDraftModel ------------------------------------------------------------------
 
     def kv_bytes(self, gamma: int) -> KvBytes:
-        """One ``[window, head_dim]`` context ring per stage; every stage is ratio 1, so
-        nothing grows with the context (xLLM: the DSpark draft reserves only its SWA pool).
-        Plus the captures a sequence may hold back (:class:`DSparkCache`): at most
-        :data:`PENDING_ROWS` steps of ``gamma + 1`` rows of ``K*d``."""
-        w, hd = self.args.sliding_window, self.args.head_dim
-        item = self.stages[0].attn.dtype.itemsize
-        capture = len(self.stages) * self.args.hidden_size  # K*d
-        pending = PENDING_ROWS * (gamma + 1) * capture * item
-        return KvBytes(len(self.stages) * w * hd * item + pending, 0.0)
+        return context_bytes(len(self.stages), self.args, gamma, self.stages[0].attn.dtype.itemsize)
 
     def new_cache(self, gamma: int, max_tokens: int | None = None) -> DSparkCache:
         w, hd = self.args.sliding_window, self.args.head_dim
@@ -754,7 +756,7 @@ def footprint(layout: Any, spec_cfg: Any, model_cfg: Any, gamma: int) -> Footpri
     a = plan.args
     return Footprint(
         tensors=stored_footprint(plan.ckpt, plan.names, plan.dequant, itemsize),
-        kv=KvBytes(plan.num_stages * a.sliding_window * a.head_dim * itemsize, 0.0),
+        kv=context_bytes(plan.num_stages, a, gamma, itemsize),
         num_experts=a.n_routed_experts,
     )
 
