@@ -20,6 +20,7 @@ from xspec.engine.memory import (
 )
 from xspec.errors import ConfigError, MemoryBudgetError
 from xspec.models.base import KvBytes
+from xspec.models.deepseek_v4.dspark import PENDING_ROWS
 from xspec.sampling import SamplingParams
 from xspec.spec.step import decode_step, prefill
 
@@ -73,12 +74,14 @@ def test_pool_reserves_and_releases() -> None:
 
 
 def test_dspark_reserves_only_window_rings_mtp_its_layer() -> None:
-    """The DeepSeek-V4 DSpark draft keeps one [window, head_dim] ring per stage and
-    nothing per token; MTP keeps its SWA ring (+ rollback rows); Qwen3 drafts grow."""
+    """The DeepSeek-V4 DSpark draft keeps one [window, head_dim] ring per stage, a small
+    buffer of captures held back, and nothing per token; MTP keeps its SWA ring (+ rollback rows); Qwen3 drafts grow."""
     dspark = llm("dsv4_tiny_random", "dspark")._built
     args, stages = dspark.target.args, len(dspark.drafter.model.stages)
     es = dspark.target.dtype.itemsize
-    assert dspark.drafter.kv_bytes() == KvBytes(stages * args.sliding_window * args.head_dim * es)
+    rings = stages * args.sliding_window * args.head_dim * es
+    held = PENDING_ROWS * stages * args.hidden_size * es  # captures not yet written
+    assert dspark.drafter.kv_bytes() == KvBytes(rings + held)
     mtp = llm("dsv4_tiny_random", "mtp")._built
     assert mtp.drafter.kv_bytes().fixed >= args.sliding_window * args.head_dim * es
     assert mtp.engine.plan.target == mtp.target.kv_bytes()

@@ -122,8 +122,8 @@ def naive_block(
 
 
 def test_context_waits_until_drafting_or_a_full_batch(draft: DSparkDraft) -> None:
-    """Committed rows wait in ``pending`` (steps that do not draft write nothing) and are
-    written in one batch when the sequence drafts or ``PENDING_ROWS`` gathered; a long
+    """Committed rows wait in ``held`` (steps that do not draft write no K/V) and are
+    written in one batch when the sequence drafts or the buffer is full; a long
     prompt writes only its last ``window`` rows. The drafts equal a cache written row by
     row at once."""
     draft.set_window(DraftWindow(platform("auto")))
@@ -144,7 +144,7 @@ def test_context_waits_until_drafting_or_a_full_batch(draft: DSparkDraft) -> Non
             n,
             len(prompt) + n,
         )
-    for row in torch.cat(lazy.pending):
+    for row in lazy.held[: lazy.pending_rows].clone():
         draft.write_context([eager], row[None], [1])
         draft.flush_context([eager])
     tokens = torch.randint(0, 511, (1, 3), generator=gen)

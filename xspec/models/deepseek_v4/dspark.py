@@ -263,11 +263,11 @@ PENDING_ROWS = 8  # committed rows a sequence holds back before its context K/V 
 def context_bytes(num_stages: int, args: DeepseekV4Args, gamma: int, itemsize: int) -> KvBytes:
     """One sequence's draft state: a ``[window, head_dim]`` context ring per stage; every
     stage is ratio 1, so nothing grows with the context (xLLM: the DSpark draft reserves
-    only its SWA pool). Plus the captures it may hold back (:class:`DSparkCache`): at
-    most :data:`PENDING_ROWS` steps of ``gamma + 1`` rows of ``K*d``."""
+    only its SWA pool). Plus the buffer of captures it holds back (:class:`DSparkCache`):
+    :data:`PENDING_ROWS` rows of ``K*d``."""
     ring = num_stages * args.sliding_window * args.head_dim * itemsize
-    pending = PENDING_ROWS * (gamma + 1) * num_stages * args.hidden_size * itemsize
-    return KvBytes(ring + pending, 0.0)
+    held = PENDING_ROWS * num_stages * args.hidden_size * itemsize
+    return KvBytes(ring + held, 0.0)
 
 
 class DSparkCache:
@@ -275,26 +275,26 @@ class DSparkCache:
     K/V, position ``p`` in slot ``p % window``. ``num_tokens``: context rows written.
     Only committed positions are written: no rollback.
 
-    ``pending``: the captures of committed rows not yet turned into K/V (views of the
-    step's capture tensor), ``pending_rows`` of them, at positions ``num_tokens ..``.
-    They are written in one batch when the sequence next drafts or when
-    :data:`PENDING_ROWS` have gathered, so steps that do not draft (``spec.adaptive``
-    deciding depth 0) cost the draft almost nothing, and of a long prompt only the last
-    ``window`` rows are ever computed (the ring keeps no more)."""
+    ``held [PENDING_ROWS, K*d]``: the captures of committed rows not yet turned into K/V,
+    ``pending_rows`` of them, at positions ``num_tokens ..``. They are written in one
+    batch when the sequence next drafts or when the buffer is full, so steps that do not
+    draft (``spec.adaptive`` deciding depth 0) cost the draft one row copy, and of a long
+    prompt only the last ``window`` rows are ever computed (the ring keeps no more)."""
 
-    def __init__(self, rings: list[Ring]) -> None:
+    def __init__(self, rings: list[Ring], held: torch.Tensor) -> None:
         self.rings = rings
+        self.held = held
         self.num_tokens = 0
-        self.pending: list[torch.Tensor] = []  # [n_i, K*d] each
         self.pending_rows = 0
 
     @property
     def observed(self) -> int:
-        """Committed positions seen: written plus pending (the anchor's position)."""
+        """Committed positions seen: written plus held back (the anchor's position)."""
         return self.num_tokens + self.pending_rows
 
     def nbytes_allocated(self) -> int:
-        return sum(r.data.numel() * r.data.element_size() for r in self.rings)
+        tensors = [r.data for r in self.rings] + [self.held]
+        return sum(t.numel() * t.element_size() for t in tensors)
 
 
 class DSparkDraft(nn.Module):
@@ -371,8 +371,10 @@ class DSparkDraft(nn.Module):
     def new_cache(self, gamma: int, max_tokens: int | None = None) -> DSparkCache:
         w, hd = self.args.sliding_window, self.args.head_dim
         attn = self.stages[0].attn
+        capture = len(self.stages) * self.args.hidden_size  # K*d
         return DSparkCache(  # one ring per stage
-            [Ring(attn.attn_sink.new_zeros(w, hd, dtype=attn.dtype)) for _ in self.stages]
+            [Ring(attn.attn_sink.new_zeros(w, hd, dtype=attn.dtype)) for _ in self.stages],
+            attn.attn_sink.new_zeros(PENDING_ROWS, capture, dtype=attn.dtype),
         )
 
     @torch.no_grad()
@@ -380,35 +382,46 @@ class DSparkDraft(nn.Module):
         self, caches: list[DSparkCache], aux: torch.Tensor, seq_lens: list[int]
     ) -> None:
         """Take in the captures ``aux [sum seq_lens, K*d]`` of new committed positions.
-        They wait in each cache's ``pending`` (:class:`DSparkCache`); a cache that has
-        gathered :data:`PENDING_ROWS` rows is written now, in one batch."""
-        due = []
+        They wait in each cache's ``held`` buffer (:class:`DSparkCache`); a cache whose
+        rows do not fit in it any more is written now, in one batch."""
+        due: list[tuple[DSparkCache, torch.Tensor | None]] = []
         for cache, rows in zip(caches, aux.split(seq_lens)):
-            if rows.shape[0]:
-                cache.pending.append(rows)
-                cache.pending_rows += rows.shape[0]
-                if cache.pending_rows >= PENDING_ROWS:
-                    due.append(cache)
-        self.flush_context(due)
+            n, k = rows.shape[0], cache.pending_rows
+            if not n:
+                continue
+            if k + n < PENDING_ROWS:
+                cache.held[k : k + n] = rows
+                cache.pending_rows += n
+            else:  # full: written with what it held
+                due.append((cache, rows))
+        self._write(due)
 
     @torch.no_grad()
     def flush_context(self, caches: list[DSparkCache]) -> None:
-        """Write the pending context K/V of ``caches``: of each, only the rows its ring
-        keeps (the last ``window``)."""
-        caches = [c for c in caches if c.pending_rows]
-        if not caches:
+        """Write the context K/V that ``caches`` hold back."""
+        self._write([(c, None) for c in caches if c.pending_rows])
+
+    def _write(self, due: list[tuple[DSparkCache, torch.Tensor | None]]) -> None:
+        """Context K/V of each cache's held rows followed by ``rows``: of each, only the
+        rows its ring keeps (the last ``window``)."""
+        if not due:
             return
         window = self.args.sliding_window
-        keep = [min(c.pending_rows, window) for c in caches]
-        aux = torch.cat([torch.cat(c.pending)[-k:] for c, k in zip(caches, keep)])
-        starts = [c.num_tokens + c.pending_rows - k for c, k in zip(caches, keep)]
+        parts, keep, starts = [], [], []
+        for cache, rows in due:
+            held = cache.held[: cache.pending_rows]
+            new = held if rows is None else torch.cat([held, rows.to(held.dtype)])
+            k = min(new.shape[0], window)
+            parts.append(new[-k:])
+            keep.append(k)
+            starts.append(cache.num_tokens + new.shape[0] - k)
+            cache.num_tokens += new.shape[0]
+            cache.pending_rows = 0
+        aux = torch.cat(parts)
         layout = BatchLayout(_positions(starts, keep, aux.device), keep, starts)
         for i, kv in enumerate(self.context_kv(aux, layout)):
-            ring = stack_rings([c.rings[i] for c in caches])  # [B, window, D]
+            ring = stack_rings([c.rings[i] for c, _ in due])  # [B, window, D]
             scatter_rows(ring, kv, layout.ring_slots(window))
-        for cache in caches:
-            cache.num_tokens += cache.pending_rows
-            cache.pending, cache.pending_rows = [], 0
 
     def context_kv(self, aux: torch.Tensor, layout: BatchLayout) -> list[torch.Tensor]:
         """Each stage's context K/V rows ``[T, D]`` (roped at ``layout``'s positions) of the
