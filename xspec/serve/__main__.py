@@ -2,9 +2,10 @@
 
 The same Hydra groups and checks as ``python -m xspec`` (a user error prints one message
 and exits with code 2 before anything loads), then the model is built, warmed up with one
-short generation, and served until interrupted (Ctrl-C / SIGTERM: no new requests, those in
-flight get ``server.shutdown_grace_s`` to finish and then end as aborted, exit 0). Under ``torchrun`` every rank runs this; rank 0 alone binds the port and the
-others follow its engine loop (:mod:`xspec.engine.loop`). A dead or hung rank stops the
+short generation, and served until interrupted (Ctrl-C / SIGTERM: no new requests, those
+in flight get ``server.shutdown_grace_s`` to finish and then end as aborted, exit 0).
+Under ``torchrun`` every rank runs this; rank 0 alone binds the port and the others
+follow its engine loop (:mod:`xspec.engine.loop`). A dead or hung rank stops the
 loop: open requests end with an error, new ones get 503, and the server exits with code
 3 (:data:`~xspec.parallel.runtime.PEER_FAILURE_EXIT`) within ``parallel.timeout_s``.
 """
