@@ -329,7 +329,7 @@ class _Mailbox:
     steps."""
 
     def __init__(self, aio: asyncio.AbstractEventLoop) -> None:
-        self._aio = aio
+        self._aio = weakref.ref(aio)  # not a strong one: the loop keys _MAILBOXES
         self._lock = threading.Lock()
         self._items: list[tuple[asyncio.Queue[Delta], Delta]] = []
         self._scheduled = False
@@ -341,7 +341,15 @@ class _Mailbox:
             if self._scheduled:
                 return
             self._scheduled = True
-        self._aio.call_soon_threadsafe(self._deliver)
+        aio = self._aio()
+        if aio is None:  # the event loop is gone: nobody reads these
+            return
+        try:
+            aio.call_soon_threadsafe(self._deliver)
+        except RuntimeError:  # closed: later posts must try again (and fail alike)
+            with self._lock:
+                self._scheduled = False
+            raise
 
     def _deliver(self) -> None:
         with self._lock:
