@@ -260,7 +260,7 @@ class DSparkStage(Block, HyperHead):
 PENDING_ROWS = 8  # committed rows a sequence holds back before its context K/V is written
 
 
-def context_bytes(num_stages: int, args: DeepseekV4Args, gamma: int, itemsize: int) -> KvBytes:
+def context_bytes(num_stages: int, args: DeepseekV4Args, itemsize: int) -> KvBytes:
     """One sequence's draft state: a ``[window, head_dim]`` context ring per stage; every
     stage is ratio 1, so nothing grows with the context (xLLM: the DSpark draft reserves
     only its SWA pool). Plus the buffer of captures it holds back (:class:`DSparkCache`):
@@ -366,7 +366,7 @@ class DSparkDraft(nn.Module):
     # -- BlockDraftModel ------------------------------------------------------------------
 
     def kv_bytes(self, gamma: int) -> KvBytes:
-        return context_bytes(len(self.stages), self.args, gamma, self.stages[0].attn.dtype.itemsize)
+        return context_bytes(len(self.stages), self.args, self.stages[0].attn.dtype.itemsize)
 
     def new_cache(self, gamma: int, max_tokens: int | None = None) -> DSparkCache:
         w, hd = self.args.sliding_window, self.args.head_dim
@@ -769,7 +769,7 @@ def footprint(layout: Any, spec_cfg: Any, model_cfg: Any, gamma: int) -> Footpri
     a = plan.args
     return Footprint(
         tensors=stored_footprint(plan.ckpt, plan.names, plan.dequant, itemsize),
-        kv=context_bytes(plan.num_stages, a, gamma, itemsize),
+        kv=context_bytes(plan.num_stages, a, itemsize),
         num_experts=a.n_routed_experts,
     )
 
