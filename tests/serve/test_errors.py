@@ -4,6 +4,7 @@ a negative temperature, unsupported fields, an oversize body, a full queue."""
 
 from __future__ import annotations
 
+import json
 import time
 from collections.abc import Iterator
 
@@ -151,6 +152,20 @@ def test_a_request_past_the_timeout_gets_504_and_is_aborted() -> None:
         body = {"model": live.name, "prompt": [1, 2, 3], "max_tokens": 2000, "ignore_eos": True}
         err = error_of(post(live, body), 504)
         assert err["type"] == "timeout" and "request_timeout_s" in err["message"]
+        for _ in range(100):
+            if live.ctx.loop.in_flight == 0:
+                break
+            time.sleep(0.05)
+        assert live.ctx.loop.in_flight == 0 and live.llm._built.engine.pool.reserved == 0
+        # streamed: the stream ends with a timeout error event and [DONE], and is aborted
+        with httpx.stream(
+            "POST", live.url + "/v1/completions", json=body | {"stream": True}, timeout=60
+        ) as r:
+            events = [x[6:] for x in r.iter_lines() if x.startswith("data: ")]
+        assert events[-1] == "[DONE]"
+        err = json.loads(events[-2])["error"]
+        assert err["type"] == "timeout" and err["code"] == 504
+        assert len(events) > 3  # text came first
         for _ in range(100):
             if live.ctx.loop.in_flight == 0:
                 break

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import math
 import threading
 import time
 import uuid
@@ -296,10 +295,15 @@ async def _serve(
     ctx: ServeContext, request: Request, body: _Sampling, ids: list[int], *, chat: bool
 ) -> Response:
     req = _engine_request(ctx, body, ids)
-    queue: asyncio.Queue[Delta] = asyncio.Queue()
+    queue: asyncio.Queue[Delta | None] = asyncio.Queue()
     mailbox = _mailbox(asyncio.get_running_loop())
+
+    def on_delta(d: Delta) -> None:
+        if body.stream or d.finished:  # a plain request waits for its last delta only
+            mailbox.post(queue, d)
+
     try:
-        rid = ctx.loop.submit(req, lambda d: mailbox.post(queue, d))
+        rid = ctx.loop.submit(req, on_delta)
     except RequestError as e:
         raise ApiError(400, str(e).replace("request: ", "", 1), "invalid_request_error") from None
     except QueueFull as e:
@@ -331,10 +335,10 @@ class _Mailbox:
     def __init__(self, aio: asyncio.AbstractEventLoop) -> None:
         self._aio = weakref.ref(aio)  # not a strong one: the loop keys _MAILBOXES
         self._lock = threading.Lock()
-        self._items: list[tuple[asyncio.Queue[Delta], Delta]] = []
+        self._items: list[tuple[asyncio.Queue[Delta | None], Delta]] = []
         self._scheduled = False
 
-    def post(self, queue: asyncio.Queue[Delta], delta: Delta) -> None:
+    def post(self, queue: asyncio.Queue[Delta | None], delta: Delta) -> None:
         """From any thread: ``delta`` goes to ``queue`` on the event loop's thread."""
         with self._lock:
             self._items.append((queue, delta))
@@ -371,54 +375,48 @@ def _mailbox(aio: asyncio.AbstractEventLoop) -> _Mailbox:
     return box
 
 
-async def _next(queue: asyncio.Queue[Delta], deadline: float, poll_s: float = math.inf) -> Delta:
-    """The next delta; TimeoutError at ``deadline`` or after ``poll_s``."""
-    left = min(deadline - time.monotonic(), poll_s)
-    if left <= 0:
-        raise TimeoutError
-    return await asyncio.wait_for(queue.get(), timeout=left)
-
-
 async def _wait(
-    ctx: ServeContext, request: Request, queue: asyncio.Queue[Delta], rid: int, reply: _Reply
+    ctx: ServeContext, request: Request, queue: asyncio.Queue[Delta | None], rid: int, reply: _Reply
 ) -> Generation | None:
-    """The finished generation (None: the client disconnected first)."""
+    """The finished generation (None: the client disconnected first). Only the final
+    delta is posted for a plain request; meanwhile the client is checked every
+    :data:`DISCONNECT_POLL_S`."""
     deadline = time.monotonic() + ctx.request_timeout_s
-    checked = time.monotonic()
     while True:
+        left = deadline - time.monotonic()
+        if left <= 0:
+            raise ApiError(
+                504,
+                f"the request ran past server.request_timeout_s={ctx.request_timeout_s:g}",
+                "timeout",
+            )
         try:
-            d = await _next(queue, deadline, poll_s=DISCONNECT_POLL_S)
-        except TimeoutError:
-            if time.monotonic() >= deadline:
-                raise ApiError(
-                    504,
-                    f"the request ran past server.request_timeout_s={ctx.request_timeout_s:g}",
-                    "timeout",
-                ) from None
-        else:
-            if d.finished:
-                reply.done(d.generation)
-                return d.generation
-        if time.monotonic() - checked >= DISCONNECT_POLL_S:  # deltas may never pause
-            checked = time.monotonic()
+            d = await asyncio.wait_for(queue.get(), timeout=min(left, DISCONNECT_POLL_S))
+        except asyncio.TimeoutError:
             if await request.is_disconnected():
                 return None
+            continue
+        if d is not None and d.finished:
+            reply.done(d.generation)
+            return d.generation
 
 
 async def _sse(
-    ctx: ServeContext, request: Request, queue: asyncio.Queue[Delta], reply: _Reply
+    ctx: ServeContext, request: Request, queue: asyncio.Queue[Delta | None], reply: _Reply
 ) -> AsyncIterator[str]:
     """The SSE body; when the client goes away Starlette cancels it and ``finally``
     aborts the request."""
-    deadline = time.monotonic() + ctx.request_timeout_s
+    # One timer for the whole stream puts None (timed out) in the queue: no timeout
+    # wrapper, task or timer per delta on this hot path.
+    aio = asyncio.get_running_loop()
+    timer = aio.call_later(ctx.request_timeout_s, queue.put_nowait, None)
     text = TextStream(ctx.decode, reply.req.stop)
     try:
         if reply.chat:
             yield _data(reply.chunk({"role": "assistant", "content": ""}, None))
         while True:
-            try:
-                d = await _next(queue, deadline)
-            except TimeoutError:
+            d = await queue.get()
+            if d is None:
                 yield _data(
                     error_body(
                         f"the request ran past server.request_timeout_s={ctx.request_timeout_s:g}",
@@ -442,6 +440,7 @@ async def _sse(
                 yield _data(reply.chunk(piece, None))
         yield "data: [DONE]\n\n"
     finally:
+        timer.cancel()
         ctx.loop.abort(reply.rid)
 
 
