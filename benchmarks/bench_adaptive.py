@@ -1,9 +1,10 @@
 """Speculation that never loses: ``spec=none`` vs fixed-gamma DSpark vs ``spec.adaptive``
 vs ``spec.gamma_schedule``, against concurrency, greedy and sampled.
 
-    python benchmarks/bench_adaptive.py [--concurrency 1 4 8 16 32] [--temperatures 0 0.8]
+    python benchmarks/bench_adaptive.py [--concurrency 1 4 8 16 32 64] [--temperatures 0 0.8]
         [--reps 2] [--max-new 64] [--gamma 5] [--schedule '[[1,5],[8,3],[16,0]]']
-        [--out FILE.json] [--quick] [key=value ...]       # e.g. model=dsv4_tiny
+        [--out FILE.json] [--plot FILE.svg] [--replot FILE.json] [--quick]
+        [key=value ...]                                   # e.g. model=dsv4_tiny
 
 Every (configuration, temperature, concurrency, repeat) runs in **its own process**
 (``--child``: build, one unmeasured warm-up of two requests, then the measured run of
@@ -26,7 +27,8 @@ Printed: the markdown tables of docs/adaptive.md (tok/s per configuration, and t
 ratios adaptive / best-of(none, fixed) and schedule / best-of(none, fixed); the issue's
 bar is >= 0.97 everywhere), then per adaptive run the depth histogram, the steps that
 drafted nothing and the cost model's predicted vs measured step time. ``--out`` keeps
-every run's figures as JSON. ``--quick``: concurrency 1 and 8, greedy only, one repeat,
+every run's figures as JSON, ``--plot FILE.svg`` draws output tok/s against concurrency
+(``--replot FILE.json --plot FILE.svg`` redraws a saved run). ``--quick``: concurrency 1 and 8, greedy only, one repeat,
 16 new tokens (a smoke run, minutes).
 """
 
@@ -172,9 +174,74 @@ def details(a: argparse.Namespace, runs: dict[tuple[str, float, int], list[dict]
     return "\n".join(lines)
 
 
+LABELS = {
+    "none": "spec=none",
+    "fixed": "dspark, fixed gamma",
+    "adaptive": "dspark, spec.adaptive",
+    "schedule": "dspark, spec.gamma_schedule",
+}
+
+
+def plot(a: argparse.Namespace, runs: dict[tuple[str, float, int], list[dict]], path: Path) -> None:
+    """Output tok/s (median) against concurrency, one column per temperature, and below
+    it adaptive's and the schedule's ratio to the better of ``spec=none`` and fixed gamma
+    (the 0.97 goal drawn), as an SVG with its text kept as text (small and diffable;
+    docs/adaptive.md shows it)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    plt.rcParams.update({"svg.fonttype": "none", "svg.hashsalt": "xspec"})
+    temps = sorted({t for _, t, _ in runs})
+    fig, axes = plt.subplots(
+        2, len(temps), figsize=(5.2 * len(temps), 6.4), squeeze=False, sharex=True,
+        gridspec_kw={"height_ratios": [2, 1]},
+    )  # fmt: skip
+    styles = {"none": "k--o", "fixed": "C0-s", "adaptive": "C3-^", "schedule": "C2:d"}
+    for col, t in enumerate(temps):
+        top, bottom = axes[0][col], axes[1][col]
+        cs = sorted({c for _, tt, c in runs if tt == t})
+        med = {
+            cfg: [statistics.median(r["tok_s"] for r in runs[(cfg, t, c)]) for c in cs]
+            for cfg in CONFIGS
+        }
+        best = [max(n, f) for n, f in zip(med["none"], med["fixed"])]
+        for cfg in CONFIGS:
+            top.plot(cs, med[cfg], styles[cfg], label=LABELS[cfg], linewidth=1.5, markersize=5)
+        for cfg in ("adaptive", "schedule"):
+            ratio = [v / b for v, b in zip(med[cfg], best)]
+            bottom.plot(cs, ratio, styles[cfg], label=LABELS[cfg], linewidth=1.5, markersize=5)
+        bottom.axhline(1.0, color="k", linewidth=0.8)
+        bottom.axhline(0.97, color="C3", linewidth=0.8, linestyle="--", label="goal 0.97")
+        top.set_title("greedy" if t == 0 else f"T={t:g}")
+        top.set_ylabel("output tokens / s")
+        bottom.set_ylabel("/ best of none, fixed")
+        bottom.set_xlabel("concurrency (requests in flight)")
+        bottom.set_xscale("log", base=2)
+        bottom.set_xticks(cs, [str(c) for c in cs])
+        for ax in (top, bottom):
+            ax.grid(True, alpha=0.3)
+    axes[0][0].legend(fontsize=8)
+    axes[1][0].legend(fontsize=7)
+    reps = max(len(v) for v in runs.values())
+    fig.suptitle(f"{a.model}: throughput against concurrency (median of {reps})", fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, metadata={"Date": None})
+    plt.close(fig)
+
+
+def load_runs(path: Path) -> dict[tuple[str, float, int], list[dict]]:
+    """The runs ``--out`` saved."""
+    return {
+        (e["config"], float(e["temperature"]), int(e["concurrency"])): e["runs"]
+        for e in json.loads(path.read_text())
+    }
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 8, 16, 32])
+    ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 8, 16, 32, 64])
     ap.add_argument("--temperatures", type=float, nargs="+", default=[0.0, 0.8])
     ap.add_argument("--reps", type=int, default=2)
     ap.add_argument("--max-new", type=int, default=64)
@@ -183,12 +250,20 @@ def main() -> None:
     ap.add_argument("--prompts", type=Path, default=PROMPTS)
     ap.add_argument("--threads", type=int, default=1, help="torch CPU threads per run")
     ap.add_argument("--out", type=Path, default=None, help="every run's figures as JSON")
+    ap.add_argument("--plot", type=Path, default=None, help="throughput vs concurrency (SVG)")
+    ap.add_argument(
+        "--replot", type=Path, default=None, help="only plot the runs an --out JSON holds"
+    )
     ap.add_argument("--quick", action="store_true", help="a smoke run (see the docstring)")
     ap.add_argument("--child", default=None, help=argparse.SUPPRESS)
     ap.add_argument("overrides", nargs="*", help="key=value, e.g. model=dsv4_tiny")
     a = ap.parse_args()
     if a.child is not None:
         print(json.dumps(child(json.loads(a.child))))
+        return
+    a.model = dict(o.split("=", 1) for o in a.overrides).get("model", "dsv4_tiny")
+    if a.replot is not None:
+        plot(a, load_runs(a.replot), a.plot or a.replot.with_suffix(".svg"))
         return
     if a.quick:
         a.concurrency, a.temperatures, a.reps, a.max_new = [1, 8], [0.0], 1, 16
@@ -225,6 +300,8 @@ def main() -> None:
             for (cfg, t, c), rs in runs.items()
         ]
         atomic.write_json(a.out, body)
+    if a.plot is not None:
+        plot(a, runs, a.plot)
 
 
 if __name__ == "__main__":

@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from xspec.spec import schedule
 from xspec.spec.schedule import StepCost, schedule_verify, survivals
 
 
@@ -90,6 +91,27 @@ def test_matches_the_literal_algorithm_on_random_cases() -> None:
         got = schedule_verify(c, budgets, sps)
         assert got == reference(c, budgets, sps), (case, c, budgets)
         assert all(0 <= n <= m for n, m in zip(got, budgets))
+
+
+def test_small_scan_in_python_equals_the_tensor_scan(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Few candidates run in plain Python: the same lengths as the tensor path, ties,
+    out-of-range confidences and budgets included."""
+    gen = torch.Generator().manual_seed(1)
+    for case in range(300):
+        R, G = (
+            int(torch.randint(1, 9, (1,), generator=gen)),
+            int(torch.randint(1, 7, (1,), generator=gen)),
+        )
+        c = torch.rand(R, G, generator=gen, dtype=torch.float64) * 1.2 - 0.05
+        if case % 2:
+            c = (c * 4).round() / 4  # ties
+        budgets = torch.randint(0, G + 1, (R,), generator=gen).tolist()
+        slope = float(torch.rand(1, generator=gen)) * 0.3
+        sps = lambda b, s=slope: 1.0 / (1.0 + s * b)  # noqa: E731
+        monkeypatch.setattr(schedule, "SMALL_SCAN", 10**9)
+        small = schedule_verify(c, budgets, sps)
+        monkeypatch.setattr(schedule, "SMALL_SCAN", -1)
+        assert small == schedule_verify(c, budgets, sps), (case, c, budgets)
 
 
 def test_survivals_are_the_cumulative_product() -> None:

@@ -48,7 +48,7 @@ from dataclasses import dataclass
 import torch
 
 from xspec.sampling import SamplingParams
-from xspec.spec.schedule import OnlineStepCost, StepLine, schedule_verify
+from xspec.spec.schedule import SMALL_SCAN, OnlineStepCost, StepLine, schedule_verify
 
 __all__ = [
     "AcceptanceHistory",
@@ -65,7 +65,6 @@ __all__ = [
 
 PRIOR_ACCEPTANCE = 0.7  # per-position acceptance assumed before anything was verified
 EXPLORE_STEPS = 2  # measured steps of each kind (plain / drafting) per batch size wanted
-SMALL_SCAN = 40  # candidates up to which the depth scan runs in plain Python
 EXPLORE_MARGIN = 0.15  # ... when the other kind is predicted within this of the best
 VALUE_PRIOR_STEPS = 2.0  # ValueCheck: steps' worth of "the model is right" before any data
 

@@ -50,6 +50,8 @@ import torch
 
 __all__ = ["AdaptiveVerify", "OnlineStepCost", "StepCost", "schedule_verify"]
 
+SMALL_SCAN = 40  # candidates up to which a scan runs in plain Python (tensor ops cost more)
+
 
 def _lerp(xs: Sequence[float], ys: Sequence[float], x: float) -> float:
     """Piecewise-linear ``y(x)`` through ``(xs, ys)`` (xs ascending), clamped at both ends."""
@@ -155,6 +157,8 @@ def schedule_verify(
     R, G = confidence.shape
     if len(max_drafts) != R:
         raise ValueError(f"max_drafts has {len(max_drafts)} entries for {R} requests")
+    if sum(min(m, G) for m in max_drafts) <= SMALL_SCAN:
+        return _schedule_small(confidence.tolist(), max_drafts, sps)
     a = survivals(confidence)  # [R, G]
     # candidates in position-major order (j, then r), so a stable sort by -a breaks
     # ties by position, then request
@@ -172,6 +176,30 @@ def schedule_verify(
         if not theta > best:
             break  # the first non-improvement ends the scan (lossless)
         lengths[r], rows, tau, best = j + 1, rows + 1, tau + s, theta
+    return lengths
+
+
+def _schedule_small(
+    confidence: list[list[float]], max_drafts: Sequence[int], sps: Callable[[int], float]
+) -> list[int]:
+    """:func:`schedule_verify` in plain Python for a few candidates: the same survivals
+    (float64 products, clamped, non-increasing), the same order, the same answer."""
+    cand = []
+    for r, row in enumerate(confidence):
+        a = low = 1.0
+        for j in range(min(max_drafts[r], len(row))):
+            a *= min(max(row[j], 0.0), 1.0)
+            low = min(low, a)
+            cand.append((-low, j, r))
+    cand.sort()
+    lengths = [0] * len(confidence)
+    tau, rows = float(len(confidence)), len(confidence)
+    best = tau * sps(rows)
+    for neg_a, j, r in cand:
+        theta = (tau - neg_a) * sps(rows + 1)
+        if not theta > best:
+            break
+        lengths[r], rows, tau, best = j + 1, rows + 1, tau - neg_a, theta
     return lengths
 
 
