@@ -28,6 +28,7 @@ import struct
 from pathlib import Path
 
 from xspec.models.deepseek_v4.args import DeepseekV4Args
+from xspec.models.deepseek_v4.synthetic import flash_geometry
 from xspec.models.deepseek_v4.weights import DEFAULT_QUANTIZED, expected_tensors
 
 STAGES = 3
@@ -47,32 +48,12 @@ def flash_0731_config(layers: int = 43) -> dict:
     ratios = ([0, 0] + [4, 128] * 20 + [4])[:layers]
     stages = STAGES if layers == 43 else 0
     args = DeepseekV4Args(
-        vocab_size=129280,
-        hidden_size=4096,
-        num_hidden_layers=layers,
-        num_attention_heads=64,
-        head_dim=512,
-        qk_rope_head_dim=64,
-        q_lora_rank=1024,
-        o_groups=8,
-        o_lora_rank=1024,
-        compress_ratios=ratios + [0] * max(stages, 1),
-        index_n_heads=64,
-        index_head_dim=128,
-        index_topk=512,
-        n_routed_experts=256,
-        num_experts_per_tok=6,
-        moe_intermediate_size=2048,
-        hc_mult=4,
-        rope_scaling={
-            "type": "yarn",
-            "factor": 16,
-            "original_max_position_embeddings": 65536,
-            "beta_fast": 32,
-            "beta_slow": 1,
-        },
-        num_nextn_predict_layers=max(stages, 1),
-        torch_dtype="bfloat16",
+        **flash_geometry()
+        | {
+            "num_hidden_layers": layers,
+            "compress_ratios": ratios + [0] * max(stages, 1),
+            "num_nextn_predict_layers": max(stages, 1),
+        }
     )
     cfg = args.to_config()
     if stages:

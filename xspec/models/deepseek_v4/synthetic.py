@@ -31,38 +31,50 @@ FORMATS = ("fp8", "w8a8", "bf16")
 FP8_LINEARS = DEFAULT_QUANTIZED.pattern.replace("wq_a|wq_b|wkv|", "wq_a|wq_b|wkv|wo_a|wo_b|")
 
 
-def flash_args(num_layers: int = 2, *, vocab_size: int = 129280) -> DeepseekV4Args:
-    """DeepSeek-V4-Flash's config (as the official config.json gives it) with
-    ``num_layers`` main layers: CSA and HCA alternate from layer 0 (so both kinds, and the
-    lightning indexer, are present), layer 0 hash-routed."""
-    ratios = [(4, 128)[i % 2] for i in range(num_layers)]
-    return DeepseekV4Args(
-        vocab_size=vocab_size,
-        hidden_size=4096,
-        num_hidden_layers=num_layers,
-        num_attention_heads=64,
-        head_dim=512,
-        qk_rope_head_dim=64,
-        q_lora_rank=1024,
-        o_groups=8,
-        o_lora_rank=1024,
-        compress_ratios=[*ratios, 0],  # + the MTP layer's entry (no MTP tensors written)
-        rope_scaling={
+def flash_geometry() -> dict:
+    """DeepSeek-V4-Flash's shape fields as the official config.json gives them (layers and
+    their compress ratios, MTP / DSpark and hash routing aside): the one statement of the
+    geometry that :func:`flash_args` and the header-only 0731 checkpoints of the tests use."""
+    return {
+        "vocab_size": 129280,
+        "hidden_size": 4096,
+        "num_attention_heads": 64,
+        "head_dim": 512,
+        "qk_rope_head_dim": 64,
+        "q_lora_rank": 1024,
+        "o_groups": 8,
+        "o_lora_rank": 1024,
+        "rope_scaling": {
             "type": "yarn",
             "factor": 16,
             "original_max_position_embeddings": 65536,
             "beta_fast": 32,
             "beta_slow": 1,
         },
-        index_n_heads=64,
-        index_head_dim=128,
-        index_topk=512,
-        n_routed_experts=256,
-        num_experts_per_tok=6,
-        moe_intermediate_size=2048,
-        num_hash_layers=1,
-        hc_mult=4,
-        torch_dtype="bfloat16",
+        "index_n_heads": 64,
+        "index_head_dim": 128,
+        "index_topk": 512,
+        "n_routed_experts": 256,
+        "num_experts_per_tok": 6,
+        "moe_intermediate_size": 2048,
+        "hc_mult": 4,
+        "torch_dtype": "bfloat16",
+    }
+
+
+def flash_args(num_layers: int = 2, *, vocab_size: int = 129280) -> DeepseekV4Args:
+    """DeepSeek-V4-Flash's config (:func:`flash_geometry`) with ``num_layers`` main layers:
+    CSA and HCA alternate from layer 0 (so both kinds, and the lightning indexer, are
+    present), layer 0 hash-routed."""
+    ratios = [(4, 128)[i % 2] for i in range(num_layers)]
+    return DeepseekV4Args(
+        **flash_geometry()
+        | {
+            "vocab_size": vocab_size,
+            "num_hidden_layers": num_layers,
+            "compress_ratios": [*ratios, 0],  # + the MTP layer's entry (no MTP tensors)
+            "num_hash_layers": 1,
+        }
     )
 
 
