@@ -11,12 +11,16 @@ full gamma, timed on its own (``draft_seconds``: a step where only D requests dr
 the draft forward of D; a step where none does pays none), and the target's verify
 forward of the B rows with their ``logits_to_probs`` and the rejection sampler
 (``seconds``). The fastest of ``spec.adaptive.profile_reps`` timed runs after one untimed
-warm-up (and one untimed pass over the smallest batch first: the first forwards of a
-process pay one-off costs); R runs over powers of two up to ``min(spec.adaptive.max_requests, the memory
-plan's sequences)``, x over ``{0, 1, gamma // 2, gamma}``. The time is close to linear in
-the rows, so each R's points are replaced by their robust line (:func:`line_fit`: a
-timing spike moves neither slope nor intercept), and a smaller batch is never slower than
-a larger one (:func:`monotone_in_requests`); :class:`StepCost` interpolates. Not timed: the drafter's context write, small next to a forward.
+warm-up, the points of one R interleaved round by round (:func:`fastest_interleaved`: a
+slow spell falls on all of them), and one untimed pass over the smallest batch first (the
+first forwards of a process pay one-off costs); R runs over powers of two up to
+``min(spec.adaptive.max_requests, the memory plan's sequences)``, x over
+``{0, 1, gamma // 2, gamma}``. With drafts the time is close to linear in the rows, so
+each R's drafting points are replaced by their robust line (:func:`line_fit`: a timing
+spike moves neither slope nor intercept); the plain point keeps its own time (no
+rejection sampler: below the line). A smaller batch is never slower than a larger one
+(:func:`monotone_in_requests`); :class:`StepCost` interpolates. Not timed: the drafter's
+context write, small next to a forward.
 
 **Where it comes from**: ``spec.adaptive.profile=<file>`` reuses a saved profile (refused
 when it was measured for another model, draft, gamma, dtype, platform, context, sampling
@@ -33,6 +37,7 @@ import functools
 import hashlib
 import itertools
 import json
+import math
 import statistics
 import time
 from collections.abc import Callable
@@ -50,7 +55,7 @@ from xspec.spec.drafter import CommittedRows, Drafter, DraftRequest
 from xspec.spec.schedule import StepCost
 from xspec.spec.verify import rejection_sample
 
-FORMAT = "xspec.step_cost.v2"
+FORMAT = "xspec.step_cost.v3"  # v3: interleaved points, the line through x >= 1
 DEFAULT_CONTEXT = 64  # committed tokens of each dummy sequence when the workload says nothing
 
 
@@ -181,19 +186,27 @@ def _verify(
         target.truncate(s, context)
 
 
-def _best_seconds(fn: Callable[[], Any], reps: int, synchronize: Callable[[], None]) -> float:
-    """The fastest of ``reps`` timed runs after one untimed warm-up: on a shared machine
-    other work only ever adds time, so the minimum is the step's own cost (the online
-    model scales it to what the running workload really sees)."""
-    fn()  # warm-up (allocations, first-call dispatch)
-    times = []
-    for _ in range(reps):
-        synchronize()
-        t0 = time.perf_counter()
+def fastest_interleaved(
+    fns: list[Callable[[], Any]], reps: int, synchronize: Callable[[], None]
+) -> list[float]:
+    """The fastest of ``reps`` timed runs of each of ``fns`` after one untimed warm-up of
+    each (allocations, first-call dispatch). The runs are interleaved, one of each per
+    round, so a slow spell of a shared machine (this 2-core VM's speed moves by tens of
+    percent within seconds) falls on every point alike instead of on one, which would
+    tilt the line through them: the per-row cost Algorithm 1 trims with. On a shared
+    machine other work only ever adds time, so the minimum is the step's own cost (the
+    online model scales it to what the running workload really sees)."""
+    for fn in fns:
         fn()
-        synchronize()
-        times.append(time.perf_counter() - t0)
-    return min(times)
+    best = [math.inf] * len(fns)
+    for _ in range(reps):
+        for i, fn in enumerate(fns):
+            synchronize()
+            t0 = time.perf_counter()
+            fn()
+            synchronize()
+            best[i] = min(best[i], time.perf_counter() - t0)
+    return best
 
 
 @torch.no_grad()
@@ -241,20 +254,14 @@ def measure_step_cost(
         requests = [
             DraftRequest(a, params, g, max_drafts=gamma) for a, g in zip(anchors, generators)
         ]
-        t_draft = (
-            _best_seconds(
-                functools.partial(drafter.propose, dstates, requests, gamma), reps, synchronize
-            )
-            if gamma > 0
-            else 0.0
-        )
         verify = functools.partial(
             _verify, target, states, capture, [params] * R, generators, context
         )
-        row = [
-            _best_seconds(functools.partial(verify, ids[:, context - x :]), reps, synchronize)
-            for x in drafts
-        ]
+        fns = [functools.partial(verify, ids[:, context - x :]) for x in drafts]
+        if gamma > 0:
+            fns.append(functools.partial(drafter.propose, dstates, requests, gamma))
+        times = fastest_interleaved(fns, reps, synchronize)
+        row, t_draft = times[: len(drafts)], (times[-1] if gamma > 0 else 0.0)
         if i == 0:
             continue
         seconds.append(line_fit(drafts, row))
@@ -263,18 +270,25 @@ def measure_step_cost(
 
 
 def line_fit(xs: list[int], ys: list[float]) -> list[float]:
-    """``ys`` measured at ``xs`` -> the robust straight line through them, evaluated at
-    ``xs``: the median of the pairwise slopes (Theil-Sen, at least 0: more rows never
-    make a step faster) and the median intercept. One timing spike moves neither, where
-    a running maximum would carry it to every larger x."""
-    if len(xs) < 2:
+    """``ys`` measured at drafts per request ``xs`` (ascending) -> the robust straight line
+    through the drafting points (``x >= 1``), evaluated at ``xs``: the median of the
+    pairwise slopes (Theil-Sen, at least 0: more rows never make a step faster) and the
+    median intercept. One timing spike moves neither, where a running maximum would carry
+    it to every larger x. A plain step (``x = 0``) keeps its own time, at most the line's
+    at ``x = 1``: it skips the rejection sampler, so it sits below the drafting line, and
+    a line through it would overstate what each further draft row costs (and Algorithm 1
+    would trim drafts that pay for themselves)."""
+    plain = [(x, y) for x, y in zip(xs, ys) if x == 0]
+    pts = [(x, y) for x, y in zip(xs, ys) if x > 0]
+    if len(pts) < 2:
         return list(ys)
-    slopes = [
-        (ys[j] - ys[i]) / (xs[j] - xs[i]) for i, j in itertools.combinations(range(len(xs)), 2)
-    ]
+    slopes = [(y2 - y1) / (x2 - x1) for (x1, y1), (x2, y2) in itertools.combinations(pts, 2)]
     slope = max(0.0, statistics.median(slopes))
-    intercept = statistics.median(y - slope * x for x, y in zip(xs, ys))
-    return [max(intercept + slope * x, 1e-6) for x in xs]
+    intercept = statistics.median(y - slope * x for x, y in pts)
+    line = [max(intercept + slope * x, 1e-6) for x, _ in pts]
+    if not plain:
+        return line
+    return [min(plain[0][1], line[0]), *line]
 
 
 def monotone_in_requests(
