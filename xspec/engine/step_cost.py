@@ -257,7 +257,9 @@ def measure_step_cost(
         verify = functools.partial(
             _verify, target, states, capture, [params] * R, generators, context
         )
-        fns = [functools.partial(verify, ids[:, context - x :]) for x in drafts]
+        fns: list[Callable[[], Any]] = [
+            functools.partial(verify, ids[:, context - x :]) for x in drafts
+        ]
         if gamma > 0:
             fns.append(functools.partial(drafter.propose, dstates, requests, gamma))
         times = fastest_interleaved(fns, reps, synchronize)
