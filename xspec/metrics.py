@@ -42,6 +42,7 @@ draft tokens, the acceptance predicted for them (the sum over verified positions
 
 from __future__ import annotations
 
+import collections
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -325,9 +326,9 @@ class SpecDecodeMetrics:
     def _observe_depths(self, depths: list[int]) -> None:
         top = max(depths, default=0)
         self._depths += [0] * (top + 1 - len(self._depths))
-        for d in depths:
-            self._depths[d] += 1
-            self._depth.labels(depth=str(d)).inc()
+        for d, count in collections.Counter(depths).items():  # one label lookup per depth
+            self._depths[d] += count
+            self._depth.labels(depth=str(d)).inc(count)
         if not any(depths):
             self._no_draft += 1
             self._no_draft_steps.inc()

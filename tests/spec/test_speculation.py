@@ -297,11 +297,14 @@ def test_the_other_kind_of_step_is_measured_a_few_times_when_close() -> None:
         depths = s2.depths(params, [None], [2])
         kinds.append(depths[0] > 0)
         s2.cost.update(1, 1 + depths[0], int(depths[0] > 0), 1.0 + 0.1 * depths[0])  # type: ignore[union-attr]
+        value = s2.last.value  # type: ignore[union-attr]
+        s2.value_check.observe(depths[0] > 0, 1, value, value)  # delivered as predicted
     # plain is predicted best (1.12 / 1.14 s per drafted step vs 1 / 1.0 s), drafting within
     # the margin: both kinds get measured at this batch size
     assert True in kinds and False in kinds, kinds
-    counts = s2.cost.kind_counts  # type: ignore[union-attr]
-    assert counts[(1, True)] >= 1 and counts[(1, False)] >= 1
+    assert s2.value_check.steps(True, 1) >= 1 and s2.value_check.steps(False, 1) >= 1
+    # ... a bounded few: EXPLORE_STEPS of the other kind per batch-size bucket
+    assert kinds.count(True) <= 2, kinds
 
 
 def test_the_plain_or_drafting_choice_follows_what_such_steps_delivered() -> None:
@@ -311,9 +314,17 @@ def test_the_plain_or_drafting_choice_follows_what_such_steps_delivered() -> Non
     v = ValueCheck()
     assert v.factor(True) == v.factor(False) == 1.0  # no data: the model as it is
     for _ in range(30):
-        v.observe(True, 100.0, 30.0)
-    assert v.factor(True) == pytest.approx((30 * 0.3 + 2) / 32)  # shrunk by 2 pseudo-steps
-    assert v.factor(False) == 1.0
+        v.observe(True, 1, 100.0, 30.0)
+    overall = (30 * 0.3 + 2) / 32  # shrunk to 1 by 2 pseudo-steps
+    assert v.factor(True) == pytest.approx(overall)
+    assert v.factor(True, 1) == pytest.approx((30 * 0.3 + 2 * overall) / 32)  # to the kind's
+    assert v.factor(False) == v.factor(False, 1) == 1.0
+    # another batch-size bucket starts from the kind's factor, then follows its own steps
+    assert v.factor(True, 32) == pytest.approx(overall)
+    for _ in range(10):
+        v.observe(True, 30, 100.0, 100.0)  # 30 requests: the bucket of 23-45
+    assert v.factor(True, 32) > 0.8 > v.factor(True, 1)
+    assert v.steps(True, 32) == 10 and v.steps(True, 2) == 0
     cost = StepCost(
         requests=[1, 8], drafts=[0, 5], seconds=[[1.0, 1.2]] * 2, draft_seconds=[0.1] * 2
     )
@@ -321,13 +332,13 @@ def test_the_plain_or_drafting_choice_follows_what_such_steps_delivered() -> Non
     params, histories = [SamplingParams()], [s.new_history()]
     assert s.depths(params, histories, [2]) == [2]
     s.observe(histories, [2], [1])  # a drafting step: its realised value is taken in
-    assert s.value_check._n == {False: 0, True: 1}
+    assert (s.value_check.steps(False, 1), s.value_check.steps(True, 1)) == (0, 1)
     s = Speculation(2, cost=OnlineStepCost(cost))  # (that step's wall time is not the test's)
     histories = [s.new_history()]
     assert s.depths(params, histories, [2]) == [2]
     for _ in range(30):
-        s.value_check.observe(True, 1.0, 0.3)
-        s.value_check.observe(False, 1.0, 1.0)
+        s.value_check.observe(True, 1, 1.0, 0.3)
+        s.value_check.observe(False, 1, 1.0, 1.0)
     for _ in range(3):  # no exploration either: drafting at about 0.6x plain is beyond the margin
         assert s.depths(params, histories, [2]) == [0]
         s.cost.update(1, 1, 0, 1.0)  # type: ignore[union-attr]

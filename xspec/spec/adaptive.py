@@ -57,6 +57,7 @@ __all__ = [
     "ConfidenceCorrection",
     "Speculation",
     "ValueCheck",
+    "batch_bucket",
     "choose_depths",
     "gamma_for_batch",
     "regime_of",
@@ -222,27 +223,69 @@ class ConfidenceCorrection:
             real.add(j, 1.0 if j < accepted else 0.0)
 
 
+class _Ema:
+    """An EMA of ratios whose first samples average exactly (``alpha = max(1/n, 1 - decay)``)."""
+
+    __slots__ = ("n", "value")
+
+    def __init__(self) -> None:
+        self.n, self.value = 0, 1.0
+
+    def add(self, x: float, decay: float) -> None:
+        self.n += 1
+        self.value += max(1.0 / self.n, 1.0 - decay) * (x - self.value)
+
+    def shrunk(self, prior: float) -> float:
+        """The EMA shrunk to ``prior`` by :data:`VALUE_PRIOR_STEPS` pseudo-steps."""
+        w = VALUE_PRIOR_STEPS
+        return (self.n * self.value + w * prior) / (self.n + w)
+
+
+def batch_bucket(requests: int) -> int:
+    """The batch-size bucket :class:`ValueCheck` keeps its figures in: ``round(log2 R)``
+    (1 | 2 | 3-5 | 6-11 | 12-22 | 23-45 | 46-90 | ...)."""
+    return max(0, round(math.log2(max(requests, 1))))
+
+
 class ValueCheck:
-    """Per kind of step (plain, drafting), how the value the model predicted compares to
-    what the steps delivered: an EMA (``decay``) of realised / predicted committed tokens
-    per second, shrunk to 1 by :data:`VALUE_PRIOR_STEPS` pseudo-steps. The decision
-    multiplies each kind's predicted value by its factor before comparing them."""
+    """Per kind of step (plain, drafting) and batch-size bucket (:func:`batch_bucket`),
+    how the value the model predicted compares to what the steps delivered: an EMA
+    (``decay``) of realised / predicted committed tokens per second. The decision
+    multiplies each kind's predicted value by its factor before comparing them.
+
+    The factors are hierarchical: a kind's overall EMA shrunk to 1 by
+    :data:`VALUE_PRIOR_STEPS` pseudo-steps, and a bucket's EMA shrunk to its kind's
+    overall factor the same way. The model's error is not the same at every batch size
+    (measured at T=0.8: drafting steps of 2 requests delivered 1.1-1.2x the value
+    predicted for them, of 32 requests 0.7-0.9x), so one factor per kind learnt at one
+    batch size misled the choice at another (after a warm-up at 2 requests, the drafting
+    factor took some thirty steps of 32 requests to come down from 1.17 to 0.9)."""
 
     def __init__(self, decay: float = 0.9) -> None:
         self.decay = decay
-        self._ema = {False: 1.0, True: 1.0}
-        self._n = {False: 0, True: 0}
+        self._kind = {False: _Ema(), True: _Ema()}
+        self._bucket: dict[tuple[int, bool], _Ema] = {}
 
-    def factor(self, drafting: bool) -> float:
-        n, w = self._n[drafting], VALUE_PRIOR_STEPS
-        return (n * self._ema[drafting] + w) / (n + w)
+    def factor(self, drafting: bool, requests: int | None = None) -> float:
+        """The factor of a kind of step (of a batch of ``requests``: its bucket's)."""
+        overall = self._kind[drafting].shrunk(1.0)
+        if requests is None:
+            return overall
+        bucket = self._bucket.get((batch_bucket(requests), drafting))
+        return overall if bucket is None else bucket.shrunk(overall)
 
-    def observe(self, drafting: bool, predicted: float, realised: float) -> None:
+    def steps(self, drafting: bool, requests: int) -> int:
+        """Steps of this kind measured in the bucket of ``requests``."""
+        bucket = self._bucket.get((batch_bucket(requests), drafting))
+        return 0 if bucket is None else bucket.n
+
+    def observe(self, drafting: bool, requests: int, predicted: float, realised: float) -> None:
         if predicted <= 0 or not math.isfinite(predicted):
             return
-        self._n[drafting] += 1
-        alpha = max(1.0 / self._n[drafting], 1.0 - self.decay)
-        self._ema[drafting] += alpha * (realised / predicted - self._ema[drafting])
+        ratio = realised / predicted
+        self._kind[drafting].add(ratio, self.decay)
+        key = (batch_bucket(requests), drafting)
+        self._bucket.setdefault(key, _Ema()).add(ratio, self.decay)
 
     def summary(self) -> dict[str, float]:
         return {
@@ -350,7 +393,8 @@ class StepRecord:
         width = max(self.depths, default=0)
         out = torch.zeros(len(self.depths), width, dtype=torch.float64)
         for b, row in enumerate(self.expected):
-            out[b, : len(row)] = torch.tensor(row, dtype=torch.float64)
+            if row:  # (a plain step has none: no tensor per request)
+                out[b, : len(row)] = torch.tensor(row, dtype=torch.float64)
         return out
 
 
@@ -416,7 +460,7 @@ class Speculation:
         else:
             surv = [list(itertools.accumulate(c, operator.mul)) for c in conditional]
             R = len(caps)
-            choice = self._checked(scan_depths(surv, caps, self.cost.line(R, R + sum(caps))))
+            choice = self._checked(scan_depths(surv, caps, self.cost.line(R, R + sum(caps))), R)
             depths, value = choice.depths, choice.value
             if choice.other is not None and self._explore(R, choice):
                 depths, value = choice.other, choice.other_value
@@ -427,7 +471,7 @@ class Speculation:
         self.last = StepRecord(regimes, depths, expected, started, value)
         return depths
 
-    def _checked(self, choice: Choice) -> Choice:
+    def _checked(self, choice: Choice, requests: int) -> Choice:
         """``choice`` with the plain / drafting decision made on values corrected by
         :class:`ValueCheck` (the depths of each kind stay the model's). The values it
         carries stay the model's predictions, which :meth:`observe` compares with what
@@ -435,24 +479,24 @@ class Speculation:
         if choice.other is None:
             return choice
         drafts = any(choice.depths)
-        best = choice.value * self.value_check.factor(drafts)
-        other = choice.other_value * self.value_check.factor(not drafts)
+        best = choice.value * self.value_check.factor(drafts, requests)
+        other = choice.other_value * self.value_check.factor(not drafts, requests)
         if other > best:
             return Choice(choice.other, choice.other_value, choice.depths, choice.value)
         return choice
 
     def _explore(self, requests: int, choice: Choice) -> bool:
         """Take the other kind of step (plain / drafting) instead of the best, to measure
-        it: only while this batch size has fewer than :data:`EXPLORE_STEPS` measured steps
-        of that kind and its predicted value is within :data:`EXPLORE_MARGIN` of the best.
-        The cost model otherwise never learns the time of a kind of step it never takes
-        (the profile can be off for one kind), and it costs a bounded few steps per
-        batch size."""
-        assert self.cost is not None
+        it: only while this batch size's bucket (:func:`batch_bucket`) has fewer than
+        :data:`EXPLORE_STEPS` measured steps of that kind and its corrected value is
+        within :data:`EXPLORE_MARGIN` of the best. The model otherwise never learns what
+        a kind of step it never takes delivers (the profile can be off for one kind),
+        and it costs a bounded few steps per bucket (per exact batch size, the tail of
+        a run, where the batch shrinks one request at a time, explored at every size)."""
         kind = any(d > 0 for d in choice.other or [])
-        seen = self.cost.kind_counts.get((requests, kind), 0)
-        other = choice.other_value * self.value_check.factor(kind)
-        best = choice.value * self.value_check.factor(not kind)
+        seen = self.value_check.steps(kind, requests)
+        other = choice.other_value * self.value_check.factor(kind, requests)
+        best = choice.value * self.value_check.factor(not kind, requests)
         return seen < EXPLORE_STEPS and other >= (1 - EXPLORE_MARGIN) * best
 
     def trim(self, confidence: torch.Tensor, depths: list[int]) -> list[int]:
@@ -484,7 +528,9 @@ class Speculation:
             self.cost.update(len(verified), len(verified) + sum(verified), drafting, seconds)
             if seconds > 0 and math.isfinite(rec.value):
                 committed = len(verified) + sum(accepted)
-                self.value_check.observe(drafting > 0, rec.value, committed / seconds)
+                self.value_check.observe(
+                    drafting > 0, len(verified), rec.value, committed / seconds
+                )
         raw = rec.raw.tolist() if rec.raw is not None else None  # one copy, not one per row
         for b, history in enumerate(histories):
             self.acceptance.observe(rec.regimes[b], history, verified[b], accepted[b])
