@@ -110,7 +110,7 @@ class AdaptiveConfig:
     profile: str | None = None
     calibration: str = Calibration.auto.value  # auto | off | path to a calibration JSON
     max_requests: int = 64  # the profile covers 1..this many requests per step (and the plan's)
-    profile_reps: int = 5  # timed forwards per profile point (the fastest is kept)
+    profile_reps: int = 5  # timed forwards per profile point (their median is kept)
     # after drafting, Algorithm 1 trims each verified prefix from the draft's confidences;
     # false: the depth decided before drafting is verified whole
     trim: bool = True
