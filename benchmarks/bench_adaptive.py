@@ -3,12 +3,13 @@ vs ``spec.gamma_schedule``, against concurrency, greedy and sampled.
 
     python benchmarks/bench_adaptive.py [--concurrency 1 4 8 16 32 64] [--temperatures 0 0.8]
         [--reps 2] [--max-new 64] [--gamma 5] [--schedule '[[1,5],[8,3],[16,0]]']
-        [--out FILE.json] [--plot FILE.svg] [--replot FILE.json] [--quick]
+        [--warmup workload|two] [--out FILE.json] [--plot FILE.svg] [--replot FILE.json]
+        [--quick]
         [key=value ...]                                   # e.g. model=dsv4_tiny
 
 Every (configuration, temperature, concurrency, repeat) runs in **its own process**
-(``--child``: build, one unmeasured warm-up of two requests, then the measured run of
-the workload; output tok/s = generated tokens / wall time of ``Engine.run``), and the
+(``--child``: build, one unmeasured warm-up, then the measured run of the workload;
+output tok/s = generated tokens / wall time of ``Engine.run``), and the
 configurations are **interleaved**: per repeat, temperature and concurrency the four
 run back to back, in an order rotated every time, so a slow spell of a shared machine
 falls on all of them. Figures are medians over ``--reps``.
@@ -23,6 +24,13 @@ shipped draft's calibration prompts come from: ``asyncio/taskgroups``,
 model never trained on any held-out file: ``xspec/train/corpus.py``). Each run has
 ``max(2 * concurrency, 8)`` requests of ``--max-new`` tokens (eos ignored).
 
+The warm-up (``--warmup``): ``workload`` (default) runs the same workload once, unmeasured,
+in every configuration: what a server under this load has learnt by the time anyone
+measures it (``spec.adaptive`` learns its step costs, value checks and acceptance online,
+and a measured run of 10-20 decode steps per wave would otherwise weigh its first
+steps' exploration as if a server restarted every few seconds); ``two``: two requests at
+concurrency 2 (the first calls' one-off costs only: a cold start).
+
 Printed: the markdown tables of docs/adaptive.md (tok/s per configuration, and the
 ratios adaptive / best-of(none, fixed) and schedule / best-of(none, fixed); the issue's
 bar is >= 0.97 everywhere), then per adaptive run the depth histogram, the steps that
@@ -35,13 +43,15 @@ every run's figures as JSON, ``--plot FILE.svg`` draws output tok/s against conc
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, TextIO
 
 PROMPTS = Path(__file__).with_name("adaptive_prompts.jsonl")
 CONFIGS = ("none", "fixed", "adaptive", "schedule")
@@ -76,8 +86,9 @@ def overrides_for(config: str, a: argparse.Namespace, temperature: float, c: int
     return o
 
 
-def child(spec: dict[str, Any]) -> dict[str, Any]:
-    """One measured run (in this process): build, warm up, run; its figures."""
+def child(spec: dict[str, Any], turns: TextIO | None = None) -> dict[str, Any]:
+    """One measured run (in this process): build, warm up, run; its figures. ``turns``:
+    take one engine iteration per line read from it (``--turns``)."""
     import torch
 
     import xspec
@@ -93,12 +104,21 @@ def child(spec: dict[str, Any]) -> dict[str, Any]:
     s, w = built.cfg.sampling, built.cfg.workload
     params = SamplingParams(temperature=s.temperature, top_k=s.top_k, top_p=s.top_p, seed=s.seed)
     requests = load_workload(w, built.tokenizer, built.target.vocab_size, params).requests
-    engine.run(requests[:2], 2)  # warm-up (not measured)
+    if spec.get("warmup", "workload") == "workload":  # the steady state of a running server
+        engine.run(requests, w.concurrency)
+    else:  # a cold start: the first calls' one-off costs only
+        engine.run(requests[:2], 2)
     engine.metrics = SpecDecodeMetrics()
-    gens = engine.run(requests, w.concurrency)
+    if engine.speculation is not None and engine.speculation.cost is not None:
+        engine.speculation.cost.reset_report()  # predicted vs measured: the measured run
+    if turns is None:
+        gens = engine.run(requests, w.concurrency)
+        seconds = engine.run_s
+    else:
+        gens, seconds = run_in_turns(engine, requests, w.concurrency, turns)
     r = engine.metrics.report()
     out: dict[str, Any] = {
-        "tok_s": sum(len(g.token_ids) for g in gens) / engine.run_s,
+        "tok_s": sum(len(g.token_ids) for g in gens) / seconds,
         "tokens_per_step": r.mean_tokens_per_step,
         "acceptance": r.acceptance_rate,
         "target_rows": r.mean_target_rows,
@@ -114,9 +134,95 @@ def child(spec: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
+def run_in_turns(
+    engine: Any, requests: list[Any], concurrency: int, turns: TextIO
+) -> tuple[list[Any], float]:
+    """The measured run, one engine iteration per turn the parent gives (a line on
+    ``turns``), answering ``stepped`` after each and ``done`` after the last; the seconds
+    are the sum of this process's own iterations (the waits for a turn excluded)."""
+    engine.reset_clock()
+    engine.concurrency = concurrency
+    gens = [engine.add(i, r, arrived_at=0.0) for i, r in enumerate(requests)]
+    print("ready", flush=True)
+    seconds = 0.0
+    while engine.busy:
+        turns.readline()
+        t0 = time.perf_counter()
+        engine.step()
+        seconds += time.perf_counter() - t0
+        print("stepped" if engine.busy else "done", flush=True)
+    return gens, seconds
+
+
+def run_cell_in_turns(
+    configs: list[str], a: argparse.Namespace, temperature: float, c: int
+) -> dict[str, dict[str, Any]]:
+    """Every configuration of one cell in its own process, all alive at once, stepped in
+    turns: one engine iteration of each in a round (the processes start one after the
+    other and warm up before the first turn, so a profile measured at build time is not
+    measured under the others' load). A slow spell of the machine falls on the
+    iterations of every configuration alike, not on whichever ran in that minute."""
+    procs: dict[str, subprocess.Popen[str]] = {}
+    logs: dict[str, Any] = {}
+    with contextlib.ExitStack() as stack:
+        stack.callback(_kill, procs)
+        for config in configs:
+            spec = {
+                "overrides": overrides_for(config, a, temperature, c),
+                "threads": a.threads,
+                "warmup": a.warmup,
+            }
+            logs[config] = stack.enter_context(tempfile.TemporaryFile("w+"))
+            procs[config] = p = subprocess.Popen(
+                [sys.executable, __file__, "--turns", "--child", json.dumps(spec)],
+                stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE,
+                stderr=logs[config],
+                text=True,
+            )
+            _read_until(p, config, logs[config], ("ready",))
+        results: dict[str, dict[str, Any]] = {}
+        live = list(configs)
+        while live:
+            for config in list(live):
+                p = procs[config]
+                assert p.stdin is not None
+                p.stdin.write("go\n")
+                p.stdin.flush()
+                if _read_until(p, config, logs[config], ("stepped", "done")) == "done":
+                    results[config] = json.loads(_read_until(p, config, logs[config], None))
+                    live.remove(config)
+        return results
+
+
+def _kill(procs: dict[str, subprocess.Popen[str]]) -> None:
+    for p in procs.values():
+        p.kill()
+        p.wait()
+
+
+def _read_until(
+    p: subprocess.Popen[str], config: str, log: Any, words: tuple[str, ...] | None
+) -> str:
+    """The next stdout line of ``p`` that is one of ``words`` (None: a JSON object)."""
+    assert p.stdout is not None
+    while True:
+        line = p.stdout.readline()
+        if not line:  # the child died: its stderr says why
+            log.seek(0)
+            raise SystemExit(f"{config} failed:\n{log.read()[-3000:]}")
+        line = line.strip()
+        if (words is None and line.startswith("{")) or (words is not None and line in words):
+            return line
+
+
 def run_one(config: str, a: argparse.Namespace, temperature: float, c: int) -> dict[str, Any]:
     """``child`` in a fresh process; its JSON line back."""
-    spec = {"overrides": overrides_for(config, a, temperature, c), "threads": a.threads}
+    spec = {
+        "overrides": overrides_for(config, a, temperature, c),
+        "threads": a.threads,
+        "warmup": a.warmup,
+    }
     proc = subprocess.run(
         [sys.executable, __file__, "--child", json.dumps(spec)],
         capture_output=True,
@@ -249,17 +355,29 @@ def main() -> None:
     ap.add_argument("--schedule", default=DEFAULT_SCHEDULE, help="spec.gamma_schedule")
     ap.add_argument("--prompts", type=Path, default=PROMPTS)
     ap.add_argument("--threads", type=int, default=1, help="torch CPU threads per run")
+    ap.add_argument(
+        "--warmup",
+        choices=("workload", "two"),
+        default="workload",
+        help="before the measured run: the whole workload once (steady state) or two requests",
+    )
     ap.add_argument("--out", type=Path, default=None, help="every run's figures as JSON")
     ap.add_argument("--plot", type=Path, default=None, help="throughput vs concurrency (SVG)")
     ap.add_argument(
         "--replot", type=Path, default=None, help="only plot the runs an --out JSON holds"
     )
     ap.add_argument("--quick", action="store_true", help="a smoke run (see the docstring)")
+    ap.add_argument(
+        "--turns",
+        action="store_true",
+        help="the configurations of a cell alive at once, stepped in turns (each in its own "
+        "process): robust to the machine's slow spells",
+    )
     ap.add_argument("--child", default=None, help=argparse.SUPPRESS)
     ap.add_argument("overrides", nargs="*", help="key=value, e.g. model=dsv4_tiny")
     a = ap.parse_args()
     if a.child is not None:
-        print(json.dumps(child(json.loads(a.child))))
+        print(json.dumps(child(json.loads(a.child), sys.stdin if a.turns else None)))
         return
     a.model = dict(o.split("=", 1) for o in a.overrides).get("model", "dsv4_tiny")
     if a.replot is not None:
@@ -274,8 +392,9 @@ def main() -> None:
             for c in a.concurrency:
                 order = CONFIGS[k % 4 :] + CONFIGS[: k % 4]  # rotated: interleaved
                 k += 1
+                cell = run_cell_in_turns(list(order), a, t, c) if a.turns else None
                 for config in order:
-                    r = run_one(config, a, t, c)
+                    r = cell[config] if cell is not None else run_one(config, a, t, c)
                     runs.setdefault((config, t, c), []).append(r)
                     print(
                         f"rep {rep} T={t:g} c={c:>2} {config:>8}: {r['tok_s']:7.1f} tok/s "

@@ -390,6 +390,9 @@ def test_online_step_cost_moves_from_the_profile_to_measured_times() -> None:
     summary = cost.summary()
     assert summary["steps"] == 20 and summary["measured_ms_mean"] == pytest.approx(2000.0)
     assert summary["predicted_ms_mean"] < 2000.0  # early predictions were the profile's
+    cost.reset_report()  # the report starts afresh, what was learnt stays
+    assert cost.summary()["steps"] == 0 and cost.summary()["measured_ms_mean"] is None
+    assert cost.seconds_at(1, 1, 0) == pytest.approx(2.0, rel=0.02)
 
 
 def test_gamma_for_batch_and_caps() -> None:

@@ -282,6 +282,10 @@ class OnlineStepCost:
         self.scale[kind] += alpha * (ratio - self.scale[kind])
         return predicted
 
+    def reset_report(self) -> None:
+        """Start the predicted-vs-measured report afresh (what was learnt stays)."""
+        self.num_steps, self.predicted_s, self.measured_s, self.abs_error_s = 0, 0.0, 0.0, 0.0
+
     def summary(self) -> dict[str, float | int | None]:
         """Predicted vs measured step time so far (results.json ``adaptive.step_time``)."""
         n = self.num_steps
