@@ -27,6 +27,7 @@ from xspec.errors import ConfigError
 from xspec.models.draft_heads import ConfidenceHead, MarkovHead
 from xspec.sampling import SamplingParams
 from xspec.spec.adaptive import (
+    EXPLORE_EVERY,
     AcceptanceModel,
     ConfidenceCorrection,
     Speculation,
@@ -342,6 +343,28 @@ def test_the_plain_or_drafting_choice_follows_what_such_steps_delivered() -> Non
     for _ in range(3):  # no exploration either: drafting at about 0.6x plain is beyond the margin
         assert s.depths(params, histories, [2]) == [0]
         s.cost.update(1, 1, 0, 1.0)  # type: ignore[union-attr]
+
+
+def test_a_kind_of_step_shut_out_is_taken_again_now_and_then() -> None:
+    """Drafting steps delivered 0.3 of their prediction (about 0.6x a plain step's value:
+    beyond the 15 % margin): the steps are plain, and once every EXPLORE_EVERY steps of
+    the bucket one drafting step measures it again (what was learnt of a kind never taken
+    would otherwise never change)."""
+    cost = StepCost(
+        requests=[1, 8], drafts=[0, 5], seconds=[[1.0, 1.2]] * 2, draft_seconds=[0.1] * 2
+    )
+    s = Speculation(2, cost=OnlineStepCost(cost))
+    params, histories = [SamplingParams()], [s.new_history()]
+    for _ in range(30):
+        s.value_check.observe(True, 1, 1.0, 0.3)
+        s.value_check.observe(False, 1, 1.0, 1.0)
+    kinds = []
+    for _ in range(2 * EXPLORE_EVERY + 2):
+        drafting = s.depths(params, histories, [2])[0] > 0
+        kinds.append(drafting)
+        value = s.last.value  # type: ignore[union-attr]
+        s.value_check.observe(drafting, 1, value, value * (0.3 if drafting else 1.0))
+    assert [i for i, k in enumerate(kinds) if k] == [EXPLORE_EVERY - 1, 2 * EXPLORE_EVERY], kinds
 
 
 def _flat(s: Speculation, c: float) -> Any:

@@ -67,6 +67,8 @@ __all__ = [
 PRIOR_ACCEPTANCE = 0.7  # per-position acceptance assumed before anything was verified
 EXPLORE_STEPS = 2  # measured steps of each kind (plain / drafting) per batch size wanted
 EXPLORE_MARGIN = 0.15  # ... when the other kind is predicted within this of the best
+EXPLORE_EVERY = 32  # and once again after this many steps of a bucket without that kind
+EXPLORE_WIDE = 0.5  # ... when the other kind is predicted within this of the best
 VALUE_PRIOR_STEPS = 2.0  # ValueCheck: steps' worth of "the model is right" before any data
 
 
@@ -265,6 +267,7 @@ class ValueCheck:
         self.decay = decay
         self._kind = {False: _Ema(), True: _Ema()}
         self._bucket: dict[tuple[int, bool], _Ema] = {}
+        self._since: dict[tuple[int, bool], int] = {}  # steps of the bucket without the kind
 
     def factor(self, drafting: bool, requests: int | None = None) -> float:
         """The factor of a kind of step (of a batch of ``requests``: its bucket's)."""
@@ -279,13 +282,19 @@ class ValueCheck:
         bucket = self._bucket.get((batch_bucket(requests), drafting))
         return 0 if bucket is None else bucket.n
 
+    def since(self, drafting: bool, requests: int) -> int:
+        """Steps of the bucket of ``requests`` since this kind of step was last taken."""
+        return self._since.get((batch_bucket(requests), drafting), 0)
+
     def observe(self, drafting: bool, requests: int, predicted: float, realised: float) -> None:
         if predicted <= 0 or not math.isfinite(predicted):
             return
         ratio = realised / predicted
         self._kind[drafting].add(ratio, self.decay)
-        key = (batch_bucket(requests), drafting)
-        self._bucket.setdefault(key, _Ema()).add(ratio, self.decay)
+        bucket = batch_bucket(requests)
+        self._bucket.setdefault((bucket, drafting), _Ema()).add(ratio, self.decay)
+        self._since[(bucket, drafting)] = 0
+        self._since[(bucket, not drafting)] = self._since.get((bucket, not drafting), 0) + 1
 
     def summary(self) -> dict[str, float]:
         return {
@@ -492,12 +501,21 @@ class Speculation:
         within :data:`EXPLORE_MARGIN` of the best. The model otherwise never learns what
         a kind of step it never takes delivers (the profile can be off for one kind),
         and it costs a bounded few steps per bucket (per exact batch size, the tail of
-        a run, where the batch shrinks one request at a time, explored at every size)."""
+        a run, where the batch shrinks one request at a time, explored at every size).
+
+        Once more, after :data:`EXPLORE_EVERY` steps of the bucket without that kind,
+        when its corrected value is within :data:`EXPLORE_WIDE` of the best: what was
+        learnt of a kind it stopped taking (its value factor, its step-time scale) never
+        changes otherwise, so one unlucky spell could shut a kind out for good (seen at
+        T=0.8, one request: after a warm-up run, a process took plain steps throughout,
+        at 0.58x of fixed gamma)."""
         kind = any(d > 0 for d in choice.other or [])
-        seen = self.value_check.steps(kind, requests)
-        other = choice.other_value * self.value_check.factor(kind, requests)
-        best = choice.value * self.value_check.factor(not kind, requests)
-        return seen < EXPLORE_STEPS and other >= (1 - EXPLORE_MARGIN) * best
+        vc = self.value_check
+        other = choice.other_value * vc.factor(kind, requests)
+        best = choice.value * vc.factor(not kind, requests)
+        if vc.steps(kind, requests) < EXPLORE_STEPS:
+            return other >= (1 - EXPLORE_MARGIN) * best
+        return vc.since(kind, requests) >= EXPLORE_EVERY and other >= (1 - EXPLORE_WIDE) * best
 
     def trim(self, confidence: torch.Tensor, depths: list[int]) -> list[int]:
         """After drafting: Algorithm 1 within ``depths`` on the corrected confidences
