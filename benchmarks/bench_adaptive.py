@@ -134,6 +134,15 @@ def child(spec: dict[str, Any], turns: TextIO | None = None) -> dict[str, Any]:
     return out
 
 
+def child_spec(config: str, a: argparse.Namespace, temperature: float, c: int) -> dict[str, Any]:
+    """What ``--child`` is given for one configuration of one cell."""
+    return {
+        "overrides": overrides_for(config, a, temperature, c),
+        "threads": a.threads,
+        "warmup": a.warmup,
+    }
+
+
 def run_in_turns(
     engine: Any, requests: list[Any], concurrency: int, turns: TextIO
 ) -> tuple[list[Any], float]:
@@ -167,11 +176,7 @@ def run_cell_in_turns(
     with contextlib.ExitStack() as stack:
         stack.callback(_kill, procs)
         for config in configs:
-            spec = {
-                "overrides": overrides_for(config, a, temperature, c),
-                "threads": a.threads,
-                "warmup": a.warmup,
-            }
+            spec = child_spec(config, a, temperature, c)
             logs[config] = stack.enter_context(tempfile.TemporaryFile("w+"))
             procs[config] = p = subprocess.Popen(
                 [sys.executable, __file__, "--turns", "--child", json.dumps(spec)],
@@ -218,11 +223,7 @@ def _read_until(
 
 def run_one(config: str, a: argparse.Namespace, temperature: float, c: int) -> dict[str, Any]:
     """``child`` in a fresh process; its JSON line back."""
-    spec = {
-        "overrides": overrides_for(config, a, temperature, c),
-        "threads": a.threads,
-        "warmup": a.warmup,
-    }
+    spec = child_spec(config, a, temperature, c)
     proc = subprocess.run(
         [sys.executable, __file__, "--child", json.dumps(spec)],
         capture_output=True,
