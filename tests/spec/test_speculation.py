@@ -418,6 +418,26 @@ def test_online_step_cost_moves_from_the_profile_to_measured_times() -> None:
     assert cost.seconds_at(1, 1, 0) == pytest.approx(2.0, rel=0.02)
 
 
+def test_online_step_cost_learns_factors_never_a_cost_per_row() -> None:
+    """Steps measured at two row counts, one of them in a slow spell, move every row count
+    of that batch size and kind by one factor: what one more row costs stays the profile's
+    and a prediction never falls as rows grow (per-row buckets made 3 rows the cheapest of
+    2..6, and the trim verified 3 in most steps, never measuring the others again)."""
+    cost = OnlineStepCost(COST, prior_weight=2.0)
+    for _ in range(10):
+        cost.update(1, 4, 1, 3.0)  # 3 drafts of 1 request, slow (the profile: 1.8)
+        cost.update(1, 6, 1, 2.0)  # 5 drafts, as profiled
+    line = [cost.seconds_at(1, rows, 1) for rows in range(2, 7)]
+    assert all(b > a for a, b in itertools.pairwise(line))  # monotone in rows
+    profile = [COST.seconds_at(1, rows, 1) for rows in range(2, 7)]
+    factor = line[0] / profile[0]
+    assert 1.0 < factor < 3.0 / 1.8
+    assert line == pytest.approx([factor * p for p in profile])  # one factor for every row
+    assert cost.seconds_at(1, 1, 0) == pytest.approx(1.0)  # plain steps of R=1 not moved
+    # another batch size of the same kind, never measured, moves with the kind's scale
+    assert cost.seconds_at(8, 16, 8) / COST.seconds_at(8, 16, 8) == pytest.approx(factor, rel=0.1)
+
+
 def test_gamma_for_batch_and_caps() -> None:
     rule = [[1, 5], [8, 3], [16, 0]]
     assert [gamma_for_batch(rule, b) for b in (1, 7, 8, 15, 16, 64)] == [5, 5, 3, 3, 0, 0]
