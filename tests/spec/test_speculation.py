@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import math
 from collections import Counter, defaultdict
 from pathlib import Path
 from typing import Any
@@ -27,7 +28,9 @@ from xspec.errors import ConfigError
 from xspec.models.draft_heads import ConfidenceHead, MarkovHead
 from xspec.sampling import SamplingParams
 from xspec.spec.adaptive import (
+    EXPLORE_BUDGET,
     EXPLORE_EVERY,
+    EXPLORE_WIDE,
     AcceptanceModel,
     ConfidenceCorrection,
     Speculation,
@@ -345,26 +348,70 @@ def test_the_plain_or_drafting_choice_follows_what_such_steps_delivered() -> Non
         s.cost.update(1, 1, 0, 1.0)  # type: ignore[union-attr]
 
 
-def test_a_kind_of_step_shut_out_is_taken_again_now_and_then() -> None:
-    """Drafting steps delivered 0.3 of their prediction (about 0.6x a plain step's value:
-    beyond the 15 % margin): the steps are plain, and once every EXPLORE_EVERY steps of
-    the bucket one drafting step measures it again (what was learnt of a kind never taken
-    would otherwise never change)."""
+def _shut_out(drafting_ratio: float) -> Speculation:
+    """One request whose drafting steps delivered ``drafting_ratio`` of their predicted
+    value over 30 steps (plain steps: as predicted)."""
     cost = StepCost(
         requests=[1, 8], drafts=[0, 5], seconds=[[1.0, 1.2]] * 2, draft_seconds=[0.1] * 2
     )
     s = Speculation(2, cost=OnlineStepCost(cost))
-    params, histories = [SamplingParams()], [s.new_history()]
     for _ in range(30):
-        s.value_check.observe(True, 1, 1.0, 0.3)
+        s.value_check.observe(True, 1, 1.0, drafting_ratio)
         s.value_check.observe(False, 1, 1.0, 1.0)
+    return s
+
+
+def _kinds(s: Speculation, steps: int, delivered: float) -> list[bool]:
+    """``steps`` decisions for one request: drafting steps deliver ``delivered`` of their
+    predicted value, plain steps their prediction."""
+    params, histories = [SamplingParams()], [s.new_history()]
     kinds = []
-    for _ in range(2 * EXPLORE_EVERY + 2):
+    for _ in range(steps):
         drafting = s.depths(params, histories, [2])[0] > 0
         kinds.append(drafting)
         value = s.last.value  # type: ignore[union-attr]
-        s.value_check.observe(drafting, 1, value, value * (0.3 if drafting else 1.0))
-    assert [i for i, k in enumerate(kinds) if k] == [EXPLORE_EVERY - 1, 2 * EXPLORE_EVERY], kinds
+        s.value_check.observe(drafting, 1, value, value * (delivered if drafting else 1.0))
+    return kinds
+
+
+def test_a_kind_of_step_shut_out_is_taken_again_now_and_then() -> None:
+    """Drafting steps delivered 0.3 of their prediction (about 0.56x a plain step's value:
+    beyond the 15 % margin): the steps are plain, and a drafting step measures it again
+    once every ``max(EXPLORE_EVERY, gap / EXPLORE_BUDGET)`` steps (what was learnt of a kind
+    never taken would otherwise never change; spaced by its gap, re-exploring costs at most
+    EXPLORE_BUDGET of the throughput)."""
+    s = _shut_out(0.3)
+    # the model: drafting 2.19 tokens / 1.18 s against plain 1 / 1.0 s, times the factors
+    gap = 1 - (2.19 / 1.18) * s.value_check.factor(True, 1) / s.value_check.factor(False, 1)
+    assert 0.4 < gap < EXPLORE_WIDE
+    wait = gap / EXPLORE_BUDGET
+    assert wait > EXPLORE_EVERY
+    kinds = _kinds(s, int(3 * wait) + 2, 0.3)
+    explored = [i for i, k in enumerate(kinds) if k]
+    assert len(explored) == 3, explored
+    assert explored[0] == math.ceil(wait) - 1, (explored, wait)
+    for a, b in itertools.pairwise(explored):  # (the factors move a little with each)
+        assert 0.9 * wait < b - a < wait + 2, (explored, wait)
+
+
+def test_a_kind_shut_out_by_a_stale_factor_comes_back() -> None:
+    """Drafting was shut out by a bad spell (0.3 of its prediction), but now delivers what
+    the model predicts: the re-exploring step weighs as much as the stale figure, so
+    drafting is back after a couple of them, and stays."""
+    s = _shut_out(0.3)
+    kinds = _kinds(s, 400, 1.0)
+    back = next(i for i in range(len(kinds) - 1) if kinds[i] and kinds[i + 1])
+    assert sum(kinds[:back]) <= 2, kinds  # two re-explorations at most before it is back
+    # ... and stays: from there on, plain only as its own re-explorations (single steps,
+    # spaced by at least EXPLORE_EVERY)
+    plain = [i for i in range(back, len(kinds)) if not kinds[i]]
+    assert plain and all(b - a > EXPLORE_EVERY for a, b in itertools.pairwise(plain)), plain
+
+
+def test_a_kind_far_behind_is_not_re_explored() -> None:
+    """Drafting far below plain (gap beyond EXPLORE_WIDE): never re-explored."""
+    s = _shut_out(0.1)
+    assert not any(_kinds(s, 300, 0.1))
 
 
 def _flat(s: Speculation, c: float) -> Any:

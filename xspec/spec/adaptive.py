@@ -67,8 +67,9 @@ __all__ = [
 PRIOR_ACCEPTANCE = 0.7  # per-position acceptance assumed before anything was verified
 EXPLORE_STEPS = 2  # measured steps of each kind (plain / drafting) per batch size wanted
 EXPLORE_MARGIN = 0.15  # ... when the other kind is predicted within this of the best
-EXPLORE_EVERY = 32  # and once again after this many steps of a bucket without that kind
-EXPLORE_WIDE = 0.5  # ... when the other kind is predicted within this of the best
+EXPLORE_EVERY = 32  # and once again after at least this many steps of a bucket without it
+EXPLORE_BUDGET = 0.005  # ... and gap / this many: re-exploring costs at most this, on average
+EXPLORE_WIDE = 0.5  # ... when the other kind is predicted within this of the best (the gap)
 VALUE_PRIOR_STEPS = 2.0  # ValueCheck: steps' worth of "the model is right" before any data
 
 
@@ -261,7 +262,10 @@ class ValueCheck:
     (measured at T=0.8: drafting steps of 2 requests delivered 1.1-1.2x the value
     predicted for them, of 32 requests 0.7-0.9x), so one factor per kind learnt at one
     batch size misled the choice at another (after a warm-up at 2 requests, the drafting
-    factor took some thirty steps of 32 requests to come down from 1.17 to 0.9)."""
+    factor took some thirty steps of 32 requests to come down from 1.17 to 0.9).
+
+    A kind's bucket not taken for :data:`EXPLORE_EVERY` steps holds a stale figure: the
+    step that takes it again (a re-exploration) weighs as much as all of it."""
 
     def __init__(self, decay: float = 0.9) -> None:
         self.decay = decay
@@ -292,7 +296,10 @@ class ValueCheck:
         ratio = realised / predicted
         self._kind[drafting].add(ratio, self.decay)
         bucket = batch_bucket(requests)
-        self._bucket.setdefault((bucket, drafting), _Ema()).add(ratio, self.decay)
+        ema = self._bucket.setdefault((bucket, drafting), _Ema())
+        if self._since.get((bucket, drafting), 0) >= EXPLORE_EVERY:
+            ema.n = min(ema.n, 1)  # stale: a re-exploration weighs as much as all it held
+        ema.add(ratio, self.decay)
         self._since[(bucket, drafting)] = 0
         self._since[(bucket, not drafting)] = self._since.get((bucket, not drafting), 0) + 1
 
@@ -503,19 +510,28 @@ class Speculation:
         and it costs a bounded few steps per bucket (per exact batch size, the tail of
         a run, where the batch shrinks one request at a time, explored at every size).
 
-        Once more, after :data:`EXPLORE_EVERY` steps of the bucket without that kind,
-        when its corrected value is within :data:`EXPLORE_WIDE` of the best: what was
-        learnt of a kind it stopped taking (its value factor, its step-time scale) never
+        Once more, when its corrected value is within :data:`EXPLORE_WIDE` of the best
+        (``gap = 1 - other / best <= EXPLORE_WIDE``), after ``max(EXPLORE_EVERY,
+        gap / EXPLORE_BUDGET)`` steps of the bucket without that kind: what was learnt
+        of a kind it stopped taking (its value factor, its step-time scale) never
         changes otherwise, so one unlucky spell could shut a kind out for good (at T=0.8,
         one request, after a warm-up run, one benchmark process made 43 tok/s, about
-        ``spec=none``'s 45, where fixed gamma made 75)."""
+        ``spec=none``'s 45, where fixed gamma made 75). A re-exploration costs about
+        ``gap`` of a step, so spacing them by ``gap / EXPLORE_BUDGET`` bounds their cost
+        at :data:`EXPLORE_BUDGET` of the throughput: every 32 steps cost 4 % at T=0.8 and
+        one request (a plain step explored where drafting made 1.9x its value; paired in
+        one process). The step that re-explores counts as much as what its bucket held
+        (:meth:`ValueCheck.observe`), so a kind shut out by a stale factor comes back
+        within a few of them."""
         kind = any(d > 0 for d in choice.other or [])
         vc = self.value_check
         other = choice.other_value * vc.factor(kind, requests)
         best = choice.value * vc.factor(not kind, requests)
         if vc.steps(kind, requests) < EXPLORE_STEPS:
             return other >= (1 - EXPLORE_MARGIN) * best
-        return vc.since(kind, requests) >= EXPLORE_EVERY and other >= (1 - EXPLORE_WIDE) * best
+        gap = 1.0 - other / best if best > 0 else 0.0
+        wait = max(EXPLORE_EVERY, gap / EXPLORE_BUDGET)
+        return gap <= EXPLORE_WIDE and vc.since(kind, requests) >= wait
 
     def trim(self, confidence: torch.Tensor, depths: list[int]) -> list[int]:
         """After drafting: Algorithm 1 within ``depths`` on the corrected confidences
