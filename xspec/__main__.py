@@ -195,8 +195,8 @@ def run(cfg: RunConfig, choices: dict[str, str] | None = None, out_dir: Path | N
 
     built = build(cfg)
     main = built.parallel.topology.is_main  # rank 0 reports; the other ranks only compute
-    if main:
-        print(plan_summary(built))
+    if main:  # flushed: a log file shows the plan at once, not when the run ends
+        print(plan_summary(built), flush=True)
     model = (choices or {}).get("model", cfg.model.arch)
     exporter = _EXPORTER[0] if _EXPORTER and main else None
     if exporter is not None:
@@ -330,7 +330,7 @@ def _start_exporter(cfg: RunConfig) -> None:
         return
     exporter = MetricsExporter(cfg.metrics.host, cfg.metrics.port)
     _EXPORTER.append(exporter)
-    print(f"xspec: serving Prometheus metrics at {exporter.url}")
+    print(f"xspec: serving Prometheus metrics at {exporter.url}", flush=True)
 
 
 def _summarize(directory: Path) -> None:
