@@ -1,0 +1,122 @@
+"""The per-step decision of ``spec.adaptive`` on a synthetic machine: no model, no noise
+from the host, the same answer every run.
+
+    python benchmarks/sim_adaptive.py [--seeds 8] [--steps 800] [--batch 32]
+        [--draft-bias 1.47] [--tail-every 60] [--tail 10] [--spells 20:1.0 20:1.7 8:1.7 50:1.7]
+
+What the benchmark machine cannot show cleanly (its speed moves by 20-50 % within
+minutes, docs/adaptive.md) is whether the plain / drafting choice itself is right. Here a
+:class:`~xspec.spec.adaptive.Speculation` is driven with step times from a known law:
+
+- the profile: a plain step of R requests takes 1.0 s, verifying 5 drafts each 2.0 s,
+  the draft forward 0.5 s (the step-cost model is seeded with exactly this);
+- the machine: drafting steps of ``--batch`` requests really take ``--draft-bias`` times
+  what the profile says (a cost the profile does not see; 1.47 makes a plain step about
+  1.25x a drafting step's value at acceptance 0.7, the crossover seen at T=0.8 and 32
+  requests), tail steps of 2 requests ``0.7`` times (drafting is then better than
+  predicted, as the real tails are);
+- every ``--tail-every`` steps, ``--tail`` steps of 2 requests (the end of a wave);
+- the machine's speed in spells: ``LEN:RATIO`` switches, every LEN steps, at random
+  between 1.0 and RATIO (all step times multiplied), times 8 % log-normal noise;
+- each draft position accepted with probability 0.7.
+
+Printed per spell pattern: the share of the big-batch steps (after a 120-step warm-up)
+that drafted, where plain is the better kind (0 is right; re-exploration alone is about
+0.01-0.03), per seed and the mean.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import random
+import statistics
+
+from xspec.sampling import SamplingParams
+from xspec.spec.adaptive import Speculation
+from xspec.spec.schedule import OnlineStepCost, StepCost
+
+GAMMA = 5
+ACCEPT = 0.7
+NOISE = 0.08
+WARMUP = 120
+TAIL_REQUESTS = 2
+TAIL_BIAS = 0.7
+PROFILE = StepCost(
+    requests=[1, 64],
+    drafts=[0, GAMMA],
+    seconds=[[1.0, 2.0], [1.0, 2.0]],
+    draft_seconds=[0.5, 0.5],
+)
+
+
+def simulate(a: argparse.Namespace, seed: int, spell: int, ratio: float) -> float:
+    """One run: the share of big-batch steps after the warm-up that drafted."""
+    rnd = random.Random(seed)
+    cost = OnlineStepCost(PROFILE)
+    s = Speculation(GAMMA, cost=cost)
+    histories = {r: [s.new_history() for _ in range(r)] for r in (TAIL_REQUESTS, a.batch)}
+    params = [SamplingParams(temperature=0.8)] * a.batch
+    speed, drafted, counted = 1.0, 0, 0
+    for t in range(a.steps):
+        if t % spell == 0:
+            speed = rnd.choice([1.0, ratio])
+        tail = t % a.tail_every >= a.tail_every - a.tail
+        R = TAIL_REQUESTS if tail else a.batch
+        h = histories[R]
+        depths = s.depths(params[:R], h, [GAMMA] * R)
+        drafting = sum(d > 0 for d in depths)
+        rows = R + sum(depths)
+        bias = (TAIL_BIAS if tail else a.draft_bias) if drafting else 1.0
+        noise = math.exp(rnd.gauss(0.0, NOISE))
+        seconds = PROFILE.seconds_at(R, rows, drafting) * speed * bias * noise
+        accepted = []
+        for d in depths:
+            k = 0
+            while k < d and rnd.random() < ACCEPT:
+                k += 1
+            accepted.append(k)
+        rec = s.last
+        assert rec is not None
+        # Speculation.observe with the synthetic step time instead of the wall clock
+        cost.update(R, rows, drafting, seconds)
+        if math.isfinite(rec.value):
+            s.value_check.observe(drafting > 0, R, rec.value, (R + sum(accepted)) / seconds)
+        for b in range(R):
+            s.acceptance.observe(rec.regimes[b], h[b], depths[b], accepted[b])
+        if t >= WARMUP and not tail:
+            counted += 1
+            drafted += drafting > 0
+    return drafted / max(counted, 1)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--seeds", type=int, default=8)
+    ap.add_argument("--steps", type=int, default=800)
+    ap.add_argument("--batch", type=int, default=32)
+    ap.add_argument("--draft-bias", type=float, default=1.47)
+    ap.add_argument("--tail-every", type=int, default=60)
+    ap.add_argument("--tail", type=int, default=10)
+    ap.add_argument("--spells", nargs="+", default=["20:1.0", "20:1.7", "8:1.7", "50:1.7"])
+    a = ap.parse_args()
+    if not 0 <= a.tail < a.tail_every:
+        ap.error(f"--tail {a.tail} must be below --tail-every {a.tail_every}")
+    spells = []
+    for pattern in a.spells:
+        try:
+            length, ratio = pattern.split(":")
+            spells.append((pattern, int(length), float(ratio)))
+        except ValueError:
+            ap.error(f"--spells {pattern!r}: expected LEN:RATIO, e.g. 20:1.7")
+        if spells[-1][1] < 1 or spells[-1][2] <= 0:
+            ap.error(f"--spells {pattern!r}: LEN must be >= 1 and RATIO > 0")
+    print(f"share of {a.batch}-request steps that drafted (plain is better), per seed and mean")
+    for pattern, spell, speed in spells:
+        shares = [simulate(a, seed, spell, speed) for seed in range(a.seeds)]
+        per_seed = " ".join(f"{x:.2f}" for x in shares)
+        print(f"  spells {pattern:>7}: mean {statistics.fmean(shares):.3f}  [{per_seed}]")
+
+
+if __name__ == "__main__":
+    main()
