@@ -21,8 +21,10 @@ minutes, docs/adaptive.md) is whether the plain / drafting choice itself is righ
 - each draft position accepted with probability 0.7.
 
 Printed per spell pattern: the share of the big-batch steps (after a 120-step warm-up)
-that drafted, where plain is the better kind (0 is right; re-exploration alone is about
-0.01-0.03), per seed and the mean.
+that drafted, per seed and the mean, and which kind is right. With the defaults plain is
+(0 is right; re-exploration alone is about 0.01-0.03); ``--draft-bias 0.9`` makes
+drafting right (1 is). A change to the cost model has to hold in both directions: one
+that never drafts at the crossover can shut drafting out where it wins.
 """
 
 from __future__ import annotations
@@ -111,7 +113,14 @@ def main() -> None:
             ap.error(f"--spells {pattern!r}: expected LEN:RATIO, e.g. 20:1.7")
         if spells[-1][1] < 1 or spells[-1][2] <= 0:
             ap.error(f"--spells {pattern!r}: LEN must be >= 1 and RATIO > 0")
-    print(f"share of {a.batch}-request steps that drafted (plain is better), per seed and mean")
+    tokens = 1 + sum(ACCEPT**j for j in range(1, GAMMA + 1))  # per request, drafting
+    seconds = PROFILE.seconds_at(a.batch, a.batch * (GAMMA + 1), a.batch) * a.draft_bias
+    ratio = tokens / seconds / (1 / PROFILE.seconds_at(a.batch, a.batch, 0))  # drafting / plain
+    better = "drafting" if ratio > 1 else "plain"
+    print(
+        f"share of {a.batch}-request steps that drafted; drafting makes {ratio:.2f}x a plain "
+        f"step's value, so {better} is right (share {1 if ratio > 1 else 0}); per seed and mean"
+    )
     for pattern, spell, speed in spells:
         shares = [simulate(a, seed, spell, speed) for seed in range(a.seeds)]
         per_seed = " ".join(f"{x:.2f}" for x in shares)
