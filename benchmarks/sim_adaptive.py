@@ -78,14 +78,7 @@ def simulate(a: argparse.Namespace, seed: int, spell: int, ratio: float) -> floa
             while k < d and rnd.random() < ACCEPT:
                 k += 1
             accepted.append(k)
-        rec = s.last
-        assert rec is not None
-        # Speculation.observe with the synthetic step time instead of the wall clock
-        cost.update(R, rows, drafting, seconds)
-        if math.isfinite(rec.value):
-            s.value_check.observe(drafting > 0, R, rec.value, (R + sum(accepted)) / seconds)
-        for b in range(R):
-            s.acceptance.observe(rec.regimes[b], h[b], depths[b], accepted[b])
+        s.observe(h, depths, accepted, seconds=seconds)
         if t >= WARMUP and not tail:
             counted += 1
             drafted += drafting > 0

@@ -408,6 +408,20 @@ def test_a_kind_shut_out_by_a_stale_factor_comes_back() -> None:
     assert plain and all(b - a > EXPLORE_EVERY for a, b in itertools.pairwise(plain)), plain
 
 
+def test_observe_takes_a_given_step_time() -> None:
+    """``seconds`` (a simulated machine's step time) is what the cost model and the value
+    check take in, not the wall clock."""
+    cost = StepCost(
+        requests=[1, 8], drafts=[0, 5], seconds=[[1.0, 1.2]] * 2, draft_seconds=[0.1] * 2
+    )
+    s = Speculation(2, cost=OnlineStepCost(cost))
+    histories = [s.new_history()]
+    assert s.depths([SamplingParams()], histories, [2]) == [2]
+    s.observe(histories, [2], [1], seconds=4.0)
+    assert s.cost.summary()["measured_ms_mean"] == pytest.approx(4000.0)  # type: ignore[union-attr]
+    assert s.value_check.steps(True, 1) == 1
+
+
 def test_a_kind_far_behind_is_not_re_explored() -> None:
     """Drafting far below plain (gap beyond EXPLORE_WIDE): never re-explored."""
     s = _shut_out(0.1)

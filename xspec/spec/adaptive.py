@@ -551,13 +551,17 @@ class Speculation:
         histories: Sequence[AcceptanceHistory | None],
         verified: Sequence[int],
         accepted: Sequence[int],
+        seconds: float | None = None,
     ) -> None:
-        """After the step: the realised acceptance per request and the step's time."""
+        """After the step: the realised acceptance per request and the step's time
+        (``seconds``; None: measured, from the decision to now, after the platform's
+        synchronize; given: a simulated machine's, benchmarks/sim_adaptive.py)."""
         rec = self.last
         assert rec is not None
         if self.cost is not None:
-            self.synchronize()
-            seconds = time.perf_counter() - rec.started
+            if seconds is None:
+                self.synchronize()
+                seconds = time.perf_counter() - rec.started
             drafting = sum(d > 0 for d in rec.depths)
             self.cost.update(len(verified), len(verified) + sum(verified), drafting, seconds)
             if seconds > 0 and math.isfinite(rec.value):
