@@ -100,22 +100,24 @@ def main() -> None:
     spells = []
     for pattern in a.spells:
         try:
-            length, ratio = pattern.split(":")
-            spells.append((pattern, int(length), float(ratio)))
+            length, speed = pattern.split(":")
+            spell, slow = int(length), float(speed)
         except ValueError:
             ap.error(f"--spells {pattern!r}: expected LEN:RATIO, e.g. 20:1.7")
-        if spells[-1][1] < 1 or spells[-1][2] <= 0:
+        if spell < 1 or slow <= 0:
             ap.error(f"--spells {pattern!r}: LEN must be >= 1 and RATIO > 0")
-    tokens = 1 + sum(ACCEPT**j for j in range(1, GAMMA + 1))  # per request, drafting
-    seconds = PROFILE.seconds_at(a.batch, a.batch * (GAMMA + 1), a.batch) * a.draft_bias
-    ratio = tokens / seconds / (1 / PROFILE.seconds_at(a.batch, a.batch, 0))  # drafting / plain
-    better = "drafting" if ratio > 1 else "plain"
+        spells.append((pattern, spell, slow))
+    # a plain step: R tokens in its profiled time; a drafting step: R (1 + sum_j ACCEPT^j)
+    tokens = 1 + sum(ACCEPT**j for j in range(1, GAMMA + 1))
+    drafting = tokens / (PROFILE.seconds_at(a.batch, a.batch * (GAMMA + 1)) * a.draft_bias)
+    value = drafting / (1 / PROFILE.seconds_at(a.batch, a.batch, 0))  # drafting / plain
+    better = "drafting" if value > 1 else "plain"
     print(
-        f"share of {a.batch}-request steps that drafted; drafting makes {ratio:.2f}x a plain "
-        f"step's value, so {better} is right (share {1 if ratio > 1 else 0}); per seed and mean"
+        f"share of {a.batch}-request steps that drafted; drafting makes {value:.2f}x a plain "
+        f"step's value, so {better} is right (share {1 if value > 1 else 0}); per seed and mean"
     )
-    for pattern, spell, speed in spells:
-        shares = [simulate(a, seed, spell, speed) for seed in range(a.seeds)]
+    for pattern, spell, slow in spells:
+        shares = [simulate(a, seed, spell, slow) for seed in range(a.seeds)]
         per_seed = " ".join(f"{x:.2f}" for x in shares)
         print(f"  spells {pattern:>7}: mean {statistics.fmean(shares):.3f}  [{per_seed}]")
 
