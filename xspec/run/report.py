@@ -252,12 +252,13 @@ def step_time_summary(built: Built) -> str | None:
     speculation = built.engine.speculation
     if speculation is None or speculation.cost is None or not speculation.cost.num_steps:
         return None
-    t, v = speculation.cost.summary(), speculation.value_check.summary()
+    t = speculation.cost.summary()
+    relative = ", ".join(f"{k}: {v:.2f}" for k, v in t["relative_cost_drafting"].items())
     return (
         f"step-cost model: {t['steps']} decode steps, predicted {t['predicted_ms_mean']:.2f} ms "
         f"vs measured {t['measured_ms_mean']:.2f} ms per step (mean abs error "
-        f"{t['abs_error_ms_mean']:.2f} ms; measured/profiled: plain steps "
-        f"{t['scale_plain']:.2f}, drafting steps {t['scale_drafting']:.2f}; realised/predicted "
-        f"tokens per second: plain {v['value_factor_plain']:.2f}, drafting "
-        f"{v['value_factor_drafting']:.2f})"
+        f"{t['abs_error_ms_mean']:.2f} ms; measured/profiled lately {t['speed']:.2f}; a "
+        f"drafting step's cost relative to a plain one's beyond the profile, per batch size: "
+        f"{relative or 'not measured'}; realised/expected tokens of drafting steps "
+        f"{speculation.yield_check.factor():.2f})"
     )

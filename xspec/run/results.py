@@ -170,8 +170,8 @@ def _adaptive(built: Built) -> dict[str, Any] | None:
         "calibration_regimes": [f.fitted_regime() for f in cal.fits()] if cal else [],
         # the step-cost model's predicted vs measured decode-step time over the run
         "step_time": cost.summary() if cost is not None else None,
-        # realised / predicted committed tokens per second, per kind of step (ValueCheck)
-        "value_check": speculation.value_check.summary() if speculation is not None else None,
+        # realised / expected committed tokens of drafting steps (YieldCheck)
+        "yield_check": speculation.yield_check.summary() if speculation is not None else None,
     }
 
 

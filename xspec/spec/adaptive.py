@@ -19,12 +19,15 @@ One decision per step, per request, made **before drafting** by :class:`Speculat
    draft forward at all (a plain decode step). Candidates ``(r, j)`` are taken in
    descending ``a_{r,j}`` and the best prefix of that order wins (an exhaustive scan of
    the order: nothing in it depends on this step's drafts);
-   whether the step drafts at all is then decided on the two values corrected by what
-   such steps really delivered (:class:`ValueCheck`: per kind of step, plain or
-   drafting, the EMA of realised committed tokens per second over the value predicted
-   for them). The model's errors are not symmetric: the acceptance it learns comes from
-   the positions the trim kept (the confident ones), and a drafting step has costs the
-   profile does not see; near the crossover they flip the choice the wrong way;
+   whether the step drafts at all is then decided on the two values, the drafting
+   one's tokens corrected by what drafting steps really committed (:class:`YieldCheck`:
+   the acceptance the model learns comes from the positions the trim kept, the
+   confident ones). The seconds of each kind come from one model that keeps the
+   machine's speed (common to both kinds, followed at every step) apart from the
+   relative cost of drafting (learnt only from steps of both kinds close together, so
+   a slow or fast spell does not move it): near the crossover, a speed learnt for each
+   kind from its own steps flipped the choice whenever the kind not taken had last been
+   measured in another spell;
 3. after drafting, a drafter with a confidence head has Algorithm 1
    (:func:`~xspec.spec.schedule.schedule_verify`) trim each request's verified prefix
    within ``d_r``, from its confidences, corrected per position by the realised
@@ -48,7 +51,13 @@ from dataclasses import dataclass
 import torch
 
 from xspec.sampling import SamplingParams
-from xspec.spec.schedule import SMALL_SCAN, OnlineStepCost, StepLine, schedule_verify
+from xspec.spec.schedule import (
+    SMALL_SCAN,
+    OnlineStepCost,
+    StepLine,
+    batch_bucket,
+    schedule_verify,
+)
 
 __all__ = [
     "AcceptanceHistory",
@@ -56,7 +65,8 @@ __all__ = [
     "Choice",
     "ConfidenceCorrection",
     "Speculation",
-    "ValueCheck",
+    "StepKinds",
+    "YieldCheck",
     "batch_bucket",
     "choose_depths",
     "gamma_for_batch",
@@ -65,12 +75,11 @@ __all__ = [
 ]
 
 PRIOR_ACCEPTANCE = 0.7  # per-position acceptance assumed before anything was verified
-EXPLORE_STEPS = 2  # measured steps of each kind (plain / drafting) per batch size wanted
-EXPLORE_MARGIN = 0.15  # ... when the other kind is predicted within this of the best
+EXPLORE_STEPS = 2  # steps of each kind (plain / drafting) per batch-size bucket wanted
 EXPLORE_EVERY = 32  # and once again after at least this many steps of a bucket without it
 EXPLORE_BUDGET = 0.005  # ... and gap / this many: re-exploring costs at most this, on average
 EXPLORE_WIDE = 0.5  # ... when the other kind is predicted within this of the best (the gap)
-VALUE_PRIOR_STEPS = 2.0  # ValueCheck: steps' worth of "the model is right" before any data
+YIELD_PRIOR_STEPS = 2.0  # YieldCheck: steps' worth of "the model is right" before any data
 
 
 def regime_of(params: SamplingParams) -> str:
@@ -239,87 +248,107 @@ class _Ema:
         self.value += max(1.0 / self.n, 1.0 - decay) * (x - self.value)
 
     def shrunk(self, prior: float) -> float:
-        """The EMA shrunk to ``prior`` by :data:`VALUE_PRIOR_STEPS` pseudo-steps."""
-        w = VALUE_PRIOR_STEPS
+        """The EMA shrunk to ``prior`` by :data:`YIELD_PRIOR_STEPS` pseudo-steps."""
+        w = YIELD_PRIOR_STEPS
         return (self.n * self.value + w * prior) / (self.n + w)
 
 
-def batch_bucket(requests: int) -> int:
-    """The batch-size bucket :class:`ValueCheck` keeps its figures in: ``round(log2 R)``
-    (1 | 2 | 3-5 | 6-11 | 12-22 | 23-45 | 46-90 | ...)."""
-    return max(0, round(math.log2(max(requests, 1))))
+class YieldCheck:
+    """How many tokens drafting steps really committed against what the decision expected
+    of them: per batch-size bucket (:func:`batch_bucket`), an EMA (``decay``) of realised
+    / expected committed tokens, ``(R + accepted) / (R + expected accepted)``, with the
+    expectation of the depths the decision chose (before the trim). The decision
+    multiplies a drafting option's value (its tokens) by it. A plain step commits
+    exactly R tokens: it has nothing to check.
 
+    What it corrects is the acceptance model's bias, not the machine's: the acceptance
+    it learns comes from the positions the trim kept (the confident ones), so it
+    expects more of the deeper positions than they deliver. A ratio of tokens has no
+    seconds in it, so a slow or fast spell does not move it, and a figure learnt long
+    ago stays as good as it was (the step-time side, where the speed moves, is the cost
+    model's: :class:`~xspec.spec.schedule.OnlineStepCost`).
 
-class ValueCheck:
-    """Per kind of step (plain, drafting) and batch-size bucket (:func:`batch_bucket`),
-    how the value the model predicted compares to what the steps delivered: an EMA
-    (``decay``) of realised / predicted committed tokens per second. The decision
-    multiplies each kind's predicted value by its factor before comparing them.
-
-    The factors are hierarchical: a kind's overall EMA shrunk to 1 by
-    :data:`VALUE_PRIOR_STEPS` pseudo-steps, and a bucket's EMA shrunk to its kind's
-    overall factor the same way. The model's error is not the same at every batch size
-    (measured at T=0.8: drafting steps of 2 requests delivered 1.1-1.2x the value
-    predicted for them, of 32 requests 0.7-0.9x), so one factor per kind learnt at one
-    batch size misled the choice at another (after a warm-up at 2 requests, the drafting
-    factor took some thirty steps of 32 requests to come down from 1.17 to 0.9).
-
-    A kind's bucket not taken for :data:`EXPLORE_EVERY` steps holds a stale figure: the
-    step that takes it again (a re-exploration) weighs as much as all of it."""
+    The factors are hierarchical: the overall EMA shrunk to 1 by
+    :data:`YIELD_PRIOR_STEPS` pseudo-steps, and a bucket's shrunk to the overall one
+    the same way."""
 
     def __init__(self, decay: float = 0.9) -> None:
         self.decay = decay
-        self._kind = {False: _Ema(), True: _Ema()}
-        self._bucket: dict[tuple[int, bool], _Ema] = {}
-        self._since: dict[tuple[int, bool], int] = {}  # steps of the bucket without the kind
+        self._overall = _Ema()
+        self._bucket: dict[int, _Ema] = {}
 
-    def factor(self, drafting: bool, requests: int | None = None) -> float:
-        """The factor of a kind of step (of a batch of ``requests``: its bucket's)."""
-        overall = self._kind[drafting].shrunk(1.0)
+    def factor(self, requests: int | None = None) -> float:
+        """The factor (of a batch of ``requests``: its bucket's)."""
+        overall = self._overall.shrunk(1.0)
         if requests is None:
             return overall
-        bucket = self._bucket.get((batch_bucket(requests), drafting))
+        bucket = self._bucket.get(batch_bucket(requests))
         return overall if bucket is None else bucket.shrunk(overall)
 
+    def observe(self, requests: int, expected: float, accepted: int) -> None:
+        """One drafting step of ``requests`` requests: ``expected`` accepted drafts (the
+        decision's), ``accepted`` realised."""
+        ratio = (requests + accepted) / (requests + expected)
+        self._overall.add(ratio, self.decay)
+        self._bucket.setdefault(batch_bucket(requests), _Ema()).add(ratio, self.decay)
+
+    def summary(self) -> dict[str, float]:
+        return {"yield_factor": self.factor()}
+
+
+class StepKinds:
+    """Per batch-size bucket and kind of step (plain, drafting): how many steps took it,
+    and how many steps of the bucket have gone by since it was last taken (what the
+    exploration of :class:`Speculation` decides on)."""
+
+    def __init__(self) -> None:
+        self._steps: dict[tuple[int, bool], int] = {}
+        self._since: dict[tuple[int, bool], int] = {}
+
     def steps(self, drafting: bool, requests: int) -> int:
-        """Steps of this kind measured in the bucket of ``requests``."""
-        bucket = self._bucket.get((batch_bucket(requests), drafting))
-        return 0 if bucket is None else bucket.n
+        """Steps of this kind taken in the bucket of ``requests``."""
+        return self._steps.get((batch_bucket(requests), drafting), 0)
 
     def since(self, drafting: bool, requests: int) -> int:
         """Steps of the bucket of ``requests`` since this kind of step was last taken."""
         return self._since.get((batch_bucket(requests), drafting), 0)
 
-    def observe(self, drafting: bool, requests: int, predicted: float, realised: float) -> None:
-        if predicted <= 0 or not math.isfinite(predicted):
-            return
-        ratio = realised / predicted
-        self._kind[drafting].add(ratio, self.decay)
-        bucket = batch_bucket(requests)
-        ema = self._bucket.setdefault((bucket, drafting), _Ema())
-        if self._since.get((bucket, drafting), 0) >= EXPLORE_EVERY:
-            ema.n = min(ema.n, 1)  # stale: a re-exploration weighs as much as all it held
-        ema.add(ratio, self.decay)
-        self._since[(bucket, drafting)] = 0
-        self._since[(bucket, not drafting)] = self._since.get((bucket, not drafting), 0) + 1
-
-    def summary(self) -> dict[str, float]:
-        return {
-            "value_factor_plain": self.factor(False),
-            "value_factor_drafting": self.factor(True),
-        }
+    def observe(self, drafting: bool, requests: int) -> None:
+        key, other = (batch_bucket(requests), drafting), (batch_bucket(requests), not drafting)
+        self._steps[key] = self._steps.get(key, 0) + 1
+        self._since[key] = 0
+        self._since[other] = self._since.get(other, 0) + 1
 
 
 @dataclass(frozen=True)
 class Choice:
-    """:func:`scan_depths`'s answer: the best depths and its value (expected committed
-    tokens per second), and the best of the other kind of step (a plain step when the
-    best drafts, the best drafting step when the best is plain; None: there is none)."""
+    """:func:`scan_depths`'s answer: the best depths, its value (expected committed
+    tokens per second), expected accepted drafts and predicted seconds, and the same of
+    the best of the other kind of step (a plain step when the best drafts, the best
+    drafting step when the best is plain; None: there is none)."""
 
     depths: list[int]
     value: float
     other: list[int] | None
     other_value: float
+    accepted: float = 0.0
+    other_accepted: float = 0.0
+    seconds: float = 0.0
+    other_seconds: float = 0.0
+
+    def swapped(self) -> Choice:
+        """The other kind of step as the choice (``other`` must not be None)."""
+        assert self.other is not None
+        return Choice(
+            self.other,
+            self.other_value,
+            self.depths,
+            self.value,
+            self.other_accepted,
+            self.accepted,
+            self.other_seconds,
+            self.seconds,
+        )
 
 
 def scan_depths(
@@ -330,11 +359,12 @@ def scan_depths(
     ``seconds`` the predicted step time of this step's R requests (its ``max_rows`` at
     least ``R + sum(caps)``). Vectorised over the candidates: a few small tensor ops."""
     R = len(caps)
-    plain = R / seconds(R, 0)
+    plain_s = seconds(R, 0)
+    plain = R / plain_s
     if not any(caps):
-        return Choice([0] * R, plain, None, 0.0)
+        return Choice([0] * R, plain, None, 0.0, seconds=plain_s)
     if sum(caps) <= SMALL_SCAN:  # a few candidates: plain Python beats tensor ops
-        return _scan_small(survivals, caps, seconds, plain)
+        return _scan_small(survivals, caps, seconds, plain_s)
     G = max(caps)
     a = torch.tensor([[*s[:G], *[0.0] * (G - len(s[:G]))] for s in survivals], dtype=torch.float64)
     # candidates in position-major order (j, then r): a stable sort by -a breaks ties by
@@ -349,36 +379,39 @@ def scan_depths(
     tau = R + cand.cumsum(0)  # [K] expected committed tokens of each prefix
     rows = R + torch.arange(1, K + 1)  # [K]
     drafting = (pos == 0).long().cumsum(0)  # a request's first candidate is its position 0
-    value = tau / seconds.many(rows, drafting)  # [K]
+    secs = seconds.many(rows, drafting)  # [K]
+    value = tau / secs
     best = int(value.argmax())  # the first of equal maxima: the shorter prefix
     depths = [0] * R
     for r, j in zip(req[: best + 1].tolist(), pos[: best + 1].tolist()):
         depths[r] = max(depths[r], j + 1)
-    v = float(value[best])
+    v, accepted, s = float(value[best]), float(tau[best]) - R, float(secs[best])
     if v > plain:
-        return Choice(depths, v, [0] * R, plain)
-    return Choice([0] * R, plain, depths, v)
+        return Choice(depths, v, [0] * R, plain, accepted, 0.0, s, plain_s)
+    return Choice([0] * R, plain, depths, v, 0.0, accepted, plain_s, s)
 
 
 def _scan_small(
-    survivals: Sequence[Sequence[float]], caps: Sequence[int], seconds: StepLine, plain: float
+    survivals: Sequence[Sequence[float]], caps: Sequence[int], seconds: StepLine, plain_s: float
 ) -> Choice:
     """:func:`scan_depths` in plain Python (the same order, the same answer)."""
     R = len(caps)
+    plain = R / plain_s
     cand = sorted((-survivals[r][j], j, r) for r in range(R) for j in range(caps[r]))
     tau, rows, drafting = float(R), R, 0
-    best_value, best_k = -math.inf, 0
+    best_value, best_k, accepted, best_s = -math.inf, 0, 0.0, 0.0
     for k, (neg_a, j, _) in enumerate(cand, start=1):
         tau, rows, drafting = tau - neg_a, rows + 1, drafting + (j == 0)
-        value = tau / seconds(rows, drafting)
+        s = seconds(rows, drafting)
+        value = tau / s
         if value > best_value:
-            best_value, best_k = value, k
+            best_value, best_k, accepted, best_s = value, k, tau - R, s
     depths = [0] * R
     for _, j, r in cand[:best_k]:
         depths[r] = max(depths[r], j + 1)
     if best_value > plain:
-        return Choice(depths, best_value, [0] * R, plain)
-    return Choice([0] * R, plain, depths, best_value)
+        return Choice(depths, best_value, [0] * R, plain, accepted, 0.0, best_s, plain_s)
+    return Choice([0] * R, plain, depths, best_value, 0.0, accepted, plain_s, best_s)
 
 
 def choose_depths(
@@ -396,7 +429,8 @@ class StepRecord:
     depths: list[int]  # decided before drafting
     expected: list[list[float]]  # [R][depth] pre-draft conditional acceptance estimates
     started: float = 0.0  # perf_counter at the decision
-    value: float = math.nan  # the value (tokens/s) predicted for ``depths`` (not corrected)
+    value: float = math.nan  # the value (tokens/s) predicted for ``depths``
+    accepted: float = math.nan  # the drafts expected accepted at ``depths`` (not corrected)
     raw: torch.Tensor | None = None  # [R, width] the draft's confidences (host, float64)
     confidence: torch.Tensor | None = None  # [R, width] corrected: what the trim used
 
@@ -436,7 +470,8 @@ class Speculation:
         self.synchronize = synchronize
         self.acceptance = AcceptanceModel(gamma)
         self.correction = ConfidenceCorrection(gamma)
-        self.value_check = ValueCheck()
+        self.yield_check = YieldCheck()
+        self.kinds = StepKinds()
         self.last: StepRecord | None = None
         # a test hook: ``force(caps) -> depths`` replaces the decision (clipped to caps)
         self.force: Callable[[list[int]], list[int]] | None = None
@@ -468,7 +503,7 @@ class Speculation:
         conditional = [
             self.acceptance.conditional(g, h, rates[g]) for g, h in zip(regimes, histories)
         ]
-        value = math.nan
+        value, accepted = math.nan, math.nan
         if self.force is not None:
             depths = [max(0, min(d, c)) for d, c in zip(self.force(caps), caps)]
         elif self.cost is None or not any(caps):
@@ -477,61 +512,66 @@ class Speculation:
             surv = [list(itertools.accumulate(c, operator.mul)) for c in conditional]
             R = len(caps)
             choice = self._checked(scan_depths(surv, caps, self.cost.line(R, R + sum(caps))), R)
-            depths, value = choice.depths, choice.value
             if choice.other is not None and self._explore(R, choice):
-                depths, value = choice.other, choice.other_value
+                choice = choice.swapped()
+            depths, value, accepted = choice.depths, choice.value, choice.accepted
             if self.trim_enabled:  # the draft forward costs the same at any depth: a
                 # drafting request drafts its cap, the trim picks the verified prefix
                 depths = [c if d > 0 else 0 for d, c in zip(depths, caps)]
         expected = [c[:d] for c, d in zip(conditional, depths)]
-        self.last = StepRecord(regimes, depths, expected, started, value)
+        self.last = StepRecord(regimes, depths, expected, started, value, accepted)
         return depths
 
     def _checked(self, choice: Choice, requests: int) -> Choice:
-        """``choice`` with the plain / drafting decision made on values corrected by
-        :class:`ValueCheck` (the depths of each kind stay the model's). The values it
-        carries stay the model's predictions, which :meth:`observe` compares with what
-        happened."""
+        """``choice`` with the drafting option's value corrected by :class:`YieldCheck`
+        (times its factor) and the plain / drafting decision made on the corrected
+        values; the depths of each kind stay the model's."""
         if choice.other is None:
             return choice
+        f = self.yield_check.factor(requests)
         drafts = any(choice.depths)
-        best = choice.value * self.value_check.factor(drafts, requests)
-        other = choice.other_value * self.value_check.factor(not drafts, requests)
-        if other > best:
-            return Choice(choice.other, choice.other_value, choice.depths, choice.value)
-        return choice
+        checked = Choice(
+            choice.depths,
+            choice.value * (f if drafts else 1.0),
+            choice.other,
+            choice.other_value * (1.0 if drafts else f),
+            choice.accepted,
+            choice.other_accepted,
+            choice.seconds,
+            choice.other_seconds,
+        )
+        return checked.swapped() if checked.other_value > checked.value else checked
 
     def _explore(self, requests: int, choice: Choice) -> bool:
         """Take the other kind of step (plain / drafting) instead of the best, to measure
-        it: only while this batch size's bucket (:func:`batch_bucket`) has fewer than
-        :data:`EXPLORE_STEPS` measured steps of that kind and its corrected value is
-        within :data:`EXPLORE_MARGIN` of the best. The model otherwise never learns what
-        a kind of step it never takes delivers (the profile can be off for one kind),
-        and it costs a bounded few steps per bucket (per exact batch size, the tail of
-        a run, where the batch shrinks one request at a time, explored at every size).
+        it: while this batch size's bucket (:func:`batch_bucket`) has fewer than
+        :data:`EXPLORE_STEPS` steps of that kind, each after a step of the best kind
+        (alternating, so that each is a contrast of the two kinds close together: the
+        only thing the cost model learns the relative cost of drafting from). Whatever
+        the values predicted: before its first contrasts the model cannot tell the
+        machine's speed from the cost of drafting (a run of drafting steps twice as slow
+        as profiled could be either), so a gap between the kinds means nothing yet. It
+        costs a bounded few steps per bucket, once.
 
-        Once more, when its corrected value is within :data:`EXPLORE_WIDE` of the best
-        (``gap = 1 - other / best <= EXPLORE_WIDE``), after ``max(EXPLORE_EVERY,
-        gap / EXPLORE_BUDGET)`` steps of the bucket without that kind: what was learnt
-        of a kind it stopped taking (its value factor, its step-time scale) never
-        changes otherwise, so one unlucky spell could shut a kind out for good (at T=0.8,
-        one request, after a warm-up run, one benchmark process made 43 tok/s, about
-        ``spec=none``'s 45, where fixed gamma made 75). A re-exploration costs about
-        ``gap`` of a step, so spacing them by ``gap / EXPLORE_BUDGET`` bounds their cost
-        at :data:`EXPLORE_BUDGET` of the throughput: every 32 steps cost 4 % at T=0.8 and
-        one request (a plain step explored where drafting made 1.9x its value; paired in
-        one process). The step that re-explores counts as much as what its bucket held
-        (:meth:`ValueCheck.observe`), so a kind shut out by a stale factor comes back
-        within a few of them."""
+        Once more, when its value is within :data:`EXPLORE_WIDE` of the best (``gap = 1
+        - other / best <= EXPLORE_WIDE``), after ``max(EXPLORE_EVERY, gap * (seconds of
+        the other / seconds of the best) / EXPLORE_BUDGET)`` steps of the bucket without
+        that kind: what was learnt of a kind it stopped taking never changes otherwise,
+        so one unlucky contrast could shut a kind out for good (at T=0.8, one request,
+        after a warm-up run, one benchmark process made 43 tok/s, about ``spec=none``'s
+        45, where fixed gamma made 75). A re-exploration loses ``gap`` of the other
+        kind's step time (a drafting step of 32 requests takes 2.6x a plain one), so
+        that spacing bounds their cost at :data:`EXPLORE_BUDGET` of the time: every 32
+        steps cost 4 % at T=0.8 and one request (a plain step explored where drafting
+        made 1.9x its value; paired in one process)."""
         kind = any(d > 0 for d in choice.other or [])
-        vc = self.value_check
-        other = choice.other_value * vc.factor(kind, requests)
-        best = choice.value * vc.factor(not kind, requests)
-        if vc.steps(kind, requests) < EXPLORE_STEPS:
-            return other >= (1 - EXPLORE_MARGIN) * best
-        gap = 1.0 - other / best if best > 0 else 0.0
-        wait = max(EXPLORE_EVERY, gap / EXPLORE_BUDGET)
-        return gap <= EXPLORE_WIDE and vc.since(kind, requests) >= wait
+        if self.kinds.steps(kind, requests) < EXPLORE_STEPS:
+            return self.kinds.since(kind, requests) >= 1
+        if choice.value <= 0 or choice.seconds <= 0:
+            return False
+        gap = 1.0 - choice.other_value / choice.value
+        wait = max(EXPLORE_EVERY, gap * choice.other_seconds / choice.seconds / EXPLORE_BUDGET)
+        return gap <= EXPLORE_WIDE and self.kinds.since(kind, requests) >= wait
 
     def trim(self, confidence: torch.Tensor, depths: list[int]) -> list[int]:
         """After drafting: Algorithm 1 within ``depths`` on the corrected confidences
@@ -563,12 +603,11 @@ class Speculation:
                 self.synchronize()
                 seconds = time.perf_counter() - rec.started
             drafting = sum(d > 0 for d in rec.depths)
-            self.cost.update(len(verified), len(verified) + sum(verified), drafting, seconds)
-            if seconds > 0 and math.isfinite(rec.value):
-                committed = len(verified) + sum(accepted)
-                self.value_check.observe(
-                    drafting > 0, len(verified), rec.value, committed / seconds
-                )
+            R = len(verified)
+            self.cost.update(R, R + sum(verified), drafting, seconds)
+            self.kinds.observe(drafting > 0, R)
+            if drafting and math.isfinite(rec.accepted):
+                self.yield_check.observe(R, rec.accepted, sum(accepted))
         raw = rec.raw.tolist() if rec.raw is not None else None  # one copy, not one per row
         for b, history in enumerate(histories):
             self.acceptance.observe(rec.regimes[b], history, verified[b], accepted[b])

@@ -43,12 +43,14 @@ from __future__ import annotations
 
 import bisect
 import itertools
+import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
-__all__ = ["AdaptiveVerify", "OnlineStepCost", "StepCost", "schedule_verify"]
+__all__ = ["AdaptiveVerify", "OnlineStepCost", "StepCost", "batch_bucket", "schedule_verify"]
 
 # candidates up to which a scan runs in plain Python: measured on this CPU, the Python scan
 # of 160 candidates (32 requests x 5) takes 0.15-0.2 ms, the tensor one 0.37-0.46 ms; at
@@ -219,43 +221,119 @@ class AdaptiveVerify:
         return schedule_verify(confidence.cpu(), max_drafts, self.cost.sps(len(max_drafts)))
 
 
-class OnlineStepCost:
-    """The step-cost model ``spec.adaptive`` predicts with: the measured profile, then
-    corrected from the step times of the running workload.
+def batch_bucket(requests: int) -> int:
+    """The batch-size bucket the relative cost of drafting (:class:`OnlineStepCost`) and
+    the draft yield (:class:`~xspec.spec.adaptive.YieldCheck`) are kept in:
+    ``round(log2 R)`` (1 | 2 | 3-5 | 6-11 | 12-22 | 23-45 | 46-90 | ...)."""
+    return max(0, round(math.log2(max(requests, 1))))
 
-    Two corrections, both factors on the profile from measured decode steps: per kind of
-    step (with or without a draft forward) a scale, the EMA of measured / profiled seconds
-    that carries what the profile could not see (longer contexts, another load on the
-    machine) to every batch shape; and per ``(requests, kind)`` the same EMA for that
-    batch size alone, blended with the kind's scale by its number of samples
-    (``prior_weight`` samples of the scale, so one noisy step moves a prediction only
-    part way).
+
+def bucket_label(bucket: int) -> str:
+    """The batch sizes of a :func:`batch_bucket`, e.g. ``23-45`` (``1`` for bucket 0)."""
+    lo, hi = math.ceil(2 ** (bucket - 0.5)), math.floor(2 ** (bucket + 0.5))
+    return str(lo) if lo == hi else f"{lo}-{hi}"
+
+
+@dataclass
+class _Run:
+    """A run of consecutive steps of one kind in a batch-size bucket: its kind, the index
+    of its last step, and a short EMA of its log(measured / profiled) seconds (the
+    machine's speed as it was then)."""
+
+    drafting: bool
+    last: int
+    x: float
+
+
+class OnlineStepCost:
+    """The step-cost model ``spec.adaptive`` predicts with: the measured profile, times
+    two factors learnt from the step times of the running workload, which keep apart
+    what moves both kinds of step (the machine's speed) from what sets one against the
+    other (the cost of drafting, relative to a plain step):
+
+    - the **level** of a batch size R: the EMA (``decay``) of ``log(measured /
+      profiled)`` over its steps of both kinds (a drafting step's less the relative cost
+      below). Whatever kind the steps take, it follows the machine's speed and the
+      workload (longer contexts than profiled, another load on the machine). A batch
+      size not seen yet starts from the recent speed (an EMA of every step's level),
+      then moves to its own by its samples (``prior_weight`` samples of that prior).
+    - the **relative cost** of a drafting step per batch-size bucket
+      (:func:`batch_bucket`): ``log(drafting / plain)`` beyond the profile's, learnt
+      from contrasts only: a run of one kind sandwiched between two of the other, all
+      within ``2 * fresh`` steps, against the mean of its neighbours (each run's figure
+      a short EMA of its last steps). Both sides are measured at the same speed, so a
+      slow or fast spell leaves it alone; a sandwich whose two sides differ by more
+      than ``jump`` (log) saw the speed change and teaches nothing (a contrast with one
+      side only took half a speed change for a cost of drafting). An EMA
+      (``relative_decay``, the first samples averaged exactly) shrunk to 0 (the
+      profile is right) by ``relative_prior`` samples (the first few contrasts decide:
+      a bucket gets three from its first exploration).
+
+    The predicted time of a step of R requests is then ``profile * exp(level(R) +
+    relative(R) * drafting)``. The earlier model kept one scale per kind of step,
+    learnt from that kind's steps alone: the kind not being taken kept the speed of
+    the spell in which it was last measured, so a 1.7x spell flipped the plain /
+    drafting choice (benchmarks/sim_adaptive.py, plain right: drafting taken in 4-6 % of
+    the steps under such spells, 0.5 % on a steady machine; this model 1.0 % in both,
+    all of it re-exploration).
 
     Both are factors, never per-row figures: the shape in rows (what one more verify row
     costs, which Algorithm 1 and the depth scan weigh against a draft's survival) stays
     the profile's, measured interleaved, and a prediction never falls as rows grow. An
-    EMA per ``(requests, rows, drafting)`` bucket (the earlier model) learnt each row
-    count from its own few steps: a slow spell left one dearer than its neighbours (one
-    run at T=0.8, one request, predicted 42.9, 36.4, 41.0, 43.3, 43.9 ms for 2 to 6
-    rows), the trim then verified 3 rows in 101 of 132 steps, and the rows it avoided
-    were never measured again. Engines stepped alternately in one process: adaptive made
-    0.89x of fixed gamma 5 with it, 0.97x with these factors."""
+    EMA per ``(requests, rows, drafting)`` bucket (an earlier model still) learnt each
+    row count from its own few steps: a slow spell left one dearer than its neighbours,
+    the trim then verified 3 rows in 101 of 132 steps, and the rows it avoided were
+    never measured again."""
 
-    def __init__(self, profile: StepCost, *, decay: float = 0.9, prior_weight: float = 2.0) -> None:
+    def __init__(
+        self,
+        profile: StepCost,
+        *,
+        decay: float = 0.9,
+        relative_decay: float = 0.75,
+        prior_weight: float = 2.0,
+        relative_prior: float = 0.5,
+        fresh: int = 4,
+        jump: float = 0.3,
+    ) -> None:
         self.profile = profile
-        self.decay = decay
-        self.prior_weight = prior_weight
-        # (requests, drafting?) -> (EMA of measured / profiled seconds, samples)
-        self.buckets: dict[tuple[int, bool], tuple[float, float]] = {}
-        self.scale = {False: 1.0, True: 1.0}  # drafting? -> EMA of measured / profiled
+        self.decay, self.relative_decay = decay, relative_decay
+        self.prior_weight, self.relative_prior = prior_weight, relative_prior
+        self.fresh, self.jump = fresh, jump
+        self.levels: dict[int, tuple[float, float]] = {}  # requests -> (log level, samples)
+        self.speed = 0.0  # EMA of every step's log level: where a new batch size starts
+        self.relative: dict[int, tuple[float, float]] = {}  # bucket -> (log EMA, samples)
+        self._runs: dict[int, _Run] = {}  # bucket -> its latest run of one kind
+        self._before: dict[int, _Run | None] = {}  # bucket -> the run before that
+        self._step = 0  # steps taken in (the runs' clock; the report's count can restart)
         # (requests, max_rows) -> the profile's verify and draft seconds (StepLine)
         self.profile_lines: dict[tuple[int, int], tuple[list[float], list[float], list[float]]] = {}
-        self._scale_n = {False: 0, True: 0}
         # predicted vs measured over the steps seen (the report)
         self.num_steps = 0
         self.predicted_s = 0.0
         self.measured_s = 0.0
         self.abs_error_s = 0.0
+
+    def level(self, requests: int) -> float:
+        """The log factor on the profile common to both kinds of step at ``requests``."""
+        ema, n = self.levels.get(requests, (0.0, 0.0))
+        w, prior = min(n, 1.0 / (1.0 - self.decay)), self.prior_weight
+        return (w * ema + prior * self.speed) / (w + prior)
+
+    def relative_cost(self, requests: int) -> float:
+        """The log cost of a drafting step over a plain one beyond the profile's, at
+        ``requests`` (its bucket's; 0 before any contrast)."""
+        ema, n = self.relative.get(batch_bucket(requests), (0.0, 0.0))
+        return n * ema / (n + self.relative_prior)
+
+    def contrasts(self, requests: int) -> int:
+        """Contrasts the relative cost of ``requests``'s bucket was learnt from."""
+        return int(self.relative.get(batch_bucket(requests), (0.0, 0.0))[1])
+
+    def factors(self, requests: int) -> tuple[float, float]:
+        """The factors on the profile of a plain and of a drafting step of ``requests``."""
+        level = self.level(requests)
+        return math.exp(level), math.exp(level + self.relative_cost(requests))
 
     def line(self, requests: int, max_rows: int | None = None) -> StepLine:
         """Predicted seconds of a step of ``requests`` requests, ``f(rows, drafting)``
@@ -279,24 +357,46 @@ class OnlineStepCost:
         """Take in one measured step; returns what was predicted for it (before the update)."""
         predicted = self.seconds_at(requests, rows, drafting)
         self.num_steps += 1
+        self._step += 1
         self.predicted_s += predicted
         self.measured_s += seconds
         self.abs_error_s += abs(predicted - seconds)
-        kind = drafting > 0
-        ratio = seconds / self.profile.seconds_at(requests, rows, drafting)
-        ema, n = self.buckets.get((requests, kind), (ratio, 0.0))
+        profiled = self.profile.seconds_at(requests, rows, drafting)
+        if not (seconds > 0 and profiled > 0 and math.isfinite(seconds)):
+            return predicted
+        x, kind, bucket = math.log(seconds / profiled), drafting > 0, batch_bucket(requests)
+        run, before = self._runs.get(bucket), self._before.get(bucket)
+        if run is not None and run.drafting == kind and self._step - run.last <= self.fresh:
+            run.last, run.x = self._step, run.x + 0.5 * (x - run.x)
+        else:
+            if (  # a contrast: the run of the other kind sandwiched between two of this one
+                run is not None
+                and before is not None
+                and before.drafting == kind != run.drafting
+                and self._step - before.last <= 2 * self.fresh
+                and abs(before.x - x) <= self.jump  # no change of speed around it
+            ):
+                sample = run.x - 0.5 * (before.x + x)  # the other kind's over this one's
+                self._contrast(bucket, sample if run.drafting else -sample)
+            self._before[bucket] = run
+            self._runs[bucket] = _Run(kind, self._step, x)
+        x -= self.relative_cost(requests) if kind else 0.0
+        ema, n = self.levels.get(requests, (x, 0.0))
         alpha = max(1.0 / (n + 1), 1.0 - self.decay)  # the first samples average exactly
-        self.buckets[(requests, kind)] = (ema + alpha * (ratio - ema), n + 1)
-        self._scale_n[kind] += 1
-        alpha = max(1.0 / self._scale_n[kind], 1.0 - self.decay)
-        self.scale[kind] += alpha * (ratio - self.scale[kind])
+        self.levels[requests] = (ema + alpha * (x - ema), n + 1)
+        self.speed += (1.0 - self.decay) * (x - self.speed) if self._step > 1 else x - self.speed
         return predicted
+
+    def _contrast(self, bucket: int, sample: float) -> None:
+        ema, n = self.relative.get(bucket, (0.0, 0.0))
+        alpha = max(1.0 / (n + 1), 1.0 - self.relative_decay)
+        self.relative[bucket] = (ema + alpha * (sample - ema), n + 1)
 
     def reset_report(self) -> None:
         """Start the predicted-vs-measured report afresh (what was learnt stays)."""
         self.num_steps, self.predicted_s, self.measured_s, self.abs_error_s = 0, 0.0, 0.0, 0.0
 
-    def summary(self) -> dict[str, float | int | None]:
+    def summary(self) -> dict[str, Any]:
         """Predicted vs measured step time so far (results.json ``adaptive.step_time``)."""
         n = self.num_steps
         return {
@@ -304,8 +404,11 @@ class OnlineStepCost:
             "predicted_ms_mean": self.predicted_s / n * 1e3 if n else None,
             "measured_ms_mean": self.measured_s / n * 1e3 if n else None,
             "abs_error_ms_mean": self.abs_error_s / n * 1e3 if n else None,
-            "scale_plain": self.scale[False],
-            "scale_drafting": self.scale[True],
+            "speed": math.exp(self.speed),  # measured / profiled, lately
+            # a drafting step's cost over a plain one's, beyond the profile's, per bucket
+            "relative_cost_drafting": {
+                bucket_label(b): math.exp(self.relative_cost(2**b)) for b in sorted(self.relative)
+            },
         }
 
 
@@ -331,15 +434,7 @@ class StepLine:
                 [p.draft_at(d) for d in range(requests + 1)],  # [drafting]
             )
         self.at_r, self.verify, self.draft = cost.profile_lines[key]
-        # the factor on the profile per kind (plain, drafting): this R's, blended with the
-        # kind's scale by its samples
-        cap, prior = 1.0 / (1.0 - cost.decay), cost.prior_weight
-        factors = []
-        for kind in (False, True):
-            ema, n = cost.buckets.get((requests, kind), (1.0, 0.0))
-            w = min(n, cap)
-            factors.append((w * ema + prior * cost.scale[kind]) / (w + prior))
-        self.scale = (factors[0], factors[1])
+        self.scale = cost.factors(requests)  # on the profile: (plain, drafting)
 
     def __call__(self, rows: int, drafting: int) -> float:
         k = rows - self.requests
