@@ -21,7 +21,10 @@ minutes, docs/adaptive.md) is whether the plain / drafting choice itself is righ
 - each draft position accepted with probability 0.7.
 
 Printed per spell pattern: the share of the big-batch steps (after a 120-step warm-up)
-that drafted, per seed and the mean, and which kind is right. With the defaults plain is
+that drafted, per seed and the mean, and which kind is right; and the committed tokens
+per second of those steps over the better of the two fixed choices (every step plain,
+every step drafting) on the same machine (the same spells and noise), the mean of the
+seeds' ratios. With the defaults plain is
 (0 is right; re-exploration alone is about 0.01-0.03); ``--draft-bias 0.9`` makes
 drafting right (1 is). A change to the cost model has to hold in both directions: one
 that never drafts at the crossover can shut drafting out where it wins.
@@ -52,17 +55,25 @@ PROFILE = StepCost(
 )
 
 
-def simulate(a: argparse.Namespace, seed: int, spell: int, ratio: float) -> float:
-    """One run: the share of big-batch steps after the warm-up that drafted."""
-    rnd = random.Random(seed)
+def simulate(
+    a: argparse.Namespace, seed: int, spell: int, ratio: float, kind: str = "adaptive"
+) -> tuple[float, float]:
+    """One run: the share of big-batch steps after the warm-up that drafted, and their
+    committed tokens per second. ``kind``: ``adaptive`` (the decision), or every step
+    ``plain`` or ``drafting`` (forced: the fixed choices to compare it with). The machine
+    (its spells and noise) is the same for every kind of one seed."""
+    machine, accept = random.Random(seed), random.Random(seed + 10_000)
     cost = OnlineStepCost(PROFILE)
     s = Speculation(GAMMA, cost=cost)
+    if kind != "adaptive":
+        s.force = (lambda caps: caps) if kind == "drafting" else (lambda caps: [0] * len(caps))
     histories = {r: [s.new_history() for _ in range(r)] for r in (TAIL_REQUESTS, a.batch)}
     params = [SamplingParams(temperature=0.8)] * a.batch
-    speed, drafted, counted = 1.0, 0, 0
+    speed, drafted, counted, tokens, seconds_total = 1.0, 0, 0, 0, 0.0
     for t in range(a.steps):
         if t % spell == 0:
-            speed = rnd.choice([1.0, ratio])
+            speed = machine.choice([1.0, ratio])
+        noise = math.exp(machine.gauss(0.0, NOISE))
         tail = t % a.tail_every >= a.tail_every - a.tail
         R = TAIL_REQUESTS if tail else a.batch
         h = histories[R]
@@ -70,19 +81,20 @@ def simulate(a: argparse.Namespace, seed: int, spell: int, ratio: float) -> floa
         drafting = sum(d > 0 for d in depths)
         rows = R + sum(depths)
         bias = (TAIL_BIAS if tail else a.draft_bias) if drafting else 1.0
-        noise = math.exp(rnd.gauss(0.0, NOISE))
         seconds = PROFILE.seconds_at(R, rows, drafting) * speed * bias * noise
         accepted = []
         for d in depths:
             k = 0
-            while k < d and rnd.random() < ACCEPT:
+            while k < d and accept.random() < ACCEPT:
                 k += 1
             accepted.append(k)
         s.observe(h, depths, accepted, seconds=seconds)
         if t >= WARMUP and not tail:
             counted += 1
             drafted += drafting > 0
-    return drafted / max(counted, 1)
+            tokens += R + sum(accepted)
+            seconds_total += seconds
+    return drafted / max(counted, 1), tokens / seconds_total
 
 
 def main() -> None:
@@ -117,9 +129,18 @@ def main() -> None:
         f"step's value, so {better} is right (share {1 if value > 1 else 0}); per seed and mean"
     )
     for pattern, spell, slow in spells:
-        shares = [simulate(a, seed, spell, slow) for seed in range(a.seeds)]
+        runs = [simulate(a, seed, spell, slow) for seed in range(a.seeds)]
+        shares = [share for share, _ in runs]
+        best = [
+            max(simulate(a, seed, spell, slow, kind)[1] for kind in ("plain", "drafting"))
+            for seed in range(a.seeds)
+        ]
+        ratio = statistics.fmean(value / b for (_, value), b in zip(runs, best))
         per_seed = " ".join(f"{x:.2f}" for x in shares)
-        print(f"  spells {pattern:>7}: mean {statistics.fmean(shares):.3f}  [{per_seed}]")
+        print(
+            f"  spells {pattern:>7}: mean {statistics.fmean(shares):.3f}  [{per_seed}]  "
+            f"tokens/s {ratio:.3f}x the better fixed kind's"
+        )
 
 
 if __name__ == "__main__":
