@@ -12,7 +12,13 @@ Every (configuration, temperature, concurrency, repeat) runs in **its own proces
 output tok/s = generated tokens / wall time of ``Engine.run``), and the
 configurations are **interleaved**: per repeat, temperature and concurrency the four
 run back to back, in an order rotated every time, so a slow spell of a shared machine
-falls on all of them. Figures are medians over ``--reps``.
+falls on all of them. Figures are medians over ``--reps``. Repeat i samples with
+``sampling.seed=i`` (every configuration of the repeat alike): at T=0.8 a run's
+acceptance depends on the path its samples took, and one plain step changes every later
+sample, so with one seed for every repeat a configuration measured one path three times
+(at concurrency 4, tokens per drafting step moved from 11.0 to 12.7 between seeds; with
+seed 0 adaptive decided the same steps in every repeat and made 0.82x of fixed gamma in
+each, 0.90-1.03x over seeds 1-3).
 
 The prompts are ``benchmarks/adaptive_prompts.jsonl``: 24 code prompts (``corpus.prompts``,
 seed 23) from held-out standard-library files that neither the default workload's prompts
@@ -58,8 +64,11 @@ CONFIGS = ("none", "fixed", "adaptive", "schedule")
 DEFAULT_SCHEDULE = "[[1,5],[8,3],[16,0]]"
 
 
-def overrides_for(config: str, a: argparse.Namespace, temperature: float, c: int) -> dict:
-    """The xspec overrides of one configuration at one temperature and concurrency."""
+def overrides_for(
+    config: str, a: argparse.Namespace, temperature: float, c: int, seed: int = 0
+) -> dict:
+    """The xspec overrides of one configuration at one temperature and concurrency
+    (``seed``: the sampling seed, the repeat's index)."""
     o: dict[str, Any] = dict(o.split("=", 1) for o in a.overrides)
     o |= {
         "model": o.get("model", "dsv4_tiny"),
@@ -69,7 +78,7 @@ def overrides_for(config: str, a: argparse.Namespace, temperature: float, c: int
         "workload.max_new_tokens": str(a.max_new),
         "workload.ignore_eos": "true",
         "sampling.temperature": str(temperature),
-        "sampling.seed": "0",
+        "sampling.seed": str(seed),
     }
     if config == "none":
         o["spec"] = "none"
@@ -134,10 +143,12 @@ def child(spec: dict[str, Any], turns: TextIO | None = None) -> dict[str, Any]:
     return out
 
 
-def child_spec(config: str, a: argparse.Namespace, temperature: float, c: int) -> dict[str, Any]:
+def child_spec(
+    config: str, a: argparse.Namespace, temperature: float, c: int, seed: int = 0
+) -> dict[str, Any]:
     """What ``--child`` is given for one configuration of one cell."""
     return {
-        "overrides": overrides_for(config, a, temperature, c),
+        "overrides": overrides_for(config, a, temperature, c, seed),
         "threads": a.threads,
         "warmup": a.warmup,
     }
@@ -164,7 +175,7 @@ def run_in_turns(
 
 
 def run_cell_in_turns(
-    configs: list[str], a: argparse.Namespace, temperature: float, c: int
+    configs: list[str], a: argparse.Namespace, temperature: float, c: int, seed: int = 0
 ) -> dict[str, dict[str, Any]]:
     """Every configuration of one cell in its own process, all alive at once, stepped in
     turns: one engine iteration of each in a round (the processes start one after the
@@ -176,7 +187,7 @@ def run_cell_in_turns(
     with contextlib.ExitStack() as stack:
         stack.callback(_kill, procs)
         for config in configs:
-            spec = child_spec(config, a, temperature, c)
+            spec = child_spec(config, a, temperature, c, seed)
             logs[config] = stack.enter_context(tempfile.TemporaryFile("w+"))
             procs[config] = p = subprocess.Popen(
                 [sys.executable, __file__, "--turns", "--child", json.dumps(spec)],
@@ -221,9 +232,11 @@ def _read_until(
             return line
 
 
-def run_one(config: str, a: argparse.Namespace, temperature: float, c: int) -> dict[str, Any]:
+def run_one(
+    config: str, a: argparse.Namespace, temperature: float, c: int, seed: int = 0
+) -> dict[str, Any]:
     """``child`` in a fresh process; its JSON line back."""
-    spec = child_spec(config, a, temperature, c)
+    spec = child_spec(config, a, temperature, c, seed)
     proc = subprocess.run(
         [sys.executable, __file__, "--child", json.dumps(spec)],
         capture_output=True,
@@ -393,9 +406,9 @@ def main() -> None:
             for c in a.concurrency:
                 order = CONFIGS[k % 4 :] + CONFIGS[: k % 4]  # rotated: interleaved
                 k += 1
-                cell = run_cell_in_turns(list(order), a, t, c) if a.turns else None
+                cell = run_cell_in_turns(list(order), a, t, c, rep) if a.turns else None
                 for config in order:
-                    r = cell[config] if cell is not None else run_one(config, a, t, c)
+                    r = cell[config] if cell is not None else run_one(config, a, t, c, rep)
                     runs.setdefault((config, t, c), []).append(r)
                     print(
                         f"rep {rep} T={t:g} c={c:>2} {config:>8}: {r['tok_s']:7.1f} tok/s "
