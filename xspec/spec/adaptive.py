@@ -46,7 +46,7 @@ import math
 import operator
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -436,7 +436,6 @@ class StepRecord:
     depths: list[int]  # decided before drafting
     expected: list[list[float]]  # [R][depth] pre-draft conditional acceptance estimates
     started: float = 0.0  # perf_counter at the decision
-    value: float = math.nan  # the value (tokens/s) predicted for ``depths``
     accepted: float = math.nan  # the drafts expected accepted at ``depths`` (not corrected)
     raw: torch.Tensor | None = None  # [R, width] the draft's confidences (host, float64)
     confidence: torch.Tensor | None = None  # [R, width] corrected: what the trim used
@@ -510,7 +509,7 @@ class Speculation:
         conditional = [
             self.acceptance.conditional(g, h, rates[g]) for g, h in zip(regimes, histories)
         ]
-        value, accepted = math.nan, math.nan
+        accepted = math.nan
         if self.force is not None:
             depths = [max(0, min(d, c)) for d, c in zip(self.force(caps), caps)]
         elif self.cost is None or not any(caps):
@@ -521,12 +520,12 @@ class Speculation:
             choice = self._checked(scan_depths(surv, caps, self.cost.line(R, R + sum(caps))), R)
             if choice.other is not None and self._explore(R, choice):
                 choice = choice.swapped()
-            depths, value, accepted = choice.depths, choice.value, choice.accepted
+            depths, accepted = choice.depths, choice.accepted
             if self.trim_enabled:  # the draft forward costs the same at any depth: a
                 # drafting request drafts its cap, the trim picks the verified prefix
                 depths = [c if d > 0 else 0 for d, c in zip(depths, caps)]
         expected = [c[:d] for c, d in zip(conditional, depths)]
-        self.last = StepRecord(regimes, depths, expected, started, value, accepted)
+        self.last = StepRecord(regimes, depths, expected, started, accepted)
         return depths
 
     def _checked(self, choice: Choice, requests: int) -> Choice:
@@ -537,15 +536,10 @@ class Speculation:
             return choice
         f = self.yield_check.factor(requests)
         drafts = any(choice.depths)
-        checked = Choice(
-            choice.depths,
-            choice.value * (f if drafts else 1.0),
-            choice.other,
-            choice.other_value * (1.0 if drafts else f),
-            choice.accepted,
-            choice.other_accepted,
-            choice.seconds,
-            choice.other_seconds,
+        checked = replace(
+            choice,
+            value=choice.value * (f if drafts else 1.0),
+            other_value=choice.other_value * (1.0 if drafts else f),
         )
         return checked.swapped() if checked.other_value > checked.value else checked
 
