@@ -367,9 +367,8 @@ def scan_depths(
     least ``R + sum(caps)``). Vectorised over the candidates: a few small tensor ops."""
     R = len(caps)
     plain_s = seconds(R, 0)
-    plain = R / plain_s
     if not any(caps):
-        return Choice([0] * R, plain, None, 0.0, seconds=plain_s)
+        return Choice([0] * R, R / plain_s, None, 0.0, seconds=plain_s)
     if sum(caps) <= SMALL_SCAN:  # a few candidates: plain Python beats tensor ops
         return _scan_small(survivals, caps, seconds, plain_s)
     G = max(caps)
@@ -392,10 +391,10 @@ def scan_depths(
     depths = [0] * R
     for r, j in zip(req[: best + 1].tolist(), pos[: best + 1].tolist()):
         depths[r] = max(depths[r], j + 1)
-    v, accepted, s = float(value[best]), float(tau[best]) - R, float(secs[best])
-    if v > plain:
-        return Choice(depths, v, [0] * R, plain, accepted, 0.0, s, plain_s)
-    return Choice([0] * R, plain, depths, v, 0.0, accepted, plain_s, s)
+    best_step = Choice(
+        depths, float(value[best]), None, 0.0, float(tau[best]) - R, seconds=float(secs[best])
+    )
+    return _against_plain(best_step, plain_s)
 
 
 def _scan_small(
@@ -403,7 +402,6 @@ def _scan_small(
 ) -> Choice:
     """:func:`scan_depths` in plain Python (the same order, the same answer)."""
     R = len(caps)
-    plain = R / plain_s
     cand = sorted((-survivals[r][j], j, r) for r in range(R) for j in range(caps[r]))
     tau, rows, drafting = float(R), R, 0
     best_value, best_k, accepted, best_s = -math.inf, 0, 0.0, 0.0
@@ -416,9 +414,15 @@ def _scan_small(
     depths = [0] * R
     for _, j, r in cand[:best_k]:
         depths[r] = max(depths[r], j + 1)
-    if best_value > plain:
-        return Choice(depths, best_value, [0] * R, plain, accepted, 0.0, best_s, plain_s)
-    return Choice([0] * R, plain, depths, best_value, 0.0, accepted, plain_s, best_s)
+    return _against_plain(Choice(depths, best_value, None, 0.0, accepted, seconds=best_s), plain_s)
+
+
+def _against_plain(drafting: Choice, plain_s: float) -> Choice:
+    """The best drafting step (``drafting``: its depths, value, accepted drafts and
+    seconds) and the plain step of ``plain_s`` seconds, the better one as the choice."""
+    R = len(drafting.depths)
+    both = replace(drafting, other=[0] * R, other_value=R / plain_s, other_seconds=plain_s)
+    return both if both.value > both.other_value else both.swapped()
 
 
 def choose_depths(
