@@ -116,9 +116,19 @@ class _Decayed:
         self.reached = [0.0] * gamma
         self.hits = [0.0] * gamma
 
-    def add(self, position: int, hit: float) -> None:
-        self.reached[position] = self.decay * self.reached[position] + 1.0
-        self.hits[position] = self.decay * self.hits[position] + hit
+    def add(self, hits: Sequence[float]) -> None:
+        """One request-step: positions ``0 .. len(hits) - 1`` reached, ``hits[j]`` each."""
+        decay, reached, total = self.decay, self.reached, self.hits
+        for j, hit in enumerate(hits):
+            reached[j] = decay * reached[j] + 1.0
+            total[j] = decay * total[j] + hit
+
+
+def _accepted(verified: int, accepted: int) -> tuple[float, ...]:
+    """The hits of a request-step that verified ``verified`` drafts and accepted the first
+    ``accepted``: 1 for each accepted position, 0 for the rejected one (when one was);
+    later positions were not reached (their earlier drafts were not all accepted)."""
+    return (1.0,) * accepted + (0.0,) * (min(verified, accepted + 1) - accepted)
 
 
 @dataclass
@@ -188,12 +198,13 @@ class AcceptanceModel:
                 c.reached = [c.decay * x for x in c.reached]
                 c.hits = [c.decay * x for x in c.hits]
             return
-        batch = self.regimes.setdefault(regime, _Decayed(self.gamma, self.batch_decay))
-        for j in range(min(verified, accepted + 1)):  # reached: the prefix before j accepted
-            hit = 1.0 if j < accepted else 0.0
-            batch.add(j, hit)
-            if history is not None:
-                history.counts.add(j, hit)
+        batch = self.regimes.get(regime) or self.regimes.setdefault(
+            regime, _Decayed(self.gamma, self.batch_decay)
+        )  # (not setdefault alone: its default is built on every call)
+        hits = _accepted(verified, accepted)
+        batch.add(hits)
+        if history is not None:
+            history.counts.add(hits)
 
 
 class ConfidenceCorrection:
@@ -228,11 +239,13 @@ class ConfidenceCorrection:
         self, regime: str, confidence: Sequence[float], verified: int, accepted: int
     ) -> None:
         """One request-step: the draft's (uncorrected) ``confidence`` per verified position."""
-        pred = self.predicted.setdefault(regime, _Decayed(self.gamma, self.decay))
-        real = self.realised.setdefault(regime, _Decayed(self.gamma, self.decay))
-        for j in range(min(verified, accepted + 1)):
-            pred.add(j, confidence[j])
-            real.add(j, 1.0 if j < accepted else 0.0)
+        pred, real = self.predicted.get(regime), self.realised.get(regime)
+        if pred is None or real is None:
+            pred = self.predicted[regime] = _Decayed(self.gamma, self.decay)
+            real = self.realised[regime] = _Decayed(self.gamma, self.decay)
+        hits = _accepted(verified, accepted)
+        real.add(hits)
+        pred.add(confidence[: len(hits)])
 
 
 class _Ratio:
@@ -403,11 +416,17 @@ def _scan_small(
     """:func:`scan_depths` in plain Python (the same order, the same answer)."""
     R = len(caps)
     cand = sorted((-survivals[r][j], j, r) for r in range(R) for j in range(caps[r]))
-    tau, rows, drafting = float(R), R, 0
+    tau, drafting = float(R), 0
     best_value, best_k, accepted, best_s = -math.inf, 0, 0.0, 0.0
+    # seconds(R + k, drafting) read from the line's tables inline: a call per candidate
+    # cost more than the rest of the scan
+    verify, draft, scale = seconds.verify, seconds.draft, seconds.scale
     for k, (neg_a, j, _) in enumerate(cand, start=1):
-        tau, rows, drafting = tau - neg_a, rows + 1, drafting + (j == 0)
-        s = seconds(rows, drafting)
+        tau, drafting = tau - neg_a, drafting + (j == 0)
+        if k < len(verify):
+            s = (verify[k] + draft[drafting]) * scale[drafting > 0]
+        else:
+            s = seconds(R + k, drafting)
         value = tau / s
         if value > best_value:
             best_value, best_k, accepted, best_s = value, k, tau - R, s
@@ -443,6 +462,7 @@ class StepRecord:
     accepted: float = math.nan  # the drafts expected accepted at ``depths`` (not corrected)
     raw: torch.Tensor | None = None  # [R, width] the draft's confidences (host, float64)
     confidence: torch.Tensor | None = None  # [R, width] corrected: what the trim used
+    line: StepLine | None = None  # the step-cost line the decision scanned (the trim's too)
 
     def predicted(self) -> torch.Tensor:
         """``[R, max depth]`` the conditional acceptance this step predicted per verified
@@ -513,7 +533,7 @@ class Speculation:
         conditional = [
             self.acceptance.conditional(g, h, rates[g]) for g, h in zip(regimes, histories)
         ]
-        accepted = math.nan
+        accepted, line = math.nan, None
         if self.force is not None:
             depths = [max(0, min(d, c)) for d, c in zip(self.force(caps), caps)]
         elif self.cost is None or not any(caps):
@@ -521,7 +541,8 @@ class Speculation:
         else:
             surv = [list(itertools.accumulate(c, operator.mul)) for c in conditional]
             R = len(caps)
-            choice = self._checked(scan_depths(surv, caps, self.cost.line(R, R + sum(caps))), R)
+            line = self.cost.line(R, R + sum(caps))
+            choice = self._checked(scan_depths(surv, caps, line), R)
             if choice.other is not None and self._explore(R, choice):
                 choice = choice.swapped()
             depths, accepted = choice.depths, choice.accepted
@@ -529,7 +550,7 @@ class Speculation:
                 # drafting request drafts its cap, the trim picks the verified prefix
                 depths = [c if d > 0 else 0 for d, c in zip(depths, caps)]
         expected = [c[:d] for c, d in zip(conditional, depths)]
-        self.last = StepRecord(regimes, depths, expected, started, accepted)
+        self.last = StepRecord(regimes, depths, expected, started, accepted, line=line)
         return depths
 
     def _checked(self, choice: Choice, requests: int) -> Choice:
@@ -588,8 +609,10 @@ class Speculation:
         if not self.trim_enabled or self.cost is None:
             return depths
         drafting = sum(d > 0 for d in depths)
-        R = len(depths)
-        return schedule_verify(corrected, depths, self.cost.sps(R, drafting, R + sum(depths)))
+        R, line = len(depths), self.last.line  # nothing was learnt since the decision
+        if line is None or line.requests != R:
+            line = self.cost.line(R, R + sum(depths))
+        return schedule_verify(corrected, depths, line.sps(drafting))
 
     def observe(
         self,

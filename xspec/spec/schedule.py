@@ -42,6 +42,7 @@ profile, corrected from the step times measured on the running workload.
 from __future__ import annotations
 
 import bisect
+import functools
 import itertools
 import math
 from collections.abc import Callable, Sequence
@@ -221,6 +222,7 @@ class AdaptiveVerify:
         return schedule_verify(confidence.cpu(), max_drafts, self.cost.sps(len(max_drafts)))
 
 
+@functools.lru_cache(maxsize=256)  # called a dozen times a step, on a few batch sizes
 def batch_bucket(requests: int) -> int:
     """The batch-size bucket the relative cost of drafting (:class:`OnlineStepCost`) and
     the draft yield (:class:`~xspec.spec.adaptive.YieldCheck`) are kept in:
@@ -350,8 +352,7 @@ class OnlineStepCost:
     ) -> Callable[[int], float]:
         """SPS(B) for Algorithm 1 in a step of ``requests`` requests, ``drafting`` drafted
         (``max_rows``: as for :meth:`line`)."""
-        f = self.line(requests, max_rows)
-        return lambda rows: 1.0 / f(rows, drafting)
+        return self.line(requests, max_rows).sps(drafting)
 
     def update(self, requests: int, rows: int, drafting: int, seconds: float) -> float:
         """Take in one measured step; returns what was predicted for it (before the update)."""
@@ -445,6 +446,21 @@ class StepLine:
         )
         d = self.draft[min(max(drafting, 0), self.requests)]
         return (v + d) * self.scale[drafting > 0]
+
+    def drafting_seconds(self, drafting: int) -> list[float]:
+        """Seconds of a step in which ``drafting`` requests draft, at ``R + k`` rows for
+        each ``k`` up to the ``max_rows`` given (the values of ``self(R + k, drafting)``,
+        in one pass: a scan reads one per candidate)."""
+        d = self.draft[min(max(drafting, 0), self.requests)]
+        scale = self.scale[drafting > 0]
+        return [(v + d) * scale for v in self.verify]
+
+    def sps(self, drafting: int) -> Callable[[int], float]:
+        """SPS(B) for Algorithm 1 in a step where ``drafting`` requests drafted: steps
+        per second at B rows (a table read up to ``max_rows``)."""
+        inv = [1.0 / s for s in self.drafting_seconds(drafting)]
+        R, top = self.requests, len(inv)
+        return lambda rows: inv[rows - R] if 0 <= rows - R < top else 1.0 / self(rows, drafting)
 
     def many(self, rows: torch.Tensor, drafting: torch.Tensor) -> torch.Tensor:
         """Seconds of each candidate ``(rows[i], drafting[i])`` (int64, drafting at most
