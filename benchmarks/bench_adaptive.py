@@ -4,7 +4,7 @@ vs ``spec.gamma_schedule``, against concurrency, greedy and sampled.
     python benchmarks/bench_adaptive.py [--concurrency 1 4 8 16 32 64] [--temperatures 0 0.8]
         [--reps 2] [--max-new 64] [--gamma 5] [--schedule '[[1,5],[8,3],[16,0]]']
         [--warmup workload|two] [--out FILE.json] [--plot FILE.svg] [--replot FILE.json]
-        [--quick]
+        [--turns] [--twin] [--quick]
         [key=value ...]                                   # e.g. model=dsv4_tiny
 
 Every (configuration, temperature, concurrency, repeat) runs in **its own process**
@@ -42,8 +42,16 @@ ratios adaptive / best-of(none, fixed) and schedule / best-of(none, fixed); the 
 bar is >= 0.97 everywhere), then per adaptive run the depth histogram, the steps that
 drafted nothing and the cost model's predicted vs measured step time. ``--out`` keeps
 every run's figures as JSON, ``--plot FILE.svg`` draws output tok/s against concurrency
-(``--replot FILE.json --plot FILE.svg`` redraws a saved run). ``--quick``: concurrency 1 and 8, greedy only, one repeat,
-16 new tokens (a smoke run, minutes).
+(``--replot FILE.json --plot FILE.svg`` prints the tables of a saved run and redraws it;
+give it the run's ``--max-new``, ``--gamma`` and ``--schedule`` for the headings).
+``--quick``: concurrency 1 and 8, greedy only, one repeat, 16 new tokens (a smoke run,
+minutes).
+
+The tables give adaptive / best as the ratio of the medians (the goal's figure) and per
+repeat. ``--twin`` runs fixed gamma a second time in each cell, in a process of its own,
+and prints its ratio to the first: the same configuration, so whatever that ratio moves
+is the harness's own noise (a process's speed differs from another's by a few percent
+for the whole run, whatever it runs), the floor under every other ratio.
 """
 
 from __future__ import annotations
@@ -61,6 +69,7 @@ from typing import Any, TextIO
 
 PROMPTS = Path(__file__).with_name("adaptive_prompts.jsonl")
 CONFIGS = ("none", "fixed", "adaptive", "schedule")
+TWIN = "twin"  # --twin: fixed gamma once more, in a process of its own (the noise floor)
 DEFAULT_SCHEDULE = "[[1,5],[8,3],[16,0]]"
 
 
@@ -83,7 +92,7 @@ def overrides_for(
     if config == "none":
         o["spec"] = "none"
         return o
-    o |= {"spec": "dspark", "spec.num_speculative_tokens": str(a.gamma)}
+    o |= {"spec": "dspark", "spec.num_speculative_tokens": str(a.gamma)}  # fixed, TWIN
     if config == "adaptive":
         o |= {
             "spec.adaptive.enabled": "true",
@@ -249,8 +258,21 @@ def run_one(
     return json.loads(lines[-1])
 
 
+def paired(
+    runs: dict[tuple[str, float, int], list[dict]], config: str, t: float, c: int
+) -> list[float]:
+    """Per repeat, ``config``'s tok/s over the better of ``spec=none`` and fixed gamma in
+    that repeat (the configurations of a repeat ran side by side)."""
+    return [
+        x["tok_s"] / max(n["tok_s"], f["tok_s"])
+        for x, n, f in zip(runs[(config, t, c)], runs[("none", t, c)], runs[("fixed", t, c)])
+    ]
+
+
 def table(a: argparse.Namespace, runs: dict[tuple[str, float, int], list[dict]]) -> str:
-    """The markdown tables (one per temperature) of median tok/s and the ratios."""
+    """The markdown tables (one per temperature) of median tok/s and the ratios (of the
+    medians: the goal's figure), then adaptive / best per repeat and, with ``--twin``,
+    the second fixed-gamma process over the first (what the harness itself moves)."""
 
     def med(config: str, t: float, c: int, key: str = "tok_s") -> float:
         return statistics.median(r[key] for r in runs[(config, t, c)])
@@ -272,6 +294,24 @@ def table(a: argparse.Namespace, runs: dict[tuple[str, float, int], list[dict]])
                 f"| {c} | {v['none']:.0f} | {v['fixed']:.0f} | {v['adaptive']:.0f} | "
                 f"{v['schedule']:.0f} | {v['adaptive'] / best:.2f} | {v['schedule'] / best:.2f} |"
             )
+    out += ["\nadaptive / best per repeat (repeat i: sampling.seed=i), and their median:\n"]
+    out += ["| mode | concurrency | per repeat | median |", "|---|---|---|---|"]
+    for t in a.temperatures:
+        for c in a.concurrency:
+            r = paired(runs, "adaptive", t, c)
+            mode = "greedy" if t == 0 else f"T={t:g}"
+            per = ", ".join(f"{x:.2f}" for x in r)
+            out.append(f"| {mode} | {c} | {per} | {statistics.median(r):.2f} |")
+    if any(k[0] == TWIN for k in runs):
+        out += ["\nfixed gamma in a second process / in the first, per repeat (the noise floor):\n"]
+        for t in a.temperatures:
+            for c in a.concurrency:
+                r = [
+                    x["tok_s"] / f["tok_s"]
+                    for x, f in zip(runs[(TWIN, t, c)], runs[("fixed", t, c)])
+                ]
+                per = ", ".join(f"{x:.2f}" for x in r)
+                out.append(f"  T={t:g} c={c}: {per} (median {statistics.median(r):.2f})")
     return "\n".join(out)
 
 
@@ -299,6 +339,7 @@ LABELS = {
     "fixed": "dspark, fixed gamma",
     "adaptive": "dspark, spec.adaptive",
     "schedule": "dspark, spec.gamma_schedule",
+    TWIN: "dspark, fixed gamma (a second process)",
 }
 
 
@@ -387,6 +428,12 @@ def main() -> None:
         help="the configurations of a cell alive at once, stepped in turns (each in its own "
         "process): robust to the machine's slow spells",
     )
+    ap.add_argument(
+        "--twin",
+        action="store_true",
+        help="run fixed gamma twice per cell, in two processes: their ratio is what the "
+        "harness itself moves (the noise floor of the others' ratios)",
+    )
     ap.add_argument("--child", default=None, help=argparse.SUPPRESS)
     ap.add_argument("overrides", nargs="*", help="key=value, e.g. model=dsv4_tiny")
     a = ap.parse_args()
@@ -395,16 +442,23 @@ def main() -> None:
         return
     a.model = dict(o.split("=", 1) for o in a.overrides).get("model", "dsv4_tiny")
     if a.replot is not None:
-        plot(a, load_runs(a.replot), a.plot or a.replot.with_suffix(".svg"))
+        saved = load_runs(a.replot)
+        a.temperatures = sorted({t for _, t, _ in saved})
+        a.concurrency = sorted({c for _, _, c in saved})
+        a.reps = max(len(v) for v in saved.values())
+        print(table(a, saved))
+        plot(a, saved, a.plot or a.replot.with_suffix(".svg"))
         return
     if a.quick:
         a.concurrency, a.temperatures, a.reps, a.max_new = [1, 8], [0.0], 1, 16
+    configs = (*CONFIGS, TWIN) if a.twin else CONFIGS
     runs: dict[tuple[str, float, int], list[dict]] = {}
     t0, k = time.perf_counter(), 0
     for rep in range(a.reps):
         for t in a.temperatures:
             for c in a.concurrency:
-                order = CONFIGS[k % 4 :] + CONFIGS[: k % 4]  # rotated: interleaved
+                turn = k % len(configs)
+                order = configs[turn:] + configs[:turn]  # rotated: interleaved
                 k += 1
                 cell = run_cell_in_turns(list(order), a, t, c, rep) if a.turns else None
                 for config in order:
@@ -421,7 +475,7 @@ def main() -> None:
         if t == 0:  # greedy: every configuration must produce the same tokens
             same = all(
                 runs[(cfg, t, c)][0]["outputs"] == runs[("none", t, c)][0]["outputs"]
-                for cfg in CONFIGS
+                for cfg in configs
                 for c in a.concurrency
             )
             print(f"greedy outputs equal spec=none in every configuration: {same}")
