@@ -3,7 +3,7 @@ vs ``spec.gamma_schedule``, against concurrency, greedy and sampled.
 
     python benchmarks/bench_adaptive.py [--concurrency 1 4 8 16 32 64] [--temperatures 0 0.8]
         [--reps 2] [--max-new 64] [--gamma 5] [--schedule '[[1,5],[8,3],[16,0]]']
-        [--warmup workload|two] [--out FILE.json] [--plot FILE.svg] [--replot FILE.json]
+        [--warmup workload|two] [--out FILE.json] [--plot FILE.svg] [--replot FILE.json ...]
         [--turns] [--twin] [--quick]
         [key=value ...]                                   # e.g. model=dsv4_tiny
 
@@ -43,12 +43,16 @@ bar is >= 0.97 everywhere), then per adaptive run the depth histogram, the steps
 drafted nothing and the cost model's predicted vs measured step time. ``--out`` keeps
 every run's figures as JSON, ``--plot FILE.svg`` draws output tok/s against concurrency
 (``--replot FILE.json --plot FILE.svg`` prints the tables of a saved run and redraws it;
-give it the run's ``--max-new``, ``--gamma`` and ``--schedule`` for the headings).
+give it the run's ``--max-new``, ``--gamma`` and ``--schedule`` for the headings; several
+files pool their repeats, e.g. a second sweep run with ``--first-rep 8``, whose repeats
+sample with seeds 8 and up, so that at T=0.8 the pooled repeats follow fresh paths).
 ``--quick``: concurrency 1 and 8, greedy only, one repeat, 16 new tokens (a smoke run,
 minutes).
 
-The tables give adaptive / best as the ratio of the medians (the goal's figure) and per
-repeat. ``--twin`` runs fixed gamma a second time in each cell, in a process of its own,
+The tables give adaptive / best as the ratio of the medians (the goal's figure), per
+repeat, and the 90 % bootstrap interval of the ratio of medians (the repeats resampled
+whole, ``xspec.bench.stats.bootstrap_interval``): how far the figure could move with
+other repeats of the same machine. ``--twin`` runs fixed gamma a second time in each cell, in a process of its own,
 and prints its ratio to the first: the same configuration, so whatever that ratio moves
 is the harness's own noise (a process's speed differs from another's by a few percent
 for the whole run, whatever it runs), the floor under every other ratio.
@@ -64,6 +68,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, TextIO
 
@@ -269,6 +274,23 @@ def paired(
     ]
 
 
+def ratio_interval(
+    runs: dict[tuple[str, float, int], list[dict]], config: str, t: float, c: int, over: str
+) -> tuple[float, float]:
+    """The 90 % bootstrap interval (repeats resampled whole) of the ratio of medians of
+    ``config`` over ``over`` ("best": the better of ``spec=none`` and fixed gamma)."""
+    from xspec.bench.stats import bootstrap_interval
+
+    names = [config, "none", "fixed"] if over == "best" else [config, over]
+    rows = list(zip(*(runs[(k, t, c)] for k in names)))
+
+    def ratio(sample: Sequence[tuple[dict, ...]]) -> float:
+        med = [statistics.median(row[i]["tok_s"] for row in sample) for i in range(len(names))]
+        return med[0] / max(med[1:])
+
+    return bootstrap_interval(rows, ratio)
+
+
 def table(a: argparse.Namespace, runs: dict[tuple[str, float, int], list[dict]]) -> str:
     """The markdown tables (one per temperature) of median tok/s and the ratios (of the
     medians: the goal's figure), then adaptive / best per repeat and, with ``--twin``,
@@ -294,14 +316,18 @@ def table(a: argparse.Namespace, runs: dict[tuple[str, float, int], list[dict]])
                 f"| {c} | {v['none']:.0f} | {v['fixed']:.0f} | {v['adaptive']:.0f} | "
                 f"{v['schedule']:.0f} | {v['adaptive'] / best:.2f} | {v['schedule'] / best:.2f} |"
             )
-    out += ["\nadaptive / best per repeat (repeat i: sampling.seed=i), and their median:\n"]
-    out += ["| mode | concurrency | per repeat | median |", "|---|---|---|---|"]
+    out += [
+        "\nadaptive / best per repeat (repeat i: sampling.seed=i), their median, and the 90 %"
+        " bootstrap interval of the ratio of medians (repeats resampled whole):\n"
+    ]
+    out += ["| mode | concurrency | per repeat | median | 90 % interval |", "|---|---|---|---|---|"]
     for t in a.temperatures:
         for c in a.concurrency:
             r = paired(runs, "adaptive", t, c)
             mode = "greedy" if t == 0 else f"T={t:g}"
             per = ", ".join(f"{x:.2f}" for x in r)
-            out.append(f"| {mode} | {c} | {per} | {statistics.median(r):.2f} |")
+            lo, hi = ratio_interval(runs, "adaptive", t, c, "best")
+            out.append(f"| {mode} | {c} | {per} | {statistics.median(r):.2f} | {lo:.2f}-{hi:.2f} |")
     if any(k[0] == TWIN for k in runs):
         out += ["\nfixed gamma in a second process / in the first, per repeat (the noise floor):\n"]
         for t in a.temperatures:
@@ -311,7 +337,11 @@ def table(a: argparse.Namespace, runs: dict[tuple[str, float, int], list[dict]])
                     for x, f in zip(runs[(TWIN, t, c)], runs[("fixed", t, c)])
                 ]
                 per = ", ".join(f"{x:.2f}" for x in r)
-                out.append(f"  T={t:g} c={c}: {per} (median {statistics.median(r):.2f})")
+                lo, hi = ratio_interval(runs, TWIN, t, c, "fixed")
+                out.append(
+                    f"  T={t:g} c={c}: {per} (median {statistics.median(r):.2f}; ratio of "
+                    f"medians, 90 % interval {lo:.2f}-{hi:.2f})"
+                )
     return "\n".join(out)
 
 
@@ -400,6 +430,21 @@ def load_runs(path: Path) -> dict[tuple[str, float, int], list[dict]]:
     }
 
 
+def pool_runs(
+    saved: list[dict[tuple[str, float, int], list[dict]]],
+) -> dict[tuple[str, float, int], list[dict]]:
+    """The repeats of several sweeps' runs, per cell and configuration, in order (every
+    sweep must hold the same cells and configurations)."""
+    keys = set(saved[0])
+    for i, runs in enumerate(saved[1:], start=2):
+        if set(runs) != keys:
+            raise SystemExit(
+                f"--replot: file {i} holds other cells or configurations than the first "
+                f"({sorted(set(runs) ^ keys)[:4]} ...); pool only sweeps of the same cells"
+            )
+    return {k: [r for runs in saved for r in runs[k]] for k in saved[0]}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 8, 16, 32, 64])
@@ -419,7 +464,19 @@ def main() -> None:
     ap.add_argument("--out", type=Path, default=None, help="every run's figures as JSON")
     ap.add_argument("--plot", type=Path, default=None, help="throughput vs concurrency (SVG)")
     ap.add_argument(
-        "--replot", type=Path, default=None, help="only plot the runs an --out JSON holds"
+        "--replot",
+        type=Path,
+        nargs="+",
+        default=None,
+        help="only print the tables of and plot the runs of --out JSON files (several: "
+        "their repeats pooled, in order)",
+    )
+    ap.add_argument(
+        "--first-rep",
+        type=int,
+        default=0,
+        help="the first repeat's index (repeat i samples with sampling.seed=i): a second "
+        "sweep with --first-rep 8 adds fresh seeds to pool with --replot",
     )
     ap.add_argument("--quick", action="store_true", help="a smoke run (see the docstring)")
     ap.add_argument(
@@ -442,19 +499,19 @@ def main() -> None:
         return
     a.model = dict(o.split("=", 1) for o in a.overrides).get("model", "dsv4_tiny")
     if a.replot is not None:
-        saved = load_runs(a.replot)
+        saved = pool_runs([load_runs(p) for p in a.replot])
         a.temperatures = sorted({t for _, t, _ in saved})
         a.concurrency = sorted({c for _, _, c in saved})
         a.reps = max(len(v) for v in saved.values())
         print(table(a, saved))
-        plot(a, saved, a.plot or a.replot.with_suffix(".svg"))
+        plot(a, saved, a.plot or a.replot[0].with_suffix(".svg"))
         return
     if a.quick:
         a.concurrency, a.temperatures, a.reps, a.max_new = [1, 8], [0.0], 1, 16
     configs = (*CONFIGS, TWIN) if a.twin else CONFIGS
     runs: dict[tuple[str, float, int], list[dict]] = {}
-    t0, k = time.perf_counter(), 0
-    for rep in range(a.reps):
+    t0, k = time.perf_counter(), a.first_rep * len(a.temperatures) * len(a.concurrency)
+    for rep in range(a.first_rep, a.first_rep + a.reps):
         for t in a.temperatures:
             for c in a.concurrency:
                 turn = k % len(configs)

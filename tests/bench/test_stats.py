@@ -4,13 +4,21 @@ from __future__ import annotations
 
 import math
 import random
+import statistics
 
 import numpy as np
 import pytest
 
 from xspec.bench.dataset import synthetic
 from xspec.bench.serve import arrival_schedule, spec_counts
-from xspec.bench.stats import RequestOutcome, SpecCounts, describe, percentile, summarize
+from xspec.bench.stats import (
+    RequestOutcome,
+    SpecCounts,
+    bootstrap_interval,
+    describe,
+    percentile,
+    summarize,
+)
 
 
 def test_percentile_interpolates_like_numpy() -> None:
@@ -110,3 +118,44 @@ def test_synthetic_prompts_are_seeded() -> None:
     a = synthetic(3, 8, 16, seed=0)
     assert a == synthetic(3, 8, 16, seed=0) and a != synthetic(3, 8, 16, seed=1)
     assert all(len(r.prompt.split()) == r.prompt_len == 8 and r.max_tokens == 16 for r in a)
+
+
+def _ratio_of_medians(rows: list[tuple[float, float]]) -> float:
+    return statistics.median(b for _, b in rows) / statistics.median(a for a, _ in rows)
+
+
+def test_bootstrap_interval_keeps_rows_whole() -> None:
+    """A row is resampled whole: b = 1.05 a in every row (a slow or fast repeat moves
+    both) gives exactly 1.05, where resampling a and b apart would spread it."""
+    rng = random.Random(1)
+    rows = [(a, 1.05 * a) for a in (rng.uniform(50, 150) for _ in range(8))]
+    lo, hi = bootstrap_interval(rows, _ratio_of_medians)
+    assert lo == pytest.approx(1.05) and hi == pytest.approx(1.05)
+
+
+def test_bootstrap_interval_covers_the_statistic_and_narrows_with_more_rows() -> None:
+    rng = random.Random(2)
+    few = [rng.gauss(10.0, 1.0) for _ in range(8)]
+    many = few + [rng.gauss(10.0, 1.0) for _ in range(192)]
+    lo8, hi8 = bootstrap_interval(few, statistics.median)
+    lo200, hi200 = bootstrap_interval(many, statistics.median)
+    assert lo8 <= statistics.median(few) <= hi8
+    assert lo200 < 10.0 < hi200
+    assert hi200 - lo200 < (hi8 - lo8) / 2
+    wide = bootstrap_interval(few, statistics.median, level=0.99)
+    assert wide[0] <= lo8 and wide[1] >= hi8  # a higher level, a wider interval
+
+
+def test_bootstrap_interval_is_seeded_and_checks_its_input() -> None:
+    rng = random.Random(3)
+    rows = [rng.gauss(0.0, 1.0) for _ in range(20)]
+    assert bootstrap_interval(rows, statistics.mean) == bootstrap_interval(rows, statistics.mean)
+    assert bootstrap_interval(rows, statistics.mean, seed=1) != bootstrap_interval(
+        rows, statistics.mean, seed=2
+    )
+    with pytest.raises(ValueError, match="no rows"):
+        bootstrap_interval([], statistics.mean)
+    with pytest.raises(ValueError, match="level"):
+        bootstrap_interval(rows, statistics.mean, level=1.0)
+    with pytest.raises(ValueError, match="resamples"):
+        bootstrap_interval(rows, statistics.mean, resamples=0)

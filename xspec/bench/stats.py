@@ -10,7 +10,8 @@ token long, so no TPOT) is ``None`` (JSON ``null``), never a made-up zero.
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+import random
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -77,6 +78,31 @@ def percentile(values: Sequence[float], q: float) -> float:
     lo = math.floor(pos)
     hi = min(lo + 1, len(xs) - 1)
     return xs[lo] + (xs[hi] - xs[lo]) * (pos - lo)
+
+
+def bootstrap_interval(
+    rows: Sequence[Any],
+    statistic: Callable[[Sequence[Any]], float],
+    level: float = 0.9,
+    resamples: int = 2000,
+    seed: int = 0,
+) -> tuple[float, float]:
+    """The percentile bootstrap interval of ``statistic`` at ``level`` (0.9: the 5th and
+    95th percentiles of the resampled statistic): ``rows`` drawn with replacement,
+    ``resamples`` times, each row whole (a row: whatever was measured together, such as
+    every configuration of one repeat, so their pairing survives the resampling). Seeded:
+    the same rows give the same interval."""
+    if not rows:
+        raise ValueError("bootstrap interval of no rows")
+    if not 0 < level < 1:
+        raise ValueError(f"level must be in (0, 1), got {level}")
+    if resamples < 1:
+        raise ValueError(f"resamples must be >= 1, got {resamples}")
+    rng = random.Random(seed)
+    n = len(rows)
+    stats = [statistic([rows[rng.randrange(n)] for _ in range(n)]) for _ in range(resamples)]
+    tail = (1 - level) / 2 * 100
+    return percentile(stats, tail), percentile(stats, 100 - tail)
 
 
 def describe(values_s: Sequence[float], stem: str, percentiles: Sequence[float]) -> dict:
