@@ -323,6 +323,47 @@ def test_each_kind_of_step_is_measured_a_few_times_whatever_the_gap() -> None:
     assert s.kinds.steps(False, 8) == 0
 
 
+def _batch(s: Speculation, requests: int, steps: int, c: float) -> list[bool]:
+    """``steps`` decisions for ``requests`` requests, 2 drafts each at most, a conditional
+    acceptance of ``c`` per position, on the profile's machine; which steps drafted."""
+    s.acceptance.regimes["greedy"] = _flat(s, c)
+    params, kinds = [SamplingParams()] * requests, []
+    for _ in range(steps):
+        d = s.depths(params, [None] * requests, [2] * requests)
+        rows, drafting = requests + sum(d), sum(k > 0 for k in d)
+        seconds = LINE.seconds_at(requests, rows, drafting)
+        s.observe([None] * requests, d, d, seconds=seconds)
+        kinds.append(drafting > 0)
+    return kinds
+
+
+def _gap(s: Speculation, requests: int, c: float) -> float:
+    """1 - plain's value / drafting's (every request drafting 2) at ``requests``."""
+    assert s.cost is not None
+    line = s.cost.line(requests, 3 * requests)
+    drafting = (requests * (1 + c + c * c)) / line(3 * requests, requests)
+    return 1 - (requests / line(requests, 0)) / drafting
+
+
+@pytest.mark.parametrize("c", [1.0, 0.35], ids=["far-apart", "within-wide"])
+def test_a_new_bucket_is_explored_only_near_a_tie_once_another_has_contrasts(c: float) -> None:
+    """A bucket first seen after another's contrasts (the speed is known then; only its
+    relative cost of drafting is not): plain, far behind drafting (a gap beyond
+    EXPLORE_WIDE), is not explored; within it, explored as before. With no contrast
+    anywhere, a bucket is explored whatever the gap."""
+    s = Speculation(2, cost=OnlineStepCost(LINE))
+    _machine(s, 20, 1.0)  # one request: explored, three contrasts
+    assert s.cost is not None and s.cost.contrasted() and s.cost.contrasted(2)
+    assert not s.cost.contrasted(1)  # (but its own bucket's)
+    gap = _gap(s, 2, c)
+    assert gap > 0 and (gap > EXPLORE_WIDE) == (c == 1.0), gap
+    kinds = _batch(s, 2, 20, c)  # two requests: a bucket of its own
+    assert kinds.count(False) == (0 if c == 1.0 else 2), kinds
+    fresh = Speculation(2, cost=OnlineStepCost(LINE))
+    assert not fresh.cost.contrasted()  # type: ignore[union-attr]
+    assert _batch(fresh, 2, 20, c).count(False) == 2
+
+
 def test_a_drafting_step_dearer_than_profiled_turns_the_choice_to_plain() -> None:
     """Drafting steps take 3x their profiled time on this machine (plain steps as
     profiled): 2.54 / 3 = 0.85x a plain step's value. The contrasts of the first steps

@@ -574,9 +574,16 @@ class Speculation:
         :data:`EXPLORE_STEPS` steps of that kind, each after a step of the best kind
         (alternating, so that each is a contrast of the two kinds close together: the
         only thing the cost model learns the relative cost of drafting from). Whatever
-        the values predicted: before its first contrasts the model cannot tell the
-        machine's speed from the cost of drafting (a run of drafting steps twice as slow
-        as profiled could be either), so a gap between the kinds means nothing yet. It
+        the values predicted while no bucket has a contrast: before its first contrasts
+        the model cannot tell the machine's speed from the cost of drafting (a run of
+        drafting steps twice as slow as profiled could be either), so a gap between the
+        kinds means nothing yet. Once one has, the speed is known (common to every batch
+        size) and only this bucket's relative cost of drafting is not, so a bucket whose
+        other kind is predicted beyond :data:`EXPLORE_WIDE` of the best is not explored
+        (the rule of re-exploration below): its profiled cost of drafting would have to
+        be off by more than 2x to flip the choice. At greedy and four requests, the
+        first steps of two requests (the tail of a run, a bucket a warm-up had not seen)
+        explored plain steps at 0.36x drafting's value: two steps of a 28-step run. It
         costs a bounded few steps per bucket, once.
 
         Once more, when its value is within :data:`EXPLORE_WIDE` of the best (``gap = 1
@@ -591,11 +598,14 @@ class Speculation:
         steps cost 4 % at T=0.8 and one request (a plain step explored where drafting
         made 1.9x its value; paired in one process)."""
         kind = any(d > 0 for d in choice.other or [])
+        known = choice.value > 0 and choice.seconds > 0
+        gap = 1.0 - choice.other_value / choice.value if known else 0.0
         if self.kinds.steps(kind, requests) < EXPLORE_STEPS:
+            if gap > EXPLORE_WIDE and self.cost is not None and self.cost.contrasted(requests):
+                return False  # another bucket's contrasts told speed and drafting apart
             return self.kinds.since(kind, requests) >= 1
-        if choice.value <= 0 or choice.seconds <= 0:
+        if not known:
             return False
-        gap = 1.0 - choice.other_value / choice.value
         wait = max(EXPLORE_EVERY, gap * choice.other_seconds / choice.seconds / EXPLORE_BUDGET)
         return gap <= EXPLORE_WIDE and self.kinds.since(kind, requests) >= wait
 

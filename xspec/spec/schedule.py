@@ -332,6 +332,12 @@ class OnlineStepCost:
         """Contrasts the relative cost of ``requests``'s bucket was learnt from."""
         return int(self.relative.get(batch_bucket(requests), (0.0, 0.0))[1])
 
+    def contrasted(self, besides: int | None = None) -> bool:
+        """Whether a batch-size bucket (other than that of ``besides`` requests, when
+        given) has learnt its relative cost from a contrast yet."""
+        skip = None if besides is None else batch_bucket(besides)
+        return any(n > 0 for b, (_, n) in self.relative.items() if b != skip)
+
     def factors(self, requests: int) -> tuple[float, float]:
         """The factors on the profile of a plain and of a drafting step of ``requests``."""
         level = self.level(requests)
