@@ -52,10 +52,11 @@ minutes).
 The tables give adaptive / best as the ratio of the medians (the goal's figure), per
 repeat, and the 90 % bootstrap interval of the ratio of medians (the repeats resampled
 whole, ``xspec.bench.stats.bootstrap_interval``): how far the figure could move with
-other repeats of the same machine. ``--twin`` runs fixed gamma a second time in each cell, in a process of its own,
-and prints its ratio to the first: the same configuration, so whatever that ratio moves
-is the harness's own noise (a process's speed differs from another's by a few percent
-for the whole run, whatever it runs), the floor under every other ratio.
+other repeats of the same machine. ``--twin`` runs fixed gamma a second time in each
+cell, in a process of its own, and prints its ratio to the first: the same
+configuration, so whatever that ratio moves is the harness's own noise (a process's speed
+differs from another's by a few percent for the whole run, whatever it runs), the floor
+under every other ratio.
 """
 
 from __future__ import annotations

@@ -311,9 +311,10 @@ def _runs(kinds: list[bool], kind: bool) -> list[int]:
 
 def test_each_kind_of_step_is_measured_a_few_times_whatever_the_gap() -> None:
     """Before its first contrasts the model cannot tell the machine's speed from the cost
-    of drafting, so the kind predicted worse is taken EXPLORE_STEPS times per batch-size
-    bucket, alternating with the best (each a contrast), even far behind (drafting 2.54x
-    a plain step here); then, far behind, never again."""
+    of drafting, so in the first batch-size bucket seen the kind predicted worse is taken
+    EXPLORE_STEPS times, alternating with the best (each a contrast), even far behind
+    (drafting 2.54x a plain step here); then, far behind, never again. (A bucket seen
+    later: the next test.)"""
     s = Speculation(2, cost=OnlineStepCost(LINE))
     kinds = _machine(s, 200, 1.0)
     assert _runs(kinds, False) == [1, 3], kinds[:8]  # alternating with drafting steps
