@@ -526,6 +526,31 @@ def test_online_step_cost_moves_from_the_profile_to_measured_times() -> None:
     assert cost.seconds_at(1, 1, 0) == pytest.approx(2.0, rel=0.02)
 
 
+@pytest.mark.parametrize("line_of", [lambda r: r, lambda r: r + 1])
+def test_a_step_is_learnt_alike_from_the_decisions_line_or_a_fresh_read(
+    line_of: Callable[[int], int],
+) -> None:
+    """:meth:`Speculation.observe` hands the cost model the line the step was decided on
+    (the profile's figures and the prediction are read once per step): what is learnt
+    is what a fresh read of the model gives, and a line of another batch size (a caller
+    that decided on another batch) is not taken for this one."""
+    given, fresh = OnlineStepCost(COST), OnlineStepCost(COST)
+    steps = [(1, 1, 0, 2.0), (1, 6, 1, 5.0), (1, 1, 0, 2.1), (4, 12, 4, 9.0), (4, 4, 0, 4.5)]
+    for _ in range(3):
+        for requests, rows, drafting, seconds in steps:
+            line = given.line(line_of(requests), line_of(requests) + 20)
+            predicted = given.update(requests, rows, drafting, seconds, line)
+            assert predicted == pytest.approx(fresh.update(requests, rows, drafting, seconds))
+    assert given.levels.keys() == fresh.levels.keys()
+    assert given.contrasts(1) == fresh.contrasts(1) > 0
+    for r in given.levels:
+        assert given.levels[r] == pytest.approx(fresh.levels[r])
+        assert given.relative_cost(r) == pytest.approx(fresh.relative_cost(r))
+    mine, theirs = given.summary(), fresh.summary()
+    assert mine.pop("relative_cost_drafting") == pytest.approx(theirs.pop("relative_cost_drafting"))
+    assert mine == pytest.approx(theirs)
+
+
 def _sandwiches(cost: OnlineStepCost, n: int, plain: float, drafting: float) -> None:
     """``n`` times: a plain step, a drafting step, a plain step (R=1, 5 drafts), taking
     ``plain`` and ``drafting`` times their profiled seconds."""

@@ -642,7 +642,7 @@ class Speculation:
                 seconds = time.perf_counter() - rec.started
             drafting = sum(d > 0 for d in rec.depths)
             R = len(verified)
-            self.cost.update(R, R + sum(verified), drafting, seconds)
+            self.cost.update(R, R + sum(verified), drafting, seconds, rec.line)
             self.kinds.observe(drafting > 0, R)
             if drafting and math.isfinite(rec.accepted):
                 self.yield_check.observe(R, rec.accepted, sum(accepted))

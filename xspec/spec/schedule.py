@@ -360,15 +360,27 @@ class OnlineStepCost:
         (``max_rows``: as for :meth:`line`)."""
         return self.line(requests, max_rows).sps(drafting)
 
-    def update(self, requests: int, rows: int, drafting: int, seconds: float) -> float:
-        """Take in one measured step; returns what was predicted for it (before the update)."""
-        predicted = self.seconds_at(requests, rows, drafting)
+    def update(
+        self,
+        requests: int,
+        rows: int,
+        drafting: int,
+        seconds: float,
+        line: StepLine | None = None,
+    ) -> float:
+        """Take in one measured step; returns what was predicted for it (before the
+        update). ``line``: the :meth:`line` this step was decided on, when nothing was
+        learnt since (its figures are this step's: not read again, a step costs the
+        decision's bookkeeping once)."""
+        if line is None or line.requests != requests:
+            line = self.line(requests)
+        predicted = line(rows, drafting)
         self.num_steps += 1
         self._step += 1
         self.predicted_s += predicted
         self.measured_s += seconds
         self.abs_error_s += abs(predicted - seconds)
-        profiled = self.profile.seconds_at(requests, rows, drafting)
+        profiled = line.profiled(rows, drafting)
         if not (seconds > 0 and profiled > 0 and math.isfinite(seconds)):
             return predicted
         x, kind, bucket = math.log(seconds / profiled), drafting > 0, batch_bucket(requests)
@@ -444,14 +456,17 @@ class StepLine:
         self.scale = cost.factors(requests)  # on the profile: (plain, drafting)
 
     def __call__(self, rows: int, drafting: int) -> float:
+        return self.profiled(rows, drafting) * self.scale[drafting > 0]
+
+    def profiled(self, rows: int, drafting: int) -> float:
+        """The profile's own seconds of the step (without the online factors)."""
         k = rows - self.requests
         v = (
             self.verify[k]
             if 0 <= k < len(self.verify)
             else _lerp(self.xs, self.at_r, k / self.requests)
         )
-        d = self.draft[min(max(drafting, 0), self.requests)]
-        return (v + d) * self.scale[drafting > 0]
+        return v + self.draft[min(max(drafting, 0), self.requests)]
 
     def drafting_seconds(self, drafting: int) -> list[float]:
         """Seconds of a step in which ``drafting`` requests draft, at ``R + k`` rows for
