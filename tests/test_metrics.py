@@ -300,3 +300,40 @@ def test_vllm_counters_are_mirrored_with_a_position_label() -> None:
             assert (got[(ours, "0")], got[(ours, "1")]) == (2.0, 1.0)
         else:
             assert got[(ours, "")] == want[vllm_name.removeprefix("vllm:spec_decode_")]
+
+
+def test_per_regime_counts_sum_over_rows_and_steps() -> None:
+    """Verified drafts, predicted accepted (the confidences' survival over the verified
+    positions) and accepted drafts per sampling regime, in the report and in Prometheus;
+    a row that verified nothing counts for no regime."""
+    m = SpecDecodeMetrics()
+    m.observe_step(
+        torch.tensor([[5, 6, 7, -1], [5, -1, -1, -1], [5, -1, -1, -1]]),
+        torch.tensor([3, 2, 0]),
+        torch.tensor([[0.9, 0.5, 0.5], [0.8, 0.5, 0.1], [0.7, 0.7, 0.7]]),
+        depths=[3, 2, 0],
+        regimes=["greedy", "T=0.8", "greedy"],
+    )
+    m.observe_step(
+        torch.tensor([[5, 6, -1, -1]]),
+        torch.tensor([1]),
+        torch.tensor([[0.5, 0.5, 0.5]]),
+        depths=[1],
+        regimes=["greedy"],
+    )
+    greedy, sampled = m.report().regimes["greedy"], m.report().regimes["T=0.8"]
+    assert greedy["draft_tokens"] == 4 and sampled["draft_tokens"] == 2
+    # 0.9 + 0.9*0.5 + 0.9*0.5*0.5, then 0.5; 0.8 + 0.8*0.5 (2 verified of 3)
+    assert greedy["predicted_rate"] == pytest.approx((1.575 + 0.5) / 4)
+    assert sampled["predicted_rate"] == pytest.approx(1.2 / 2)
+    assert greedy["realised_rate"] == pytest.approx(3 / 4) and sampled["realised_rate"] == 0.0
+    scraped = {
+        (s.name, s.labels.get("regime", "")): s.value
+        for family in text_string_to_metric_families(m.exposition())
+        for s in family.samples
+    }
+    prefix = "xspec_spec_decode_regime"
+    assert scraped[(f"{prefix}_draft_tokens_total", "greedy")] == 4
+    assert scraped[(f"{prefix}_predicted_accepted_tokens_total", "T=0.8")] == pytest.approx(1.2)
+    assert scraped[(f"{prefix}_accepted_tokens_total", "greedy")] == 3
+    assert scraped[(f"{prefix}_accepted_tokens_total", "T=0.8")] == 0

@@ -336,20 +336,26 @@ class SpecDecodeMetrics:
     def _observe_regimes(
         self, regimes: list[str], confidence: Tensor | None, accepted: Tensor, drafted: Tensor
     ) -> None:
-        """Verified drafts, predicted and realised accepted tokens per sampling regime."""
+        """Verified drafts, predicted and realised accepted tokens per sampling regime
+        (summed over the step's rows first: one counter update per regime and step)."""
+        drafts, hits = drafted.tolist(), accepted.tolist()
+        top = max(drafts, default=0)
+        if top <= 0:
+            return
         predicted = [0.0] * len(regimes)
-        if confidence is not None and drafted.numel() and int(drafted.max()) > 0:
+        if confidence is not None:
             conf = confidence.detach().to("cpu", torch.float64)
-            width = min(conf.shape[1], int(drafted.max()))
+            width = min(conf.shape[1], top)
             surv = conf[:, :width].cumprod(dim=1)  # [B, width]
             mask = torch.arange(width)[None, :] < drafted[:, None]
             predicted = torch.where(mask & surv.isfinite(), surv, 0.0).sum(dim=1).tolist()
-        for b, name in enumerate(regimes):
-            k = int(drafted[b])
-            if k == 0:
-                continue
+        step: dict[str, list[float]] = {}
+        for name, k, p, a in zip(regimes, drafts, predicted, hits):
+            if k > 0:
+                t = step.get(name) or step.setdefault(name, [0.0, 0.0, 0.0])
+                t[0], t[1], t[2] = t[0] + k, t[1] + p, t[2] + a
+        for name, values in step.items():
             entry = self._regimes.setdefault(name, [0.0, 0.0, 0.0])
-            values = (k, predicted[b] if confidence is not None else 0.0, int(accepted[b]))
             for i, (key, v) in enumerate(zip(("draft", "predicted_accepted", "accepted"), values)):
                 entry[i] += v
                 self._regime_counters[key].labels(regime=name).inc(v)
