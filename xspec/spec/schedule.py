@@ -369,9 +369,9 @@ class OnlineStepCost:
         line: StepLine | None = None,
     ) -> float:
         """Take in one measured step; returns what was predicted for it (before the
-        update). ``line``: the :meth:`line` this step was decided on, when nothing was
-        learnt since (its figures are this step's: not read again, a step costs the
-        decision's bookkeeping once)."""
+        update). ``line``: the :meth:`line` the step was decided on, given when nothing
+        was learnt since, so its prediction and profile figures are this step's and are
+        not computed again (a line of another batch size is ignored)."""
         if line is None or line.requests != requests:
             line = self.line(requests)
         predicted = line(rows, drafting)
