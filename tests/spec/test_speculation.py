@@ -548,6 +548,7 @@ def test_a_step_is_learnt_alike_from_the_decisions_line_or_a_fresh_read(
         assert given.relative_cost(r) == pytest.approx(fresh.relative_cost(r))
     mine, theirs = given.summary(), fresh.summary()
     assert mine.pop("relative_cost_drafting") == pytest.approx(theirs.pop("relative_cost_drafting"))
+    assert mine.pop("step_noise") == pytest.approx(theirs.pop("step_noise"))
     assert mine == pytest.approx(theirs)
 
 
@@ -591,6 +592,34 @@ def test_the_relative_cost_of_drafting_is_learnt_from_contrasts_only() -> None:
     # other batch-size buckets keep their own (none yet: the profile's)
     assert cost.relative_cost(8) == 0.0
     assert cost.summary()["relative_cost_drafting"] == {"1": pytest.approx(2.0, rel=0.03)}
+
+
+def test_a_contrast_among_noisy_steps_counts_for_less() -> None:
+    """Drafting steps take 2x their profile, learnt on a quiet machine. Then one drafting
+    step reads its profile, between plain steps at theirs: on a quiet machine that is a
+    contrast to learn from, but where plain steps jump by 1.5x step to step (the noise
+    of a loaded machine, where a run chose drafting at 0.91 of the profile's relative
+    cost while plain was 10-15 % better) it is one more noisy step and moves the
+    relative cost a few percent as far. A contrast whose own two sides differ counts
+    less too."""
+    quiet, noisy = OnlineStepCost(COST), OnlineStepCost(COST)
+    for cost in (quiet, noisy):
+        _sandwiches(cost, 10, 1.0, 2.0)
+    learnt = quiet.relative_cost(1)
+    assert noisy.relative_cost(1) == learnt and quiet.contrast_weight(1) == 1.0
+    for k in range(8):
+        quiet.update(1, 1, 0, 1.0)
+        noisy.update(1, 1, 0, math.exp(0.4 if k % 2 else -0.4))
+    assert noisy.contrast_weight(1) < 0.1
+    assert noisy.summary()["step_noise"]["1"] > 0.3 and quiet.summary()["step_noise"]["1"] == 0
+    moved = {}
+    for name, cost in (("quiet", quiet), ("noisy", noisy)):
+        cost.update(1, 6, 1, COST.seconds_at(1, 6, 1))  # drafting at its profile
+        cost.update(1, 1, 0, 1.0)
+        assert cost.contrasts(1) == 20  # a contrast, each
+        moved[name] = learnt - cost.relative_cost(1)
+    assert moved["quiet"] > 0.1 and 0 < moved["noisy"] < 0.1 * moved["quiet"]
+    assert quiet.contrast_weight(1, 0.25) == pytest.approx(0.1**2 / (0.25**2 / 2))
 
 
 def test_online_step_cost_learns_factors_never_a_cost_per_row() -> None:

@@ -254,11 +254,13 @@ def step_time_summary(built: Built) -> str | None:
         return None
     t = speculation.cost.summary()
     relative = ", ".join(f"{k}: {v:.2f}" for k, v in t["relative_cost_drafting"].items())
+    noise = ", ".join(f"{k}: {v:.2f}" for k, v in t["step_noise"].items())
     return (
         f"step-cost model: {t['steps']} decode steps, predicted {t['predicted_ms_mean']:.2f} ms "
         f"vs measured {t['measured_ms_mean']:.2f} ms per step (mean abs error "
         f"{t['abs_error_ms_mean']:.2f} ms; measured/profiled lately {t['speed']:.2f}; a "
         f"drafting step's cost relative to a plain one's beyond the profile, per batch size: "
-        f"{relative or 'not measured'}; realised/expected tokens of drafting steps "
+        f"{relative or 'not measured'}; step-to-step noise (log sd) per batch size: "
+        f"{noise or 'not measured'}; realised/expected tokens of drafting steps "
         f"{speculation.yield_check.factor():.2f})"
     )

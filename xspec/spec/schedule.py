@@ -239,12 +239,13 @@ def bucket_label(bucket: int) -> str:
 @dataclass
 class _Run:
     """A run of consecutive steps of one kind in a batch-size bucket: its kind, the index
-    of its last step, and a short EMA of its log(measured / profiled) seconds (the
-    machine's speed as it was then)."""
+    of its last step, a short EMA of its log(measured / profiled) seconds (the machine's
+    speed as it was then) and its last step's own figure."""
 
     drafting: bool
     last: int
     x: float
+    last_x: float
 
 
 class OnlineStepCost:
@@ -269,7 +270,15 @@ class OnlineStepCost:
       side only took half a speed change for a cost of drafting). An EMA
       (``relative_decay``, the first samples averaged exactly) shrunk to 0 (the
       profile is right) by ``relative_prior`` samples (the first few contrasts decide:
-      a bucket gets three from its first exploration).
+      a bucket gets three from its first exploration). Each contrast counts by the
+      noise around it (:meth:`contrast_weight`): fully while the steps' noise
+      (``log(measured / profiled)`` step to step, an EMA by ``noise_decay`` of half the
+      squared difference of two steps of one kind close together, or the contrast's
+      own two sides if they differ more) is at most ``quiet`` in log sd, ``(quiet /
+      noise)**2`` beyond. A quiet machine's steps of 32 requests move by 4-6 %; beside
+      two CPU hogs by 20-25 %, and there two single-step contrasts (-0.31, -0.40) took
+      the relative cost from 1.10 to 0.91 and the choice to drafting, which outlived
+      the spell.
 
     The predicted time of a step of R requests is then ``profile * exp(level(R) +
     relative(R) * drafting)``. The earlier model kept one scale per kind of step,
@@ -297,14 +306,20 @@ class OnlineStepCost:
         relative_prior: float = 0.5,
         fresh: int = 4,
         jump: float = 0.3,
+        quiet: float = 0.1,
+        noise_decay: float = 0.8,
     ) -> None:
         self.profile = profile
         self.decay, self.relative_decay = decay, relative_decay
         self.prior_weight, self.relative_prior = prior_weight, relative_prior
         self.fresh, self.jump = fresh, jump
+        self.quiet, self.noise_decay = quiet, noise_decay
         self.levels: dict[int, tuple[float, float]] = {}  # requests -> (log level, samples)
         self.speed = 0.0  # EMA of every step's log level: where a new batch size starts
-        self.relative: dict[int, tuple[float, float]] = {}  # bucket -> (log EMA, samples)
+        # bucket -> (log EMA, weight of its contrasts, contrasts)
+        self.relative: dict[int, tuple[float, float, int]] = {}
+        # bucket -> (EMA of the variance of log(measured / profiled) step to step, samples)
+        self.noise: dict[int, tuple[float, float]] = {}
         self._runs: dict[int, _Run] = {}  # bucket -> its latest run of one kind
         self._before: dict[int, _Run | None] = {}  # bucket -> the run before that
         self._step = 0  # steps taken in (the runs' clock; the report's count can restart)
@@ -325,18 +340,18 @@ class OnlineStepCost:
     def relative_cost(self, requests: int) -> float:
         """The log cost of a drafting step over a plain one beyond the profile's, at
         ``requests`` (its bucket's; 0 before any contrast)."""
-        ema, n = self.relative.get(batch_bucket(requests), (0.0, 0.0))
+        ema, n, _ = self.relative.get(batch_bucket(requests), (0.0, 0.0, 0))
         return n * ema / (n + self.relative_prior)
 
     def contrasts(self, requests: int) -> int:
         """Contrasts the relative cost of ``requests``'s bucket was learnt from."""
-        return int(self.relative.get(batch_bucket(requests), (0.0, 0.0))[1])
+        return self.relative.get(batch_bucket(requests), (0.0, 0.0, 0))[2]
 
     def contrasted(self, besides: int | None = None) -> bool:
         """Whether a batch-size bucket (other than that of ``besides`` requests, when
         given) has learnt its relative cost from a contrast yet."""
         skip = None if besides is None else batch_bucket(besides)
-        return any(n > 0 for b, (_, n) in self.relative.items() if b != skip)
+        return any(n > 0 for b, (_, n, _) in self.relative.items() if b != skip)
 
     def factors(self, requests: int) -> tuple[float, float]:
         """The factors on the profile of a plain and of a drafting step of ``requests``."""
@@ -386,7 +401,11 @@ class OnlineStepCost:
         x, kind, bucket = math.log(seconds / profiled), drafting > 0, batch_bucket(requests)
         run, before = self._runs.get(bucket), self._before.get(bucket)
         if run is not None and run.drafting == kind and self._step - run.last <= self.fresh:
-            run.last, run.x = self._step, run.x + 0.5 * (x - run.x)
+            # two steps of one kind close together: their difference is the step noise
+            var, n = self.noise.get(bucket, (0.0, 0.0))
+            alpha = max(1.0 / (n + 1), 1.0 - self.noise_decay)
+            self.noise[bucket] = (var + alpha * ((x - run.last_x) ** 2 / 2 - var), n + 1)
+            run.last, run.x, run.last_x = self._step, run.x + 0.5 * (x - run.x), x
         else:
             if (  # a contrast: the run of the other kind sandwiched between two of this one
                 run is not None
@@ -396,9 +415,9 @@ class OnlineStepCost:
                 and abs(before.x - x) <= self.jump  # no change of speed around it
             ):
                 sample = run.x - 0.5 * (before.x + x)  # the other kind's over this one's
-                self._contrast(bucket, sample if run.drafting else -sample)
+                self._contrast(bucket, sample if run.drafting else -sample, before.x - x)
             self._before[bucket] = run
-            self._runs[bucket] = _Run(kind, self._step, x)
+            self._runs[bucket] = _Run(kind, self._step, x, x)
         x -= self.relative_cost(requests) if kind else 0.0
         ema, n = self.levels.get(requests, (x, 0.0))
         alpha = max(1.0 / (n + 1), 1.0 - self.decay)  # the first samples average exactly
@@ -406,10 +425,21 @@ class OnlineStepCost:
         self.speed += (1.0 - self.decay) * (x - self.speed) if self._step > 1 else x - self.speed
         return predicted
 
-    def _contrast(self, bucket: int, sample: float) -> None:
-        ema, n = self.relative.get(bucket, (0.0, 0.0))
-        alpha = max(1.0 / (n + 1), 1.0 - self.relative_decay)
-        self.relative[bucket] = (ema + alpha * (sample - ema), n + 1)
+    def contrast_weight(self, requests: int, sides: float = 0.0) -> float:
+        """The weight a contrast taken now in the bucket of ``requests`` gets, in
+        contrasts: 1 while the step noise is at most ``quiet`` (log sd), ``(quiet /
+        noise)**2`` above that (an inverse-variance weight). The noise: the larger of
+        the bucket's (steps of one kind close together) and what the contrast's own two
+        sides tell (``sides``: their difference, of one kind at one speed)."""
+        var, _ = self.noise.get(batch_bucket(requests), (0.0, 0.0))
+        var = max(var, sides**2 / 2, self.quiet**2)
+        return self.quiet**2 / var
+
+    def _contrast(self, bucket: int, sample: float, sides: float = 0.0) -> None:
+        w = self.contrast_weight(2**bucket, sides)
+        ema, n, count = self.relative.get(bucket, (0.0, 0.0, 0))
+        alpha = max(w / (n + w), w * (1.0 - self.relative_decay))
+        self.relative[bucket] = (ema + alpha * (sample - ema), n + w, count + 1)
 
     def reset_report(self) -> None:
         """Start the predicted-vs-measured report afresh (what was learnt stays)."""
@@ -427,6 +457,10 @@ class OnlineStepCost:
             # a drafting step's cost over a plain one's, beyond the profile's, per bucket
             "relative_cost_drafting": {
                 bucket_label(b): math.exp(self.relative_cost(2**b)) for b in sorted(self.relative)
+            },
+            # log sd of a step's time, step to step, per bucket (what a contrast counts by)
+            "step_noise": {
+                bucket_label(b): math.sqrt(v) for b, (v, _) in sorted(self.noise.items())
             },
         }
 
