@@ -41,7 +41,15 @@ def main(argv: list[str] | None = None) -> int:
     except UserError as e:
         print(f"xspec.serve: error: {e}", file=sys.stderr)
         return e.exit_code
-    return serve(cfg, built, sock, model_option=_model_option(args, cfg))
+    code = serve(cfg, built, sock, model_option=_model_option(args, cfg))
+    if code == 0 and "torch.distributed" in sys.modules:  # a torchrun server's clean exit
+        from xspec.parallel.runtime import shutdown
+
+        # leave the process group while the interpreter is whole, as the batch CLI does:
+        # gloo's worker threads left to the interpreter's teardown can abort the process
+        # ("terminate called without an active exception", pytorch/pytorch#190489)
+        shutdown()
+    return code
 
 
 def serve(cfg: Any, built: Any, sock: socket.socket | None, model_option: str) -> int:
