@@ -622,6 +622,30 @@ def test_a_contrast_among_noisy_steps_counts_for_less() -> None:
     assert quiet.contrast_weight(1, 0.25) == pytest.approx(0.1**2 / (0.25**2 / 2))
 
 
+def test_a_long_stretch_of_the_other_kind_is_a_contrast_at_its_two_switches() -> None:
+    """Plain steps, 12 drafting steps (a stretch the choice took itself, longer than any
+    exploration), a plain step, while the machine slows by 2 % a step: each switch is
+    measured at one speed, so the relative cost learnt is drafting's 1.5x and the drift
+    cancels between the two switches. The sandwich had to fit in 8 steps before, and
+    such a stretch taught nothing. A speed change at one of the switches teaches
+    nothing."""
+
+    def stretch(cost: OnlineStepCost, after: float, drift: float) -> None:
+        steps = [(1, 0, 1.0)] * 3 + [(6, 1, 1.5)] * 12 + [(1, 0, after)]
+        for t, (rows, drafting, factor) in enumerate(steps):
+            seconds = factor * math.exp(drift * t) * COST.seconds_at(1, rows, drafting)
+            cost.update(1, rows, drafting, seconds)
+
+    drifting = OnlineStepCost(COST)
+    stretch(drifting, 1.0, 0.02)
+    assert drifting.contrasts(1) == 1
+    shrunk = 1 / (1 + drifting.relative_prior)  # one contrast, shrunk to the profile
+    assert drifting.relative_cost(1) == pytest.approx(math.log(1.5) * shrunk, rel=0.02)
+    jumped = OnlineStepCost(COST)
+    stretch(jumped, 2.0, 0.0)  # the plain step after the stretch 2x slower
+    assert jumped.contrasts(1) == 0 and jumped.relative_cost(1) == 0.0
+
+
 def test_online_step_cost_learns_factors_never_a_cost_per_row() -> None:
     """Steps measured at two row counts, one of them in a slow spell, move every row count
     of that batch size and kind by one factor: what one more row costs stays the profile's

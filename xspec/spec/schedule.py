@@ -238,12 +238,15 @@ def bucket_label(bucket: int) -> str:
 
 @dataclass
 class _Run:
-    """A run of consecutive steps of one kind in a batch-size bucket: its kind, the index
-    of its last step, a short EMA of its log(measured / profiled) seconds (the machine's
-    speed as it was then) and its last step's own figure."""
+    """A run of consecutive steps of one kind in a batch-size bucket: its kind, the
+    indices of its first and last steps, its first step's log(measured / profiled)
+    seconds, a short EMA of its last steps' (the machine's speed as it was then) and its
+    last step's own."""
 
     drafting: bool
+    start: int
     last: int
+    first: float
     x: float
     last_x: float
 
@@ -262,12 +265,19 @@ class OnlineStepCost:
       then moves to its own by its samples (``prior_weight`` samples of that prior).
     - the **relative cost** of a drafting step per batch-size bucket
       (:func:`batch_bucket`): ``log(drafting / plain)`` beyond the profile's, learnt
-      from contrasts only: a run of one kind sandwiched between two of the other, all
-      within ``2 * fresh`` steps, against the mean of its neighbours (each run's figure
-      a short EMA of its last steps). Both sides are measured at the same speed, so a
-      slow or fast spell leaves it alone; a sandwich whose two sides differ by more
-      than ``jump`` (log) saw the speed change and teaches nothing (a contrast with one
-      side only took half a speed change for a cost of drafting). An EMA
+      from contrasts only: a run of one kind sandwiched between two of the other, each
+      switch between steps at most ``fresh`` apart, of any length between them. At
+      each switch the run's figure is set against its neighbour's (going in: its first
+      step against the run before's short EMA of its last steps; coming out: its own
+      such EMA against the next step), and the contrast is the mean of the two. Each
+      switch is measured at one speed, so a slow or fast spell, or a drift during a
+      long run, leaves it alone, and the two switches' drift cancels; two switches
+      that differ by more than ``jump`` (log) saw the speed change at one of them and
+      teach nothing (a contrast with one switch only took half a speed change for a
+      cost of drafting). Until 2026-12-04 the sandwich had to fit in ``2 * fresh``
+      steps, so a stretch of the other kind that the choice itself took (the values
+      crossed) taught nothing: after a spell had left the relative cost low, one run
+      took 11 plain steps amid drafting ones and went back to drafting. An EMA
       (``relative_decay``, the first samples averaged exactly) shrunk to 0 (the
       profile is right) by ``relative_prior`` samples (the first few contrasts decide:
       a bucket gets three from its first exploration). Each contrast counts by the
@@ -407,17 +417,21 @@ class OnlineStepCost:
             self.noise[bucket] = (var + alpha * ((x - run.last_x) ** 2 / 2 - var), n + 1)
             run.last, run.x, run.last_x = self._step, run.x + 0.5 * (x - run.x), x
         else:
-            if (  # a contrast: the run of the other kind sandwiched between two of this one
+            if (  # a contrast: a run of the other kind between two of this one, each
+                # switch between steps close together
                 run is not None
                 and before is not None
                 and before.drafting == kind != run.drafting
-                and self._step - before.last <= 2 * self.fresh
-                and abs(before.x - x) <= self.jump  # no change of speed around it
+                and run.start - before.last <= self.fresh
+                and self._step - run.last <= self.fresh
             ):
-                sample = run.x - 0.5 * (before.x + x)  # the other kind's over this one's
-                self._contrast(bucket, sample if run.drafting else -sample, before.x - x)
+                # the other kind's figure over this one's, at the switch into it and out
+                into, out = run.first - before.x, run.x - x
+                if abs(into - out) <= self.jump:  # else the speed changed at a switch
+                    sample = 0.5 * (into + out)
+                    self._contrast(bucket, sample if run.drafting else -sample, into - out)
             self._before[bucket] = run
-            self._runs[bucket] = _Run(kind, self._step, x, x)
+            self._runs[bucket] = _Run(kind, self._step, self._step, x, x, x)
         x -= self.relative_cost(requests) if kind else 0.0
         ema, n = self.levels.get(requests, (x, 0.0))
         alpha = max(1.0 / (n + 1), 1.0 - self.decay)  # the first samples average exactly
