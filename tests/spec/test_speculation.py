@@ -597,11 +597,10 @@ def test_the_relative_cost_of_drafting_is_learnt_from_contrasts_only() -> None:
 def test_a_contrast_among_noisy_steps_counts_for_less() -> None:
     """Drafting steps take 2x their profile, learnt on a quiet machine. Then one drafting
     step reads its profile, between plain steps at theirs: on a quiet machine that is a
-    contrast to learn from, but where plain steps jump by 1.5x step to step (the noise
-    of a loaded machine, where a run chose drafting at 0.91 of the profile's relative
-    cost while plain was 10-15 % better) it is one more noisy step and moves the
-    relative cost a few percent as far. A contrast whose own two sides differ counts
-    less too."""
+    contrast to learn from, but where plain steps jump by 2.2x step to step (the noise
+    of a loaded machine, where a run learnt the relative cost at 0.91 of the profile's
+    and turned to drafting) it is one more noisy step and moves the relative cost less
+    than a tenth as far. A contrast whose two switches differ counts less too."""
     quiet, noisy = OnlineStepCost(COST), OnlineStepCost(COST)
     for cost in (quiet, noisy):
         _sandwiches(cost, 10, 1.0, 2.0)

@@ -283,9 +283,9 @@ class OnlineStepCost:
       a bucket gets three from its first exploration). Each contrast counts by the
       noise around it (:meth:`contrast_weight`): fully while the steps' noise
       (``log(measured / profiled)`` step to step, an EMA by ``noise_decay`` of half the
-      squared difference of two steps of one kind close together, or the contrast's
-      own two sides if they differ more) is at most ``quiet`` in log sd, ``(quiet /
-      noise)**2`` beyond. A quiet machine's steps of 32 requests move by 4-6 %; beside
+      squared difference of two steps of one kind close together, or the difference
+      of the contrast's own two switches if larger) is at most ``quiet`` in log sd,
+      ``(quiet / noise)**2`` beyond. A quiet machine's steps of 32 requests move by 4-6 %; beside
       two CPU hogs by 20-25 %, and there two single-step contrasts (-0.31, -0.40) took
       the relative cost from 1.10 to 0.91 and the choice to drafting, which outlived
       the spell.
@@ -443,8 +443,9 @@ class OnlineStepCost:
         """The weight a contrast taken now in the bucket of ``requests`` gets, in
         contrasts: 1 while the step noise is at most ``quiet`` (log sd), ``(quiet /
         noise)**2`` above that (an inverse-variance weight). The noise: the larger of
-        the bucket's (steps of one kind close together) and what the contrast's own two
-        sides tell (``sides``: their difference, of one kind at one speed)."""
+        the bucket's (steps of one kind close together) and what the contrast itself
+        tells (``sides``: the difference of its two switches' figures, two measures of
+        one relative cost)."""
         var, _ = self.noise.get(batch_bucket(requests), (0.0, 0.0))
         var = max(var, sides**2 / 2, self.quiet**2)
         return self.quiet**2 / var
