@@ -20,7 +20,7 @@ minutes, docs/adaptive.md) is whether the plain / drafting choice itself is righ
 - the machine's speed in spells: ``LEN:RATIO`` switches, every LEN steps, at random
   between 1.0 and RATIO (all step times multiplied), times 8 % log-normal noise
   (``--spell-noise``: the log sd in the slow spells instead; a machine slowed by other
-  loads is noisier, 0.2-0.25 beside two CPU hogs);
+  loads is noisier, 0.17-0.25 beside two CPU hogs);
 - each draft position accepted with probability 0.7.
 
 Printed per spell pattern: the share of the big-batch steps (after a 120-step warm-up)

@@ -286,7 +286,7 @@ class OnlineStepCost:
       squared difference of two steps of one kind close together, or the difference
       of the contrast's own two switches if larger) is at most ``quiet`` in log sd,
       ``(quiet / noise)**2`` beyond. A quiet machine's steps of 32 requests move by 4-6 %; beside
-      two CPU hogs by 20-25 %, and there two single-step contrasts (-0.31, -0.40) took
+      two CPU hogs by 17-25 %, and there two single-step contrasts (-0.31, -0.40) took
       the relative cost from 1.10 to 0.91 and the choice to drafting, which outlived
       the spell.
 
