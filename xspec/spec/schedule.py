@@ -446,12 +446,14 @@ class OnlineStepCost:
         the bucket's (steps of one kind close together) and what the contrast itself
         tells (``sides``: the difference of its two switches' figures, two measures of
         one relative cost)."""
-        var, _ = self.noise.get(batch_bucket(requests), (0.0, 0.0))
-        var = max(var, sides**2 / 2, self.quiet**2)
-        return self.quiet**2 / var
+        return self._weight(batch_bucket(requests), sides)
+
+    def _weight(self, bucket: int, sides: float) -> float:
+        var, _ = self.noise.get(bucket, (0.0, 0.0))
+        return self.quiet**2 / max(var, sides**2 / 2, self.quiet**2)
 
     def _contrast(self, bucket: int, sample: float, sides: float = 0.0) -> None:
-        w = self.contrast_weight(2**bucket, sides)
+        w = self._weight(bucket, sides)
         ema, n, count = self.relative.get(bucket, (0.0, 0.0, 0))
         alpha = max(w / (n + w), w * (1.0 - self.relative_decay))
         self.relative[bucket] = (ema + alpha * (sample - ema), n + w, count + 1)
