@@ -495,6 +495,32 @@ def test_acceptance_model_learns_per_regime_and_request() -> None:
     assert m.survivals("T=0.8", None)[0] == pytest.approx(0.7)
 
 
+def test_steps_without_drafts_age_a_requests_history_back_to_its_regime() -> None:
+    """A step that verified nothing decays every count of the request (held as one
+    factor, applied at its next count): its estimate drifts back to its regime's, the
+    same as decaying each count step by step."""
+    m = AcceptanceModel(3, request_weight=1.0, prior_weight=1.0)
+    bad, fresh = m.new_history(), m.new_history()
+    for _ in range(20):
+        m.observe("greedy", bad, 3, 1)  # its second draft is always rejected
+        m.observe("greedy", None, 3, 3)  # the regime accepts everything
+    before = m.conditional("greedy", bad)[1]
+    for _ in range(30):
+        m.observe("greedy", bad, 0, 0)  # plain steps
+    aged = m.conditional("greedy", bad)[1]
+    regime = m.conditional("greedy", fresh)[1]
+    assert before < 0.2 and before < aged < regime
+    # the counts as decayed one step at a time (request_decay per plain step)
+    c = bad.counts
+    assert c.scale == pytest.approx(m.request_decay**30)
+    hits, reached = [c.scale * h for h in c.hits], [c.scale * r for r in c.reached]
+    assert aged == pytest.approx((hits[1] + m.batch_rates("greedy")[1]) / (reached[1] + 1.0))
+    m.observe("greedy", bad, 1, 1)  # a count applies the held ageing first
+    assert c.scale == 1.0
+    assert c.reached[0] == pytest.approx(reached[0] * m.request_decay + 1.0)
+    assert (c.reached[1], c.hits[1]) == pytest.approx((reached[1], hits[1]))  # aged only
+
+
 def test_confidence_correction_moves_confidences_towards_realised() -> None:
     c = ConfidenceCorrection(2, weight=1.0)
     for _ in range(200):  # the head says 0.9, half of the drafts survive

@@ -109,15 +109,28 @@ def gamma_for_batch(schedule: Sequence[Sequence[int]], batch: int) -> int:
 class _Decayed:
     """Decayed per-position counts: how often position j was reached (its draft
     verified with every earlier draft accepted) and how often it was accepted, or, for
-    the confidence correction, its predicted conditional acceptance."""
+    the confidence correction, its predicted conditional acceptance. Both are ``scale``
+    times the lists: :meth:`age` (a step that reached no position, decaying every count)
+    multiplies ``scale`` alone, so a request's plain steps cost no list each (32 of them
+    per step at 32 requests, where plain steps are the rule)."""
 
     def __init__(self, gamma: int, decay: float) -> None:
         self.decay = decay
         self.reached = [0.0] * gamma
         self.hits = [0.0] * gamma
+        self.scale = 1.0
+
+    def age(self) -> None:
+        """One step that reached no position: every count decays."""
+        self.scale *= self.decay
 
     def add(self, hits: Sequence[float]) -> None:
         """One request-step: positions ``0 .. len(hits) - 1`` reached, ``hits[j]`` each."""
+        if self.scale != 1.0:  # the ageing held back, applied before counting
+            f = self.scale
+            self.reached = [f * x for x in self.reached]
+            self.hits = [f * x for x in self.hits]
+            self.scale = 1.0
         decay, reached, total = self.decay, self.reached, self.hits
         for j, hit in enumerate(hits):
             reached[j] = decay * reached[j] + 1.0
@@ -178,6 +191,9 @@ class AcceptanceModel:
         if history is None:
             return rates
         w, c = self.request_weight, history.counts
+        if c.scale != 1.0:  # aged since its last count
+            f = c.scale
+            return [(f * h + w * b) / (f * r + w) for h, r, b in zip(c.hits, c.reached, rates)]
         return [(h + w * b) / (r + w) for h, r, b in zip(c.hits, c.reached, rates)]
 
     def survivals(self, regime: str, history: AcceptanceHistory | None) -> list[float]:
@@ -194,9 +210,7 @@ class AcceptanceModel:
         better), which at concurrency 1 costs the whole rest of the request."""
         if verified == 0:
             if history is not None:
-                c = history.counts
-                c.reached = [c.decay * x for x in c.reached]
-                c.hits = [c.decay * x for x in c.hits]
+                history.counts.age()
             return
         batch = self.regimes.get(regime) or self.regimes.setdefault(
             regime, _Decayed(self.gamma, self.batch_decay)

@@ -155,6 +155,31 @@ def test_context_waits_until_drafting_or_a_full_batch(draft: DSparkDraft) -> Non
     assert lazy.pending_rows == 0  # a full batch is written at once
 
 
+def test_a_batch_of_held_rows_equals_each_cache_taken_alone(draft: DSparkDraft) -> None:
+    """One ``write_context`` over caches at different fill levels (some rows held back,
+    one cache's rows overflowing its buffer, one sequence without rows) leaves every
+    cache as the same rows written to it alone; the held rows are scattered into one
+    stack of the buffers, which the next call of the same batch reuses."""
+    gen = torch.Generator().manual_seed(5)
+    k_d = 3 * draft.args.hidden_size
+    batch = [draft.new_cache(3) for _ in range(4)]
+    alone = [draft.new_cache(3) for _ in range(4)]
+    for lens in ([2, 0, 5, 1], [1, 1, PENDING_ROWS - 1, 1], [3, 1, 1, 0], [1, 1, 1, 1]):
+        aux = torch.randn(sum(lens), k_d, generator=gen)
+        draft.write_context(batch, aux, lens)
+        for cache, rows in zip(alone, aux.split(lens)):
+            draft.write_context([cache], rows, [len(rows)])
+        for a, b in zip(batch, alone):
+            assert (a.num_tokens, a.pending_rows) == (b.num_tokens, b.pending_rows)
+            torch.testing.assert_close(a.held[: a.pending_rows], b.held[: b.pending_rows])
+    assert batch[2].num_tokens > 0  # it overflowed: written
+    assert all(c.held_ring.stack is batch[0].held_ring.stack for c in batch)
+    tokens = torch.randint(0, 511, (4, 3), generator=gen)
+    torch.testing.assert_close(
+        draft.forward_block(batch, tokens)[1], draft.forward_block(alone, tokens)[1]
+    )
+
+
 @pytest.mark.parametrize("native_sas", ["auto", "off"])
 @pytest.mark.parametrize("width", [1, 3, 6])
 def test_cached_batched_draft_equals_dense_reference(
