@@ -121,43 +121,58 @@ def naive_block(
     return h, last.head(last.norm(h)).float()
 
 
-def test_context_waits_until_drafting_or_a_full_batch(draft: DSparkDraft) -> None:
-    """Committed rows wait in ``held`` (steps that do not draft write no K/V) and are
-    written in one batch when the sequence drafts or the buffer is full; a long
-    prompt writes only its last ``window`` rows. The drafts equal a cache written row by
-    row at once."""
+def test_context_is_computed_only_when_the_sequence_drafts(draft: DSparkDraft) -> None:
+    """Committed rows are held back and no K/V is computed until the sequence drafts,
+    however many steps it goes without (of the rows held then, only the last ``window``
+    are kept, and computed); the drafts then equal a cache written row by row at once.
+    Checked after a long prompt, after fewer rows than the window (the backlog's ring
+    not aligned to its slots) and after more than a window of steps without drafts."""
     draft.set_window(DraftWindow(platform("auto")))
     window = draft.args.sliding_window
     gen = torch.Generator().manual_seed(3)
     k_d = 3 * draft.args.hidden_size
     lazy, eager = draft.new_cache(3), draft.new_cache(3)
+
+    def commit(rows: torch.Tensor) -> None:
+        """``rows`` one step at a time, a step that does not draft each: nothing computed."""
+        before = [r.data.clone() for r in lazy.rings]
+        for row in rows:
+            draft.write_context([lazy], row[None], [1])
+            draft.write_context([eager], row[None], [1])
+            draft.flush_context([eager])
+        assert all(torch.equal(r.data, b) for r, b in zip(lazy.rings, before))
+        assert lazy.observed == eager.num_tokens
+        assert lazy.backlog_rows <= window and lazy.pending_rows < PENDING_ROWS
+
+    def drafts_equal() -> None:
+        tokens = torch.randint(0, 511, (1, 3), generator=gen)
+        got = draft.forward_block([lazy], tokens)[1]  # flushes first
+        assert (lazy.pending_rows, lazy.backlog_rows, lazy.backlog) == (0, 0, None)
+        assert lazy.num_tokens == eager.num_tokens
+        want = draft.forward_block([eager], tokens)[1]
+        torch.testing.assert_close(got, want, atol=2e-5, rtol=2e-5)
+        for a, b in zip(lazy.rings, eager.rings):
+            torch.testing.assert_close(a.data, b.data, atol=2e-5, rtol=2e-5)
+
     prompt = torch.randn(2 * window + 5, k_d, generator=gen)
-    draft.write_context([lazy], prompt, [len(prompt)])  # > PENDING_ROWS: written now
-    assert lazy.num_tokens == len(prompt) and lazy.pending_rows == 0
+    draft.write_context([lazy], prompt, [len(prompt)])  # a prompt: its last window rows
+    assert (lazy.num_tokens, lazy.backlog_rows) == (window + 5, window)
+    assert all(not r.data.any() for r in lazy.rings)  # nothing computed yet
     for row in prompt:
         draft.write_context([eager], row[None], [1])
         draft.flush_context([eager])
-    for n in range(1, PENDING_ROWS):  # plain steps: one committed row each, nothing written
-        draft.write_context([lazy], torch.randn(1, k_d, generator=gen), [1])
-        assert (lazy.num_tokens, lazy.pending_rows, lazy.observed) == (
-            len(prompt),
-            n,
-            len(prompt) + n,
-        )
-    for row in lazy.held[: lazy.pending_rows].clone():
-        draft.write_context([eager], row[None], [1])
-        draft.flush_context([eager])
-    tokens = torch.randint(0, 511, (1, 3), generator=gen)
-    got = draft.forward_block([lazy], tokens)[1]  # flushes first
-    assert lazy.pending_rows == 0 and lazy.num_tokens == eager.num_tokens
-    torch.testing.assert_close(got, draft.forward_block([eager], tokens)[1], atol=2e-5, rtol=2e-5)
-    draft.write_context([lazy], torch.randn(PENDING_ROWS, k_d, generator=gen), [PENDING_ROWS])
-    assert lazy.pending_rows == 0  # a full batch is written at once
+    drafts_equal()
+    commit(torch.randn(PENDING_ROWS + 13, k_d, generator=gen))  # part of a window
+    assert lazy.backlog_rows > 0
+    drafts_equal()
+    commit(torch.randn(window + 2 * PENDING_ROWS + 3, k_d, generator=gen))  # beyond it
+    assert lazy.backlog_rows == window
+    drafts_equal()
 
 
 def test_a_batch_of_held_rows_equals_each_cache_taken_alone(draft: DSparkDraft) -> None:
     """One ``write_context`` over caches at different fill levels (some rows held back,
-    one cache's rows overflowing its buffer, one sequence without rows) leaves every
+    one cache's rows overflowing its buffer to its backlog, one sequence without rows) leaves every
     cache as the same rows written to it alone; the held rows are scattered into one
     stack of the buffers, which the next call of the same batch reuses."""
     gen = torch.Generator().manual_seed(5)
@@ -170,9 +185,10 @@ def test_a_batch_of_held_rows_equals_each_cache_taken_alone(draft: DSparkDraft) 
         for cache, rows in zip(alone, aux.split(lens)):
             draft.write_context([cache], rows, [len(rows)])
         for a, b in zip(batch, alone):
-            assert (a.num_tokens, a.pending_rows) == (b.num_tokens, b.pending_rows)
+            counts = [(c.num_tokens, c.backlog_rows, c.pending_rows) for c in (a, b)]
+            assert counts[0] == counts[1]
             torch.testing.assert_close(a.held[: a.pending_rows], b.held[: b.pending_rows])
-    assert batch[2].num_tokens > 0  # it overflowed: written
+    assert batch[2].backlog_rows > 0  # it overflowed: moved to its backlog
     assert all(c.held_ring.stack is batch[0].held_ring.stack for c in batch)
     tokens = torch.randint(0, 511, (4, 3), generator=gen)
     torch.testing.assert_close(

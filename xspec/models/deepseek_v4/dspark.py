@@ -257,48 +257,92 @@ class DSparkStage(Block, HyperHead):
         return out, ctx.rot
 
 
-PENDING_ROWS = 8  # committed rows a sequence holds back before its context K/V is written
+PENDING_ROWS = 8  # committed rows a sequence holds in its slot of the batch's stack
 
 
 def context_bytes(num_stages: int, args: DeepseekV4Args, itemsize: int) -> KvBytes:
     """One sequence's draft state: a ``[window, head_dim]`` context ring per stage; every
     stage is ratio 1, so nothing grows with the context (xLLM: the DSpark draft reserves
-    only its SWA pool). Plus the buffer of captures it holds back (:class:`DSparkCache`):
-    :data:`PENDING_ROWS` rows of ``K*d``."""
+    only its SWA pool). Plus the captures it holds back (:class:`DSparkCache`): at most
+    :data:`PENDING_ROWS` + ``window`` rows of ``K*d`` (a sequence that stops drafting)."""
     ring = num_stages * args.sliding_window * args.head_dim * itemsize
-    held = PENDING_ROWS * num_stages * args.hidden_size * itemsize
+    held = (PENDING_ROWS + args.sliding_window) * num_stages * args.hidden_size * itemsize
     return KvBytes(ring + held, 0.0)
 
 
 class DSparkCache:
     """One sequence's draft context: per stage a ring ``[window, head_dim]`` of context
-    K/V, position ``p`` in slot ``p % window``. ``num_tokens``: context rows written.
-    Only committed positions are written: no rollback.
+    K/V, position ``p`` in slot ``p % window``. ``num_tokens``: the positions before the
+    captures held back (each written, or skipped because the ring would not have kept
+    it). Only committed positions are written: no rollback.
 
-    ``held [PENDING_ROWS, K*d]``: the captures of committed rows not yet turned into K/V,
-    ``pending_rows`` of them, at positions ``num_tokens ..``. They are written in one
-    batch when the sequence next drafts or when the buffer is full, so steps that do not
-    draft (``spec.adaptive`` deciding depth 0) cost the draft one row copy, and of a long
-    prompt only the last ``window`` rows are ever computed (the ring keeps no more)."""
+    The captures ``[K*d]`` of committed rows are not turned into K/V until the sequence
+    next drafts: steps that do not draft (``spec.adaptive`` deciding depth 0) cost the
+    draft a row copy, and of the rows it commits meanwhile only the last ``window`` are
+    ever computed (the ring keeps no more). They wait in two places, in position order:
 
-    def __init__(self, rings: list[Ring], held: torch.Tensor) -> None:
+    - ``backlog [window, K*d]``, ``backlog_rows`` of them: a ring (position ``p`` in slot
+      ``p % window``) of this sequence alone, allocated when it first fills its ``held``
+      rows without drafting and freed when it drafts; the rows falling out of it are the
+      ones the context ring would have overwritten.
+    - ``held [PENDING_ROWS, K*d]``, the first ``pending_rows``: the latest rows, in this
+      sequence's row of a stack of every running sequence's buffer (:class:`Ring`), so a
+      step's rows go in with one scatter; when a sequence's rows do not fit, its held
+      rows and the new ones move to its backlog."""
+
+    def __init__(self, rings: list[Ring], held: torch.Tensor, window: int) -> None:
         self.rings = rings
         self.held_ring = Ring(held)  # a Ring, so a batch's rows go in with one scatter
+        self.window = window
+        self.backlog: torch.Tensor | None = None
+        self.backlog_rows = 0
         self.num_tokens = 0
         self.pending_rows = 0
 
     @property
     def held(self) -> torch.Tensor:
-        """``[PENDING_ROWS, K*d]``: the captures held back (the first ``pending_rows``)."""
+        """``[PENDING_ROWS, K*d]``: the latest captures held back (the first ``pending_rows``)."""
         return self.held_ring.data
 
     @property
     def observed(self) -> int:
-        """Committed positions seen: written plus held back (the anchor's position)."""
-        return self.num_tokens + self.pending_rows
+        """Committed positions seen: written or skipped, plus held back (the anchor's
+        position)."""
+        return self.num_tokens + self.backlog_rows + self.pending_rows
+
+    def defer(self, rows: torch.Tensor) -> None:
+        """Move the held rows and ``rows [n, K*d]`` (the next positions) to the backlog:
+        of everything it then holds, the last ``window`` positions."""
+        moved = self.pending_rows + rows.shape[0]
+        end = self.observed + rows.shape[0]  # the positions seen after
+        if rows.shape[0] >= self.window:  # (a prompt) older rows would never be read
+            keep = rows[-self.window :].to(self.held.dtype)
+        else:
+            keep = torch.cat([self.held[: self.pending_rows], rows.to(self.held.dtype)])
+            keep = keep[-self.window :]
+        self.pending_rows = 0
+        if self.backlog is None:
+            self.backlog = keep.new_empty(self.window, keep.shape[1])
+        slots = torch.arange(end - keep.shape[0], end, device=keep.device) % self.window
+        self.backlog.index_copy_(0, slots, keep)
+        self.backlog_rows = min(self.backlog_rows + moved, self.window)
+        self.num_tokens = end - self.backlog_rows
+
+    def take_held(self) -> torch.Tensor:
+        """Every capture held back, in position order ``[rows, K*d]`` (the positions from
+        ``num_tokens``); the cache then holds none (its backlog is freed)."""
+        rows = self.held[: self.pending_rows]
+        if self.backlog is not None and self.backlog_rows:
+            first = self.num_tokens
+            slots = torch.arange(first, first + self.backlog_rows, device=rows.device)
+            rows = torch.cat([self.backlog[slots % self.window], rows])
+        self.backlog, self.backlog_rows, self.pending_rows = None, 0, 0
+        return rows
 
     def nbytes_allocated(self) -> int:
         tensors = [r.data for r in self.rings] + [self.held]
+        if self.backlog is not None:
+            tensors.append(self.backlog)
         return sum(t.numel() * t.element_size() for t in tensors)
 
 
@@ -380,6 +424,7 @@ class DSparkDraft(nn.Module):
         return DSparkCache(  # one ring per stage
             [Ring(attn.attn_sink.new_zeros(w, hd, dtype=attn.dtype)) for _ in self.stages],
             attn.attn_sink.new_zeros(PENDING_ROWS, capture, dtype=attn.dtype),
+            w,
         )
 
     @torch.no_grad()
@@ -387,12 +432,12 @@ class DSparkDraft(nn.Module):
         self, caches: list[DSparkCache], aux: torch.Tensor, seq_lens: list[int]
     ) -> None:
         """Take in the captures ``aux [sum seq_lens, K*d]`` of new committed positions.
-        They wait in each cache's ``held`` buffer (:class:`DSparkCache`); a cache whose
-        rows do not fit in it any more is written now, in one batch. The rows that fit go
-        into the held buffers with one scatter (their :class:`Ring` stack, which stays as
-        long as the batch does): a copy per sequence cost a steady 32-request plain step
-        32 small ops."""
-        due: list[tuple[DSparkCache, torch.Tensor | None]] = []
+        They are held back until their sequence drafts (:class:`DSparkCache`), and no K/V
+        is computed here. The rows that fit in their sequences' held buffers go in with
+        one scatter (the buffers' :class:`Ring` stack, which stays as long as the batch
+        does): a copy per sequence cost a steady 32-request plain step 32 small ops. Until
+        2026-12-04 a full buffer was written then: a batch of K/V every 8 plain steps, on
+        average 1 ms of a 30 ms step of 32 requests that had stopped drafting."""
         picked: list[int] = []  # rows of aux that fit in their cache's held buffer ...
         slots: list[int] = []  # ... and where, in the stack of every cache's buffer
         row = 0
@@ -402,41 +447,35 @@ class DSparkDraft(nn.Module):
                 picked += range(row, row + n)
                 slots += range(b * PENDING_ROWS + k, b * PENDING_ROWS + k + n)
                 cache.pending_rows += n
-            elif n:  # full: written with what it held
-                due.append((cache, aux[row : row + n]))
+            elif n:  # full: to the backlog, with what it held
+                cache.defer(aux[row : row + n])
             row += n
         if slots:
             stack = stack_rings([c.held_ring for c in caches])  # [B, PENDING_ROWS, K*d]
             index = torch.tensor(slots, device=aux.device)
             which = None if len(picked) == aux.shape[0] else torch.tensor(picked, device=aux.device)
             scatter_rows(stack, aux.to(stack.dtype), (which, index))
-        self._write(due)
 
     @torch.no_grad()
     def flush_context(self, caches: list[DSparkCache]) -> None:
-        """Write the context K/V that ``caches`` hold back."""
-        self._write([(c, None) for c in caches if c.pending_rows])
-
-    def _write(self, due: list[tuple[DSparkCache, torch.Tensor | None]]) -> None:
-        """Context K/V of each cache's held rows followed by ``rows``: of each, only the
-        rows its ring keeps (the last ``window``)."""
+        """Write the context K/V of what ``caches`` hold back, in one batch: of each, only
+        the rows its ring keeps (the last ``window``)."""
+        due = [c for c in caches if c.pending_rows or c.backlog_rows]
         if not due:
             return
         window = self.args.sliding_window
         parts, keep, starts = [], [], []
-        for cache, rows in due:
-            held = cache.held[: cache.pending_rows]
-            new = held if rows is None else torch.cat([held, rows.to(held.dtype)])
+        for cache in due:
+            start, new = cache.num_tokens, cache.take_held()
             k = min(new.shape[0], window)
             parts.append(new[-k:])
             keep.append(k)
-            starts.append(cache.num_tokens + new.shape[0] - k)
-            cache.num_tokens += new.shape[0]
-            cache.pending_rows = 0
+            starts.append(start + new.shape[0] - k)
+            cache.num_tokens = start + new.shape[0]
         aux = torch.cat(parts)
         layout = BatchLayout(_positions(starts, keep, aux.device), keep, starts)
         for i, kv in enumerate(self.context_kv(aux, layout)):
-            ring = stack_rings([c.rings[i] for c, _ in due])  # [B, window, D]
+            ring = stack_rings([c.rings[i] for c in due])  # [B, window, D]
             scatter_rows(ring, kv, layout.ring_slots(window))
 
     def context_kv(self, aux: torch.Tensor, layout: BatchLayout) -> list[torch.Tensor]:
