@@ -25,7 +25,9 @@ from tests.spec.test_dspark import NEW, PROMPTS, bigram_draft
 from tests.spec.test_verify_stats import CHI2_CRIT_0001, assert_follows, chi_square
 from xspec.compose import compose_run
 from xspec.config import validate
+from xspec.engine.engine import Request
 from xspec.errors import ConfigError
+from xspec.models.base import ForwardBatch
 from xspec.models.draft_heads import ConfidenceHead, MarkovHead
 from xspec.sampling import SamplingParams
 from xspec.spec.adaptive import (
@@ -43,6 +45,7 @@ from xspec.spec.adaptive import (
 from xspec.spec.block import sample_block
 from xspec.spec.calibration import ConfidenceCalibration, RegimeCheck, save_calibration
 from xspec.spec.schedule import OnlineStepCost, StepCost
+from xspec.spec.step import decode_step, prefill
 from xspec.spec.verify import rejection_sample
 
 # a step costs 1 s plus 0.1 s per verify row beyond one per request; the draft forward
@@ -136,6 +139,56 @@ def test_greedy_equals_baseline_with_plain_steps_and_mixed_batches(
     assert sum(rep.depth_histogram) == rep.num_row_steps
     if depths.count(0) > 2:
         assert plain, "no step drafted nothing"
+
+
+def test_draft_context_after_mixed_batches_equals_one_written_from_scratch() -> None:
+    """What the greedy equality above cannot see (a wrong draft context only lowers the
+    acceptance): after decode steps that mix drafting and non-drafting requests, plain
+    steps, and a request that does not draft for longer than its held buffer (its rows go
+    to its backlog), every request's DSpark context rings equal those of a cache written
+    from the target's captures of its whole committed sequence at once."""
+
+    llm = xspec.LLM(
+        model="dsv4_tiny_random",
+        spec="dspark",
+        platform="cpu",
+        overrides={
+            "spec.adaptive": True,
+            "spec.adaptive.max_requests": 4,
+            "spec.adaptive.profile_reps": 1,
+            "spec.num_speculative_tokens": 5,
+        },
+    )
+    b = llm._built
+    speculation, draft = b.engine.speculation, b.drafter.model
+    assert speculation is not None
+    pattern = Pattern([0, 0, 0, 5, 5])
+
+    def force(caps: list[int]) -> list[int]:  # request 0: no draft for its first 20 steps
+        depths = pattern(caps)
+        return [0 if r == 0 and pattern.step <= 20 else d for r, d in enumerate(depths)]
+
+    speculation.force = force
+    params = SamplingParams(temperature=0.8, seed=1)
+    seqs = [b.engine._start(Request(p, 36, params)) for p in (*PROMPTS, PROMPTS[0])]
+    prefill(b.target, b.drafter, seqs, b.capture, 2048)
+    while any(s.remaining > 0 for s in seqs):
+        live = [s for s in seqs if s.remaining > 0]
+        decode_step(b.target, b.drafter, live, b.capture, b.engine.metrics, speculation=speculation)
+    assert any(not any(d) for d in pattern.seen) and any(0 in d and 5 in d for d in pattern.seen)
+    for s in seqs:
+        draft.flush_context([s.draft_state])
+        n = len(s.token_ids) - 1  # every committed position but the last anchor
+        assert s.draft_state.num_tokens == n
+        target_state = b.target.new_state(n)
+        out = b.target.forward(
+            ForwardBatch(torch.tensor(s.token_ids[:n]), [n], [target_state], b.capture)
+        )
+        ref = draft.new_cache(5)
+        draft.write_context([ref], out.aux_hidden, [n])
+        draft.flush_context([ref])
+        for got, want in zip(s.draft_state.rings, ref.rings):
+            torch.testing.assert_close(got.data, want.data, atol=1e-4, rtol=1e-4)
 
 
 def test_gamma_schedule_by_batch_size_greedy_equals_baseline(
