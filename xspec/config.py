@@ -409,6 +409,14 @@ def nonfinite_problems(node: Any, prefix: str = "") -> list[str]:
     return []
 
 
+def skips_drafting(spec: Any) -> bool:
+    """Whether a run of this ``spec`` config takes decode steps in which a request that
+    could draft does not: ``spec.adaptive`` (it decides depth 0) or a ``spec.gamma_schedule``
+    entry of 0. (Any run's request drafts nothing in its last step.)"""
+    schedule = spec.gamma_schedule or []
+    return bool(spec.adaptive.enabled) or any(int(entry[1]) == 0 for entry in schedule)
+
+
 def gamma_schedule_problems(schedule: Any, gamma: int | None) -> list[str]:
     """What is wrong with ``spec.gamma_schedule`` (empty: fine, or null). ``gamma``: the
     configured ``spec.num_speculative_tokens`` (None: checked against the drafter's at

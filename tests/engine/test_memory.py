@@ -24,6 +24,9 @@ from xspec.models.deepseek_v4.dspark import PENDING_ROWS, DSparkCache
 from xspec.sampling import SamplingParams
 from xspec.spec.step import decode_step, prefill
 
+# a run with steps in which requests do not draft (a gamma schedule with a 0)
+SKIPS = {"spec.num_speculative_tokens": 5, "spec.gamma_schedule": [[1, 5], [3, 0]]}
+
 
 @cache
 def llm(model: str, spec: str) -> xspec.LLM:
@@ -81,8 +84,13 @@ def test_dspark_reserves_only_window_rings_mtp_its_layer() -> None:
     args, stages = dspark.target.args, len(dspark.drafter.model.stages)
     es = dspark.target.dtype.itemsize
     rings = stages * args.sliding_window * args.head_dim * es
-    held = (PENDING_ROWS + args.sliding_window) * stages * args.hidden_size * es  # not written
-    assert dspark.drafter.kv_bytes() == KvBytes(rings + held)
+    row = stages * args.hidden_size * es  # one capture held back, K*d
+    assert dspark.drafter.kv_bytes() == KvBytes(rings + PENDING_ROWS * row)  # fixed gamma
+    plain = xspec.LLM(  # a run with steps without drafts holds up to a window more
+        model="dsv4_tiny_random", spec="dspark", platform="cpu", overrides=SKIPS
+    )._built
+    window = PENDING_ROWS + args.sliding_window
+    assert plain.drafter.kv_bytes() == KvBytes(rings + window * row)
     mtp = llm("dsv4_tiny_random", "mtp")._built
     assert mtp.drafter.kv_bytes().fixed >= args.sliding_window * args.head_dim * es
     assert mtp.engine.plan.target == mtp.target.kv_bytes()
@@ -92,14 +100,22 @@ def test_dspark_reserves_only_window_rings_mtp_its_layer() -> None:
 
 
 @pytest.mark.parametrize(
-    ("model", "spec"),
-    [("dsv4_tiny_random", "mtp"), ("dsv4_tiny_random", "dspark"), ("qwen3_tiny", "dflash")],
+    ("model", "spec", "overrides"),
+    [
+        ("dsv4_tiny_random", "mtp", {}),
+        ("dsv4_tiny_random", "dspark", {}),
+        ("dsv4_tiny_random", "dspark", SKIPS),
+        ("qwen3_tiny", "dflash", {}),
+    ],
 )
-def test_planned_bytes_equal_allocated_at_full_length(model: str, spec: str) -> None:
+def test_planned_bytes_equal_allocated_at_full_length(
+    model: str, spec: str, overrides: dict
+) -> None:
     """Three sequences run to their full length: the tensors their target and draft
     states hold add up to the plan's per-sequence figure within 2% (never above it). A
-    DSpark state at its most: holding back its rows since it stopped drafting."""
-    b = llm(model, spec)._built
+    DSpark state of a run with steps without drafts at its most: holding back its rows
+    since it stopped drafting."""
+    b = xspec.LLM(model=model, spec=spec, platform="cpu", overrides=overrides)._built
     plan, engine = b.engine.plan, b.engine
     reqs = [
         Request(list(range(3, 3 + n)), m, SamplingParams())
@@ -112,8 +128,9 @@ def test_planned_bytes_equal_allocated_at_full_length(model: str, spec: str) -> 
             b.target, b.drafter, [s for s in seqs if s.remaining > 0], b.capture, engine.metrics
         )
     for r, s in zip(reqs, seqs):
-        if isinstance(s.draft_state, DSparkCache):  # its most: it stopped drafting
-            s.draft_state.defer(s.draft_state.held[:1])  # a backlog of its held rows
+        if overrides:  # its most: it stopped drafting, a backlog of its held rows
+            assert isinstance(s.draft_state, DSparkCache)
+            s.draft_state.defer(s.draft_state.held[:1])
         got = allocated_bytes(s.target_state) + allocated_bytes(s.draft_state)
         want = plan.seq_kv_bytes(len(r.prompt_ids), r.max_new_tokens)
         assert got <= want

@@ -95,7 +95,7 @@ def hand_kv() -> tuple[int, float, int]:
         widths = [HD, IHD] if ratio == 4 else [HD] if ratio else []
         fixed += sum(2 * (coff * ratio + ROLLBACK) * coff * w * 4 for w in widths)
     rings = STAGES * WINDOW * HD * 2  # one window ring per DSpark stage
-    held = (8 + WINDOW) * STAGES * D * 2  # captures held back: 8 + window rows of K*d
+    held = 8 * STAGES * D * 2  # captures held back (fixed gamma: 8 rows of K*d, no window)
     return fixed, per_token, rings + held
 
 

@@ -170,6 +170,38 @@ def test_context_is_computed_only_when_the_sequence_drafts(draft: DSparkDraft) -
     drafts_equal()
 
 
+def test_without_a_held_window_a_full_buffer_is_written_at_once(draft: DSparkDraft) -> None:
+    """``hold_window`` off (a run in which every request drafts every step): a prompt and
+    a full buffer of held rows are written at once, no backlog is allocated, and the
+    drafts equal a cache written row by row."""
+    draft.set_window(DraftWindow(platform("auto")))
+    gen = torch.Generator().manual_seed(4)
+    k_d = 3 * draft.args.hidden_size
+    draft.hold_window = False
+    try:
+        lazy, eager = draft.new_cache(3), draft.new_cache(3)
+        rows = torch.randn(2 * draft.args.sliding_window + 5 + PENDING_ROWS, k_d, generator=gen)
+        prompt, steps = rows[:-PENDING_ROWS], rows[-PENDING_ROWS:]
+        draft.write_context([lazy], prompt, [len(prompt)])  # written now
+        assert (lazy.num_tokens, lazy.pending_rows, lazy.backlog) == (len(prompt), 0, None)
+        for n, row in enumerate(steps, 1):  # held, until the buffer is full
+            draft.write_context([lazy], row[None], [1])
+            assert lazy.backlog is None and lazy.pending_rows == n % PENDING_ROWS
+        assert lazy.num_tokens == len(rows)
+        for row in rows:
+            draft.write_context([eager], row[None], [1])
+            draft.flush_context([eager])
+        tokens = torch.randint(0, 511, (1, 3), generator=gen)
+        torch.testing.assert_close(
+            draft.forward_block([lazy], tokens)[1],
+            draft.forward_block([eager], tokens)[1],
+            atol=2e-5,
+            rtol=2e-5,
+        )
+    finally:
+        draft.hold_window = True
+
+
 def test_a_batch_of_held_rows_equals_each_cache_taken_alone(draft: DSparkDraft) -> None:
     """One ``write_context`` over caches at different fill levels (some rows held back,
     one cache's rows overflowing its buffer to its backlog, one sequence without rows) leaves every

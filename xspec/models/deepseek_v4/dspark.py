@@ -45,6 +45,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
+from xspec.config import skips_drafting
 from xspec.errors import CheckpointError, UserError
 from xspec.models.base import Footprint, KvBytes
 from xspec.models.block_draft import BlockLayout, LoadedDraft
@@ -260,14 +261,17 @@ class DSparkStage(Block, HyperHead):
 PENDING_ROWS = 8  # committed rows a sequence holds in its slot of the batch's stack
 
 
-def context_bytes(num_stages: int, args: DeepseekV4Args, itemsize: int) -> KvBytes:
+def context_bytes(
+    num_stages: int, args: DeepseekV4Args, itemsize: int, hold_window: bool = True
+) -> KvBytes:
     """One sequence's draft state: a ``[window, head_dim]`` context ring per stage; every
     stage is ratio 1, so nothing grows with the context (xLLM: the DSpark draft reserves
-    only its SWA pool). Plus the captures it holds back (:class:`DSparkCache`): at most
-    :data:`PENDING_ROWS` + ``window`` rows of ``K*d`` (a sequence that stops drafting)."""
+    only its SWA pool). Plus the captures it holds back (:class:`DSparkCache`):
+    :data:`PENDING_ROWS` rows of ``K*d``, and ``window`` more with ``hold_window`` (a
+    sequence that stops drafting)."""
     ring = num_stages * args.sliding_window * args.head_dim * itemsize
-    held = (PENDING_ROWS + args.sliding_window) * num_stages * args.hidden_size * itemsize
-    return KvBytes(ring + held, 0.0)
+    rows = PENDING_ROWS + (args.sliding_window if hold_window else 0)
+    return KvBytes(ring + rows * num_stages * args.hidden_size * itemsize, 0.0)
 
 
 class DSparkCache:
@@ -288,7 +292,10 @@ class DSparkCache:
     - ``held [PENDING_ROWS, K*d]``, the first ``pending_rows``: the latest rows, in this
       sequence's row of a stack of every running sequence's buffer (:class:`Ring`), so a
       step's rows go in with one scatter; when a sequence's rows do not fit, its held
-      rows and the new ones move to its backlog."""
+      rows and the new ones move to its backlog.
+
+    Without a backlog (``DSparkDraft.hold_window`` false: a run in which every request
+    drafts every step) rows that do not fit are written at once, with the held ones."""
 
     def __init__(self, rings: list[Ring], held: torch.Tensor, window: int) -> None:
         self.rings = rings
@@ -366,10 +373,15 @@ class DSparkDraft(nn.Module):
         device: torch.device | str = "cpu",
         expert_parallel: ExpertParallel | None = None,
         steps: StepOptions = EAGER_STEPS,
+        hold_window: bool = True,
     ) -> None:
         super().__init__()
         self.args = args
         self.fill_token_id = noise_token_id
+        # hold a sequence's captures back while it does not draft (up to a window of
+        # them: no context compute on its plain steps) or write a full buffer at once
+        # (8 rows of K*d per sequence instead of 8 + window)
+        self.hold_window = hold_window
         self.mtp = nn.ModuleList(
             DSparkStage(
                 args,
@@ -415,7 +427,8 @@ class DSparkDraft(nn.Module):
     # -- BlockDraftModel ------------------------------------------------------------------
 
     def kv_bytes(self, gamma: int) -> KvBytes:
-        return context_bytes(len(self.stages), self.args, self.stages[0].attn.dtype.itemsize)
+        itemsize = self.stages[0].attn.dtype.itemsize
+        return context_bytes(len(self.stages), self.args, itemsize, self.hold_window)
 
     def new_cache(self, gamma: int, max_tokens: int | None = None) -> DSparkCache:
         w, hd = self.args.sliding_window, self.args.head_dim
@@ -437,7 +450,9 @@ class DSparkDraft(nn.Module):
         one scatter (the buffers' :class:`Ring` stack, which stays as long as the batch
         does): a copy per sequence cost a steady 32-request plain step 32 small ops. Until
         2026-12-04 a full buffer was written then: a batch of K/V every 8 plain steps, on
-        average 1 ms of a 30 ms step of 32 requests that had stopped drafting."""
+        average 1 ms of a 30 ms step of 32 requests that had stopped drafting (as it still
+        is without ``hold_window``: the rows that do not fit are written now)."""
+        due: list[tuple[DSparkCache, torch.Tensor | None]] = []
         picked: list[int] = []  # rows of aux that fit in their cache's held buffer ...
         slots: list[int] = []  # ... and where, in the stack of every cache's buffer
         row = 0
@@ -447,26 +462,34 @@ class DSparkDraft(nn.Module):
                 picked += range(row, row + n)
                 slots += range(b * PENDING_ROWS + k, b * PENDING_ROWS + k + n)
                 cache.pending_rows += n
-            elif n:  # full: to the backlog, with what it held
+            elif n and self.hold_window:  # full: to the backlog, with what it held
                 cache.defer(aux[row : row + n])
+            elif n:  # full: written now, with what it held
+                due.append((cache, aux[row : row + n]))
             row += n
         if slots:
             stack = stack_rings([c.held_ring for c in caches])  # [B, PENDING_ROWS, K*d]
             index = torch.tensor(slots, device=aux.device)
             which = None if len(picked) == aux.shape[0] else torch.tensor(picked, device=aux.device)
             scatter_rows(stack, aux.to(stack.dtype), (which, index))
+        self._write(due)
 
     @torch.no_grad()
     def flush_context(self, caches: list[DSparkCache]) -> None:
-        """Write the context K/V of what ``caches`` hold back, in one batch: of each, only
-        the rows its ring keeps (the last ``window``)."""
-        due = [c for c in caches if c.pending_rows or c.backlog_rows]
+        """Write the context K/V of what ``caches`` hold back."""
+        self._write([(c, None) for c in caches if c.pending_rows or c.backlog_rows])
+
+    def _write(self, due: list[tuple[DSparkCache, torch.Tensor | None]]) -> None:
+        """Context K/V of what each cache holds back followed by ``rows``, in one batch: of
+        each, only the rows its ring keeps (the last ``window``)."""
         if not due:
             return
         window = self.args.sliding_window
         parts, keep, starts = [], [], []
-        for cache in due:
+        for cache, rows in due:
             start, new = cache.num_tokens, cache.take_held()
+            if rows is not None:
+                new = torch.cat([new, rows.to(new.dtype)])
             k = min(new.shape[0], window)
             parts.append(new[-k:])
             keep.append(k)
@@ -475,7 +498,7 @@ class DSparkDraft(nn.Module):
         aux = torch.cat(parts)
         layout = BatchLayout(_positions(starts, keep, aux.device), keep, starts)
         for i, kv in enumerate(self.context_kv(aux, layout)):
-            ring = stack_rings([c.rings[i] for c in due])  # [B, window, D]
+            ring = stack_rings([c.rings[i] for c, _ in due])  # [B, window, D]
             scatter_rows(ring, kv, layout.ring_slots(window))
 
     def context_kv(self, aux: torch.Tensor, layout: BatchLayout) -> list[torch.Tensor]:
@@ -746,6 +769,7 @@ def load_dspark(
     expert_parallel: ExpertParallel | None = None,
     steps: StepOptions = EAGER_STEPS,
     quant_compute: str = "auto",
+    hold_window: bool = True,
 ) -> DSparkDraft:
     """Allocate the stages of ``plan`` and stream their weights in (with
     ``expert_parallel``: only this rank's experts; ``steps``: the platform's ops and
@@ -765,6 +789,7 @@ def load_dspark(
             device=on,
             expert_parallel=expert_parallel,
             steps=steps,
+            hold_window=hold_window,
         )
 
     return load_drafter(
@@ -824,7 +849,7 @@ def footprint(layout: Any, spec_cfg: Any, model_cfg: Any, gamma: int) -> Footpri
     a = plan.args
     return Footprint(
         tensors=stored_footprint(plan.ckpt, plan.names, plan.dequant, itemsize),
-        kv=context_bytes(plan.num_stages, a, itemsize),
+        kv=context_bytes(plan.num_stages, a, itemsize, skips_drafting(spec_cfg)),
         num_experts=a.n_routed_experts,
     )
 
@@ -869,6 +894,7 @@ def load_block_draft(
         expert_parallel=target.expert_parallel,  # the target's EP share
         steps=steps,
         quant_compute=target.quant_compute,
+        hold_window=skips_drafting(spec_cfg),  # no backlog where every request drafts
     )
     return LoadedDraft(
         draft, plan.block_size, plan.capture_layer_ids, plan.ckpt.path, BlockLayout.DSPARK
