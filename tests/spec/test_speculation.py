@@ -76,6 +76,23 @@ def bigram_dsv4(tmp_path_factory: pytest.TempPathFactory, dsv4_baseline: list[li
     return bigram_draft(tmp_path_factory.mktemp("speculation_dspark"), pairs)
 
 
+def adaptive_dsv4(overrides: dict[str, Any] | None = None) -> xspec.LLM:
+    """``dsv4_tiny_random`` with DSpark at gamma 5 and ``spec.adaptive`` on (a quick
+    profile of up to 4 requests), plus ``overrides``."""
+    return xspec.LLM(
+        model="dsv4_tiny_random",
+        spec="dspark",
+        platform="cpu",
+        overrides={
+            "spec.adaptive": True,
+            "spec.adaptive.max_requests": 4,
+            "spec.adaptive.profile_reps": 1,
+            "spec.num_speculative_tokens": 5,
+            **(overrides or {}),
+        },
+    )
+
+
 class Pattern:
     """Forced depths: step k gives request r ``depths[(k + r) % len(depths)]``, so the
     steps mix drafting and non-drafting requests, and every ``len(depths)``-th step of a
@@ -101,18 +118,7 @@ class Pattern:
 def test_greedy_equals_baseline_with_plain_steps_and_mixed_batches(
     bigram_dsv4: Path, dsv4_baseline: list[list[int]], depths: list[int]
 ) -> None:
-    llm = xspec.LLM(
-        model="dsv4_tiny_random",
-        spec="dspark",
-        platform="cpu",
-        overrides={
-            "spec.adaptive": True,
-            "spec.adaptive.max_requests": 4,
-            "spec.adaptive.profile_reps": 1,
-            "spec.num_speculative_tokens": 5,
-            "spec.draft_path": str(bigram_dsv4),
-        },
-    )
+    llm = adaptive_dsv4({"spec.draft_path": str(bigram_dsv4)})
     speculation = llm._built.engine.speculation
     assert speculation is not None
     pattern = Pattern(depths)
@@ -147,19 +153,7 @@ def test_draft_context_after_mixed_batches_equals_one_written_from_scratch() -> 
     steps, and a request that does not draft for longer than its held buffer (its rows go
     to its backlog), every request's DSpark context rings equal those of a cache written
     from the target's captures of its whole committed sequence at once."""
-
-    llm = xspec.LLM(
-        model="dsv4_tiny_random",
-        spec="dspark",
-        platform="cpu",
-        overrides={
-            "spec.adaptive": True,
-            "spec.adaptive.max_requests": 4,
-            "spec.adaptive.profile_reps": 1,
-            "spec.num_speculative_tokens": 5,
-        },
-    )
-    b = llm._built
+    b = adaptive_dsv4()._built
     speculation, draft = b.engine.speculation, b.drafter.model
     assert speculation is not None
     pattern = Pattern([0, 0, 0, 5, 5])
