@@ -29,8 +29,9 @@ SKIPS = {"spec.num_speculative_tokens": 5, "spec.gamma_schedule": [[1, 5], [3, 0
 
 
 @cache
-def llm(model: str, spec: str) -> xspec.LLM:
-    return xspec.LLM(model=model, spec=spec, platform="cpu")
+def llm(model: str, spec: str, skips: bool = False) -> xspec.LLM:
+    """``skips``: with :data:`SKIPS` (steps in which requests do not draft)."""
+    return xspec.LLM(model=model, spec=spec, platform="cpu", overrides=SKIPS if skips else {})
 
 
 def plan_of(**kw: object) -> MemoryPlan:
@@ -86,9 +87,7 @@ def test_dspark_reserves_only_window_rings_mtp_its_layer() -> None:
     rings = stages * args.sliding_window * args.head_dim * es
     row = stages * args.hidden_size * es  # one capture held back, K*d
     assert dspark.drafter.kv_bytes() == KvBytes(rings + PENDING_ROWS * row)  # fixed gamma
-    plain = xspec.LLM(  # a run with steps without drafts holds up to a window more
-        model="dsv4_tiny_random", spec="dspark", platform="cpu", overrides=SKIPS
-    )._built
+    plain = llm("dsv4_tiny_random", "dspark", skips=True)._built  # up to a window more
     window = PENDING_ROWS + args.sliding_window
     assert plain.drafter.kv_bytes() == KvBytes(rings + window * row)
     mtp = llm("dsv4_tiny_random", "mtp")._built
@@ -100,22 +99,20 @@ def test_dspark_reserves_only_window_rings_mtp_its_layer() -> None:
 
 
 @pytest.mark.parametrize(
-    ("model", "spec", "overrides"),
+    ("model", "spec", "skips"),
     [
-        ("dsv4_tiny_random", "mtp", {}),
-        ("dsv4_tiny_random", "dspark", {}),
-        ("dsv4_tiny_random", "dspark", SKIPS),
-        ("qwen3_tiny", "dflash", {}),
+        ("dsv4_tiny_random", "mtp", False),
+        ("dsv4_tiny_random", "dspark", False),
+        ("dsv4_tiny_random", "dspark", True),
+        ("qwen3_tiny", "dflash", False),
     ],
 )
-def test_planned_bytes_equal_allocated_at_full_length(
-    model: str, spec: str, overrides: dict
-) -> None:
+def test_planned_bytes_equal_allocated_at_full_length(model: str, spec: str, skips: bool) -> None:
     """Three sequences run to their full length: the tensors their target and draft
     states hold add up to the plan's per-sequence figure within 2% (never above it). A
     DSpark state of a run with steps without drafts at its most: holding back its rows
     since it stopped drafting."""
-    b = xspec.LLM(model=model, spec=spec, platform="cpu", overrides=overrides)._built
+    b = llm(model, spec, skips)._built
     plan, engine = b.engine.plan, b.engine
     reqs = [
         Request(list(range(3, 3 + n)), m, SamplingParams())
@@ -128,7 +125,7 @@ def test_planned_bytes_equal_allocated_at_full_length(
             b.target, b.drafter, [s for s in seqs if s.remaining > 0], b.capture, engine.metrics
         )
     for r, s in zip(reqs, seqs):
-        if overrides:  # its most: it stopped drafting, a backlog of its held rows
+        if skips:  # its most: it stopped drafting, a backlog of its held rows
             assert isinstance(s.draft_state, DSparkCache)
             s.draft_state.defer(s.draft_state.held[:1])
         got = allocated_bytes(s.target_state) + allocated_bytes(s.draft_state)

@@ -191,10 +191,8 @@ class AcceptanceModel:
         if history is None:
             return rates
         w, c = self.request_weight, history.counts
-        if c.scale != 1.0:  # aged since its last count
-            f = c.scale
-            return [(f * h + w * b) / (f * r + w) for h, r, b in zip(c.hits, c.reached, rates)]
-        return [(h + w * b) / (r + w) for h, r, b in zip(c.hits, c.reached, rates)]
+        f = c.scale  # the ageing since its last count (1.0: none)
+        return [(f * h + w * b) / (f * r + w) for h, r, b in zip(c.hits, c.reached, rates)]
 
     def survivals(self, regime: str, history: AcceptanceHistory | None) -> list[float]:
         """``a_j = prod_{i<=j} c_i``: expected accepted tokens of verifying draft j."""

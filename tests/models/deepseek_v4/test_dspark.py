@@ -204,9 +204,9 @@ def test_without_a_held_window_a_full_buffer_is_written_at_once(draft: DSparkDra
 
 def test_a_batch_of_held_rows_equals_each_cache_taken_alone(draft: DSparkDraft) -> None:
     """One ``write_context`` over caches at different fill levels (some rows held back,
-    one cache's rows overflowing its buffer to its backlog, one sequence without rows) leaves every
-    cache as the same rows written to it alone; the held rows are scattered into one
-    stack of the buffers, which the next call of the same batch reuses."""
+    one cache's rows overflowing its buffer to its backlog, one sequence without rows)
+    leaves every cache as the same rows written to it alone; the held rows are scattered
+    into one stack of the buffers, which the next call of the same batch reuses."""
     gen = torch.Generator().manual_seed(5)
     k_d = 3 * draft.args.hidden_size
     batch = [draft.new_cache(3) for _ in range(4)]
