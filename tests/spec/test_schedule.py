@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from xspec.spec import schedule
-from xspec.spec.schedule import StepCost, schedule_verify, survivals
+from xspec.spec.schedule import StepCost, schedule_rows, schedule_verify, survivals
 
 
 def table(values: dict[int, float]):
@@ -110,8 +110,10 @@ def test_small_scan_in_python_equals_the_tensor_scan(monkeypatch: pytest.MonkeyP
         sps = lambda b, s=slope: 1.0 / (1.0 + s * b)  # noqa: E731
         monkeypatch.setattr(schedule, "SMALL_SCAN", 10**9)
         small = schedule_verify(c, budgets, sps)
+        assert schedule_rows(c.tolist(), budgets, sps) == small  # host rows, as they are
         monkeypatch.setattr(schedule, "SMALL_SCAN", -1)
         assert small == schedule_verify(c, budgets, sps), (case, c, budgets)
+        assert schedule_rows(c.tolist(), budgets, sps) == small  # host rows, as a tensor
 
 
 def test_survivals_are_the_cumulative_product() -> None:

@@ -35,6 +35,7 @@ from xspec.spec.adaptive import (
     EXPLORE_EVERY,
     EXPLORE_WIDE,
     AcceptanceModel,
+    Choice,
     ConfidenceCorrection,
     Speculation,
     YieldCheck,
@@ -520,6 +521,33 @@ def test_a_kind_far_behind_is_not_re_explored() -> None:
     assert not any(_machine(s, 400, 10.0)[20:])
 
 
+def _explorations(s: Speculation, gaps: list[float]) -> list[int]:
+    """Feed ``_explore`` one drafting choice per gap (plain predicted ``1 - gap`` of its
+    value, in 0.6 of its seconds) after both kinds were measured; the steps it explored."""
+    for kind in (False, False, True):
+        s.kinds.observe(kind, 1)
+    explored = []
+    for t, gap in enumerate(gaps):
+        choice = Choice([2], 1.0, [0], 1.0 - gap, 1.5, 0.0, seconds=1.0, other_seconds=0.6)
+        plain = s._explore(1, choice)
+        s.kinds.observe(not plain, 1)
+        if plain:
+            explored.append(t)
+    return explored
+
+
+def test_one_steps_dip_of_the_gap_does_not_re_explore() -> None:
+    """The gap goes by its bucket's EMA: at 0.6 (beyond EXPLORE_WIDE) with one step in 10
+    at 0.3 (one request's bad step), the kind not taken is never re-explored; held at 0.3
+    it is, spaced by the wait of that gap."""
+    s = Speculation(2, cost=OnlineStepCost(LINE))
+    assert _explorations(s, [0.3 if t % 10 == 9 else 0.6 for t in range(600)]) == []
+    explored = _explorations(Speculation(2, cost=OnlineStepCost(LINE)), [0.3] * 600)
+    wait = max(EXPLORE_EVERY, 0.3 * 0.6 / EXPLORE_BUDGET)
+    assert len(explored) >= 10, explored
+    assert all(b - a >= wait for a, b in itertools.pairwise(explored)), explored
+
+
 def _flat(s: Speculation, c: float) -> Any:
     """A regime whose realised conditional acceptance is ``c`` at every position."""
     from xspec.spec.adaptive import _Decayed
@@ -572,10 +600,11 @@ def test_confidence_correction_moves_confidences_towards_realised() -> None:
     c = ConfidenceCorrection(2, weight=1.0)
     for _ in range(200):  # the head says 0.9, half of the drafts survive
         c.observe("T=0.8", [0.9, 0.9], 2, 0 if _ % 2 else 2)
-    corrected = c.apply(torch.tensor([[0.9, 0.9]]), ["T=0.8"])
-    assert corrected[0, 0] == pytest.approx(0.5, abs=0.02)
-    untouched = c.apply(torch.tensor([[0.9, 0.9]]), ["greedy"])  # no data for greedy
-    assert untouched.tolist() == [[pytest.approx(0.9), pytest.approx(0.9)]]
+    corrected = c.apply([[0.9, 0.9], [1.5, -0.5]], ["T=0.8", "T=0.8"])
+    assert corrected[0][0] == pytest.approx(0.5, abs=0.02)
+    assert corrected[1] == [pytest.approx(1.5 * corrected[0][0] / 0.9), 0.0]  # clamped
+    untouched = c.apply([[0.9, 0.9]], ["greedy"])  # no data for greedy
+    assert untouched == [[pytest.approx(0.9), pytest.approx(0.9)]]
 
 
 def test_online_step_cost_moves_from_the_profile_to_measured_times() -> None:

@@ -56,7 +56,7 @@ from xspec.spec.schedule import (
     OnlineStepCost,
     StepLine,
     batch_bucket,
-    schedule_verify,
+    schedule_rows,
 )
 
 __all__ = [
@@ -79,6 +79,7 @@ EXPLORE_STEPS = 2  # steps of each kind (plain / drafting) per batch-size bucket
 EXPLORE_EVERY = 32  # and once again after at least this many steps of a bucket without it
 EXPLORE_BUDGET = 0.005  # ... and gap / this many: re-exploring costs at most this, on average
 EXPLORE_WIDE = 0.5  # ... when the other kind is predicted within this of the best (the gap)
+GAP_DECAY = 0.9  # ... the gap as an EMA over the bucket's steps (one request's dip is not it)
 YIELD_PRIOR_STEPS = 8.0  # YieldCheck: steps' worth of "the model is right", always
 
 
@@ -240,12 +241,14 @@ class ConfidenceCorrection:
             (real.hits[j] + self.weight) / (pred.hits[j] + self.weight) for j in range(self.gamma)
         ]
 
-    def apply(self, confidence: torch.Tensor, regimes: Sequence[str]) -> torch.Tensor:
-        """``confidence [B, G]`` (any device) -> corrected ``[B, G]`` float64 on the host."""
-        c = confidence.detach().to("cpu", torch.float64)
+    def apply(self, confidence: list[list[float]], regimes: Sequence[str]) -> list[list[float]]:
+        """``confidence [B][G]`` (host rows) -> corrected ``[B][G]``: float64 products,
+        clamped. Lists, not tensors: at a step's few rows the tensor ops cost 2x."""
         table = {r: self.factors(r) for r in set(regimes)}
-        f = torch.tensor([table[r][: c.shape[1]] for r in regimes], dtype=torch.float64)
-        return (c * f.reshape(c.shape[0], -1)).clamp(0.0, 1.0)
+        return [
+            [min(max(c * f, 0.0), 1.0) for c, f in zip(row, table[r])]
+            for row, r in zip(confidence, regimes)
+        ]
 
     def observe(
         self, regime: str, confidence: Sequence[float], verified: int, accepted: int
@@ -472,16 +475,16 @@ class StepRecord:
     expected: list[list[float]]  # [R][depth] pre-draft conditional acceptance estimates
     started: float = 0.0  # perf_counter at the decision
     accepted: float = math.nan  # the drafts expected accepted at ``depths`` (not corrected)
-    raw: torch.Tensor | None = None  # [R, width] the draft's confidences (host, float64)
-    confidence: torch.Tensor | None = None  # [R, width] corrected: what the trim used
+    raw: list[list[float]] | None = None  # [R][width] the draft's confidences (host)
+    corrected: list[list[float]] | None = None  # [R][width] corrected: what the trim used
     line: StepLine | None = None  # the step-cost line the decision scanned (the trim's too)
 
     def predicted(self) -> torch.Tensor:
         """``[R, max depth]`` the conditional acceptance this step predicted per verified
         position: the corrected confidences when the draft scored its drafts, else the
         pre-draft estimates (0 beyond a request's depth)."""
-        if self.confidence is not None:
-            return self.confidence
+        if self.corrected is not None:
+            return torch.tensor(self.corrected, dtype=torch.float64).reshape(len(self.depths), -1)
         width = max(self.depths, default=0)
         out = torch.zeros(len(self.depths), width, dtype=torch.float64)
         for b, row in enumerate(self.expected):
@@ -514,6 +517,7 @@ class Speculation:
         self.correction = ConfidenceCorrection(gamma)
         self.yield_check = YieldCheck()
         self.kinds = StepKinds()
+        self.gaps: dict[int, float] = {}  # bucket -> EMA of the gap (:meth:`_explore`)
         self.last: StepRecord | None = None
         # a test hook: ``force(caps) -> depths`` replaces the decision (clipped to caps)
         self.force: Callable[[list[int]], list[int]] | None = None
@@ -599,7 +603,7 @@ class Speculation:
         costs a bounded few steps per bucket, once.
 
         Once more, when its value is within :data:`EXPLORE_WIDE` of the best (``gap = 1
-        - other / best <= EXPLORE_WIDE``), after ``max(EXPLORE_EVERY, gap * (seconds of
+        - other / best <= EXPLORE_WIDE``, as the bucket's EMA: :meth:`_gap`), after ``max(EXPLORE_EVERY, gap * (seconds of
         the other / seconds of the best) / EXPLORE_BUDGET)`` steps of the bucket without
         that kind: what was learnt of a kind it stopped taking never changes otherwise,
         so one unlucky contrast could shut a kind out for good (at T=0.8, one request,
@@ -611,7 +615,7 @@ class Speculation:
         made 1.9x its value; paired in one process)."""
         kind = any(d > 0 for d in choice.other or [])
         known = choice.value > 0 and choice.seconds > 0
-        gap = 1.0 - choice.other_value / choice.value if known else 0.0
+        gap = self._gap(requests, 1.0 - choice.other_value / choice.value) if known else 0.0
         if self.kinds.steps(kind, requests) < EXPLORE_STEPS:
             if gap > EXPLORE_WIDE and self.cost is not None and self.cost.contrasted(requests):
                 return False  # another bucket's contrasts told speed and drafting apart
@@ -621,20 +625,34 @@ class Speculation:
         wait = max(EXPLORE_EVERY, gap * choice.other_seconds / choice.seconds / EXPLORE_BUDGET)
         return gap <= EXPLORE_WIDE and self.kinds.since(kind, requests) >= wait
 
+    def _gap(self, requests: int, gap: float) -> float:
+        """This step's gap into its bucket's EMA (:data:`GAP_DECAY`; the first step's own):
+        what the exploration goes by. The gap moves from step to step with the requests'
+        own acceptance (one bad step of one request halves its expected drafts for a few
+        steps); the kinds' standing is the bucket's. At greedy and one request the gap
+        was 0.55 on average and, as one step's, fell below :data:`EXPLORE_WIDE` often
+        enough that a plain step was re-explored every 45 steps or so (about 0.5 % of
+        the run's time, and 2 of its 89 steps)."""
+        bucket = batch_bucket(requests)
+        ema = self.gaps.get(bucket)
+        ema = gap if ema is None else gap + GAP_DECAY * (ema - gap)
+        self.gaps[bucket] = ema
+        return ema
+
     def trim(self, confidence: torch.Tensor, depths: list[int]) -> list[int]:
         """After drafting: Algorithm 1 within ``depths`` on the corrected confidences
         ``[R, width]`` -> verified drafts per request (``depths`` without the trim)."""
-        assert self.last is not None
-        self.last.raw = confidence.detach().to("cpu", torch.float64)
-        corrected = self.correction.apply(self.last.raw, self.last.regimes)  # [R, width]
-        self.last.confidence = corrected
+        last = self.last
+        assert last is not None
+        last.raw = confidence.detach().to("cpu", torch.float64).tolist()  # one host copy
+        last.corrected = self.correction.apply(last.raw, last.regimes)  # [R][width]
         if not self.trim_enabled or self.cost is None:
             return depths
         drafting = sum(d > 0 for d in depths)
-        R, line = len(depths), self.last.line  # nothing was learnt since the decision
+        R, line = len(depths), last.line  # nothing was learnt since the decision
         if line is None or line.requests != R:
             line = self.cost.line(R, R + sum(depths))
-        return schedule_verify(corrected, depths, line.sps(drafting))
+        return schedule_rows(last.corrected, depths, line.sps(drafting))
 
     def observe(
         self,
@@ -658,7 +676,7 @@ class Speculation:
             self.kinds.observe(drafting > 0, R)
             if drafting and math.isfinite(rec.accepted):
                 self.yield_check.observe(R, rec.accepted, sum(accepted))
-        raw = rec.raw.tolist() if rec.raw is not None else None  # one copy, not one per row
+        raw = rec.raw
         for b, history in enumerate(histories):
             self.acceptance.observe(rec.regimes[b], history, verified[b], accepted[b])
             if raw is not None and verified[b]:

@@ -51,7 +51,14 @@ from typing import Any
 
 import torch
 
-__all__ = ["AdaptiveVerify", "OnlineStepCost", "StepCost", "batch_bucket", "schedule_verify"]
+__all__ = [
+    "AdaptiveVerify",
+    "OnlineStepCost",
+    "StepCost",
+    "batch_bucket",
+    "schedule_rows",
+    "schedule_verify",
+]
 
 # candidates up to which a scan runs in plain Python: measured on this CPU, the Python scan
 # of 160 candidates (32 requests x 5) takes 0.15-0.2 ms, the tensor one 0.37-0.46 ms; at
@@ -183,6 +190,18 @@ def schedule_verify(
             break  # the first non-improvement ends the scan (lossless)
         lengths[r], rows, tau, best = j + 1, rows + 1, tau + s, theta
     return lengths
+
+
+def schedule_rows(
+    confidence: list[list[float]], max_drafts: Sequence[int], sps: Callable[[int], float]
+) -> list[int]:
+    """:func:`schedule_verify` on host rows (``confidence[r]`` at least ``max_drafts[r]``
+    long): a few candidates are scanned as they are, more as a tensor."""
+    if len(max_drafts) != len(confidence):
+        raise ValueError(f"max_drafts has {len(max_drafts)} entries for {len(confidence)} requests")
+    if sum(min(m, len(row)) for m, row in zip(max_drafts, confidence)) <= SMALL_SCAN:
+        return _schedule_small(confidence, max_drafts, sps)
+    return schedule_verify(torch.tensor(confidence, dtype=torch.float64), max_drafts, sps)
 
 
 def _schedule_small(

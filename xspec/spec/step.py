@@ -328,7 +328,7 @@ def decode_step(
     predicted = confidence
     if speculation is not None and speculation.last is not None and lockstep is None:
         speculation.observe([s.history for s in seqs], n, accepted)
-        if speculation.last.confidence is not None or confidence is None:
+        if speculation.last.corrected is not None or confidence is None:
             predicted = speculation.last.predicted()  # what the decision / trim went by
     # 6. metrics from the output matrix
     metrics.observe_step(
