@@ -484,7 +484,7 @@ class StepRecord:
         position: the corrected confidences when the draft scored its drafts, else the
         pre-draft estimates (0 beyond a request's depth)."""
         if self.corrected is not None:
-            return torch.tensor(self.corrected, dtype=torch.float64).reshape(len(self.depths), -1)
+            return torch.tensor(self.corrected, dtype=torch.float64)  # [R, width]
         width = max(self.depths, default=0)
         out = torch.zeros(len(self.depths), width, dtype=torch.float64)
         for b, row in enumerate(self.expected):
@@ -603,9 +603,9 @@ class Speculation:
         costs a bounded few steps per bucket, once.
 
         Once more, when its value is within :data:`EXPLORE_WIDE` of the best (``gap = 1
-        - other / best <= EXPLORE_WIDE``, as the bucket's EMA: :meth:`_gap`), after ``max(EXPLORE_EVERY, gap * (seconds of
-        the other / seconds of the best) / EXPLORE_BUDGET)`` steps of the bucket without
-        that kind: what was learnt of a kind it stopped taking never changes otherwise,
+        - other / best <= EXPLORE_WIDE``, as the bucket's EMA: :meth:`_gap`), after
+        ``max(EXPLORE_EVERY, gap * (seconds of the other / seconds of the best) /
+        EXPLORE_BUDGET)`` steps of the bucket without that kind: what was learnt of a kind it stopped taking never changes otherwise,
         so one unlucky contrast could shut a kind out for good (at T=0.8, one request,
         after a warm-up run, one benchmark process made 43 tok/s, about ``spec=none``'s
         45, where fixed gamma made 75). A re-exploration loses ``gap`` of the other
@@ -676,7 +676,7 @@ class Speculation:
             self.kinds.observe(drafting > 0, R)
             if drafting and math.isfinite(rec.accepted):
                 self.yield_check.observe(R, rec.accepted, sum(accepted))
-        raw = rec.raw
+        raw = rec.raw  # [R][width] host rows (the trim's), or None
         for b, history in enumerate(histories):
             self.acceptance.observe(rec.regimes[b], history, verified[b], accepted[b])
             if raw is not None and verified[b]:
