@@ -522,6 +522,18 @@ class Speculation:
         # a test hook: ``force(caps) -> depths`` replaces the decision (clipped to caps)
         self.force: Callable[[list[int]], list[int]] | None = None
 
+    def fresh(self) -> Speculation:
+        """A decision with this one's settings and nothing learnt: its step-cost model back
+        at the profile, no acceptance, correction, yield or exploration history (what a
+        process that just built would decide with)."""
+        return Speculation(
+            self.gamma,
+            cost=None if self.cost is None else OnlineStepCost(self.cost.profile),
+            gamma_schedule=self.gamma_schedule,
+            trim=self.trim_enabled,
+            synchronize=self.synchronize,
+        )
+
     def caps(self, batch: int, budgets: Sequence[int]) -> list[int]:
         """Most drafts per request this step: gamma or the schedule's, within budget."""
         top = self.gamma
