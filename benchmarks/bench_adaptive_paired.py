@@ -8,13 +8,14 @@ bench_adaptive.py runs every configuration in its own process, as the issue asks
 a process's speed differs from another's by a few percent for its whole life, whatever
 it runs: at one request, greedy, stepped in turns, fixed gamma with a gamma schedule
 that never binds (the same work as fixed gamma) ran at 0.98-1.03x fixed gamma's, repeat
-by repeat. That floor is as wide as the margin its bar resolves (0.97). Here one DSpark engine (one copy of the
-weights) runs both fixed gamma (no decision object at all) and adaptive (a fresh
-:meth:`~xspec.spec.adaptive.Speculation.fresh` decision for every measurement: a warm-up
-run of the workload, then the measured run, as a child of bench_adaptive.py), so their
-ratio moves only with the decision and its work. ``spec=none`` is a second engine in the
-same process, with its own copy of the weights: its ratio to the others keeps part of the
-floor (a copy placed elsewhere in memory runs a few percent faster or slower).
+by repeat. That floor is as wide as the margin its bar resolves (0.97). Here one DSpark
+engine (one copy of the weights) runs both fixed gamma (no decision object at all) and
+adaptive (a fresh :meth:`~xspec.spec.adaptive.Speculation.fresh` decision for every
+measurement: a warm-up run of the workload, then the measured run, as a child of
+bench_adaptive.py), so their ratio moves only with the decision and its work.
+``spec=none`` is a second engine in the same process, with its own copy of the weights:
+its ratio to the others keeps part of the floor (a copy placed elsewhere in memory runs a
+few percent faster or slower).
 
 Per cell and seed (``sampling.seed``) the three run back to back, in an order reversed
 every seed. Printed per cell: the median tok/s of each, adaptive / fixed and adaptive /

@@ -617,14 +617,15 @@ class Speculation:
         Once more, when its value is within :data:`EXPLORE_WIDE` of the best (``gap = 1
         - other / best <= EXPLORE_WIDE``, as the bucket's EMA: :meth:`_gap`), after
         ``max(EXPLORE_EVERY, gap * (seconds of the other / seconds of the best) /
-        EXPLORE_BUDGET)`` steps of the bucket without that kind: what was learnt of a kind it stopped taking never changes otherwise,
-        so one unlucky contrast could shut a kind out for good (at T=0.8, one request,
-        after a warm-up run, one benchmark process made 43 tok/s, about ``spec=none``'s
-        45, where fixed gamma made 75). A re-exploration loses ``gap`` of the other
-        kind's step time (a drafting step of 32 requests takes 2.6x a plain one), so
-        that spacing bounds their cost at :data:`EXPLORE_BUDGET` of the time: every 32
-        steps cost 4 % at T=0.8 and one request (a plain step explored where drafting
-        made 1.9x its value; paired in one process)."""
+        EXPLORE_BUDGET)`` steps of the bucket without that kind: what was learnt of a
+        kind it stopped taking never changes otherwise, so one unlucky contrast could
+        shut a kind out for good (at T=0.8, one request, after a warm-up run, one
+        benchmark process made 43 tok/s, about ``spec=none``'s 45, where fixed gamma
+        made 75). A re-exploration loses ``gap`` of the other kind's step time (a
+        drafting step of 32 requests takes 2.6x a plain one), so that spacing bounds
+        their cost at :data:`EXPLORE_BUDGET` of the time: every 32 steps cost 4 % at
+        T=0.8 and one request (a plain step explored where drafting made 1.9x its value;
+        paired in one process)."""
         kind = any(d > 0 for d in choice.other or [])
         known = choice.value > 0 and choice.seconds > 0
         gap = self._gap(requests, 1.0 - choice.other_value / choice.value) if known else 0.0
