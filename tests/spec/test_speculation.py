@@ -877,3 +877,30 @@ def test_gamma_schedule_above_the_drafters_gamma_is_refused_before_loading() -> 
     assert any("drafts more than spec.num_speculative_tokens=5" in p for p in check(cfg))
     ok = compose_run(["model=dsv4_tiny", "spec=dspark", "spec.gamma_schedule=[[1,5],[16,0]]"])
     assert check(ok) == []
+
+
+def test_regime_labels_given_by_the_caller_decide_as_the_sampling_parameters() -> None:
+    """``depths(..., regimes=...)`` (the step passes each request's label, kept on its
+    RunningSeq) is what the estimates are kept by: labels grouping the requests as their
+    sampling parameters do decide the same, and the counts are under the given labels; a
+    gamma schedule of 0 records no expected acceptance."""
+    params = [SamplingParams(), SamplingParams(temperature=0.8, seed=1)] * 2
+    assert [regime_of(p) for p in params[:2]] == ["greedy", "T=0.8"]
+    labels = ["g", "s"] * 2
+    twins = [Speculation(2, cost=OnlineStepCost(LINE), trim=True) for _ in range(2)]
+    histories = [[s.new_history() for _ in params] for s in twins]
+    for step in range(40):
+        got = [
+            twins[0].depths(params, histories[0], [2] * 4),
+            twins[1].depths(params, histories[1], [2] * 4, regimes=labels),
+        ]
+        assert got[0] == got[1], step
+        assert twins[1].last is not None and twins[1].last.regimes == labels
+        accepted = [min(d, (step + b) % 3) for b, d in enumerate(got[0])]
+        for s, h in zip(twins, histories):
+            s.observe(h, got[0], accepted, seconds=LINE.seconds_at(4, 4 + sum(got[0]), 4))
+    assert set(twins[0].acceptance.regimes) == {"greedy", "T=0.8"}
+    assert set(twins[1].acceptance.regimes) == {"g", "s"}
+    plain = Speculation(2, gamma_schedule=[[1, 0]])
+    assert plain.depths(params, [None] * 4, [2] * 4, regimes=labels) == [0] * 4
+    assert plain.last is not None and plain.last.expected == [[]] * 4

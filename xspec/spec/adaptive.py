@@ -550,23 +550,29 @@ class Speculation:
         params: Sequence[SamplingParams],
         histories: Sequence[AcceptanceHistory | None],
         budgets: Sequence[int],
+        *,
+        regimes: Sequence[str] | None = None,
     ) -> list[int]:
         """Drafts per request for this step, before drafting, from each request's
-        sampling, its acceptance history and ``budgets`` (the drafts it can still use)."""
+        sampling, its acceptance history and ``budgets`` (the drafts it can still use);
+        ``regimes``: each request's :func:`regime_of` label, when the caller keeps them."""
         started = time.perf_counter()
         caps = self.caps(len(params), budgets)
-        labels: dict[SamplingParams, str] = {}
-        regimes = [labels.get(p) or labels.setdefault(p, regime_of(p)) for p in params]
+        if regimes is None:
+            labels: dict[SamplingParams, str] = {}
+            regimes = [labels.get(p) or labels.setdefault(p, regime_of(p)) for p in params]
+        regimes = list(regimes)
         rates = {g: self.acceptance.batch_rates(g) for g in set(regimes)}
-        conditional = [
-            self.acceptance.conditional(g, h, rates[g]) for g, h in zip(regimes, histories)
-        ]
+        conditional: list[list[float]] | None = None  # [R][gamma], when the scan needs it
         accepted, line = math.nan, None
         if self.force is not None:
             depths = [max(0, min(d, c)) for d, c in zip(self.force(caps), caps)]
         elif self.cost is None or not any(caps):
             depths = caps
         else:
+            conditional = [
+                self.acceptance.conditional(g, h, rates[g]) for g, h in zip(regimes, histories)
+            ]
             surv = [list(itertools.accumulate(c, operator.mul)) for c in conditional]
             R = len(caps)
             line = self.cost.line(R, R + sum(caps))
@@ -577,7 +583,13 @@ class Speculation:
             if self.trim_enabled:  # the draft forward costs the same at any depth: a
                 # drafting request drafts its cap, the trim picks the verified prefix
                 depths = [c if d > 0 else 0 for d, c in zip(depths, caps)]
-        expected = [c[:d] for c, d in zip(conditional, depths)]
+        if conditional is None:  # only the drafting requests' (none, in a plain step)
+            expected = [
+                self.acceptance.conditional(g, h, rates[g])[:d] if d else []
+                for g, h, d in zip(regimes, histories, depths)
+            ]
+        else:
+            expected = [c[:d] for c, d in zip(conditional, depths)]
         self.last = StepRecord(regimes, depths, expected, started, accepted, line=line)
         return depths
 

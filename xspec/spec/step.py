@@ -20,6 +20,7 @@ import itertools
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import cached_property
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -52,6 +53,13 @@ class RunningSeq:
     @property
     def anchor(self) -> int:
         return self.token_ids[-1]
+
+    @cached_property
+    def regime(self) -> str:
+        """Its sampling regime's label (:func:`~xspec.spec.adaptive.regime_of`), once:
+        every step reads it for the metrics and ``spec.adaptive`` (at 32 requests, two
+        hashes of the sampling parameters per request cost the decision a fifth)."""
+        return regime_of(self.params)
 
     @property
     def remaining(self) -> int:
@@ -237,6 +245,7 @@ def decode_step(
     that decide nothing before drafting. Not under ``lockstep`` (build refuses it)."""
     B, device = len(seqs), target.device
     params = [s.params for s in seqs]
+    regimes = [s.regime for s in seqs]
     generators = [s.generator for s in seqs]
     n0 = [s.target_state.num_tokens for s in seqs]  # the anchor's position, per sequence
     # Drafts per sequence: never more than its budget can commit (n drafts commit <= n+1).
@@ -248,7 +257,8 @@ def decode_step(
         for s in seqs:
             if s.history is None:
                 s.history = speculation.new_history()
-        n = speculation.depths(params, [s.history for s in seqs], n)  # before drafting
+        histories = [s.history for s in seqs]
+        n = speculation.depths(params, histories, n, regimes=regimes)  # before drafting
         gamma = max(n, default=0)
         drafting = [b for b, k in enumerate(n) if k > 0]
     decided = list(n)
@@ -336,6 +346,6 @@ def decode_step(
         torch.tensor(n, dtype=torch.long),
         predicted,
         depths=decided,
-        regimes=[regime_of(p) for p in params],
+        regimes=regimes,
     )
     return StepResult(new_tokens, num_drafts=n, num_accepted=accepted)
