@@ -234,7 +234,8 @@ class DeepseekV4Model(nn.Module, HyperHead):
             if i in boundary:
                 captured[i] = x.float().mean(dim=1)
             x = block(x, ctx.for_block([s.layers[i] for s in batch.states]))
-        captured[self.num_layers] = x.float().mean(dim=1)
+        if self.num_layers in boundary:  # (not otherwise: an fp32 copy of every row)
+            captured[self.num_layers] = x.float().mean(dim=1)
         for state, n in zip(batch.states, batch.seq_lens):
             state.advance(n)
         logits = self.head(self.norm(self.hyper_head(x))).float()  # [T, V]
