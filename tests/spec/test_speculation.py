@@ -30,6 +30,7 @@ from xspec.errors import ConfigError
 from xspec.models.base import ForwardBatch
 from xspec.models.draft_heads import ConfidenceHead, MarkovHead
 from xspec.sampling import SamplingParams
+from xspec.spec import adaptive
 from xspec.spec.adaptive import (
     EXPLORE_BUDGET,
     EXPLORE_EVERY,
@@ -904,3 +905,38 @@ def test_regime_labels_given_by_the_caller_decide_as_the_sampling_parameters() -
     plain = Speculation(2, gamma_schedule=[[1, 0]])
     assert plain.depths(params, [None] * 4, [2] * 4, regimes=labels) == [0] * 4
     assert plain.last is not None and plain.last.expected == [[]] * 4
+
+
+def test_plain_steps_reuse_one_scan_and_decide_as_if_they_scanned(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """While a batch steps plain nothing is verified, so nothing moves its survivals (no
+    request's own counts here): the drafting option one scan found serves the next
+    RESCAN_EVERY steps, re-valued at each step's times, and the decisions and the gaps
+    they explore by are those of a scan at every step (plain right at a gap of about
+    0.15, with spells of a slower machine and the re-explorations they bring; a drafting
+    step, which verifies, is always followed by a scan). A batch of other requests
+    scans at once."""
+    scans: Counter[int] = Counter()
+    real = adaptive.scan_depths
+
+    def counted(*args: Any) -> Any:
+        scans[adaptive.RESCAN_EVERY] += 1
+        return real(*args)
+
+    monkeypatch.setattr(adaptive, "scan_depths", counted)
+    runs = {}
+    for every in (1, adaptive.RESCAN_EVERY):
+        monkeypatch.setattr(adaptive, "RESCAN_EVERY", every)
+        s = Speculation(2, cost=OnlineStepCost(LINE))
+        kinds = _machine(s, 600, 3.0, speed=lambda t: 1.6 if (t // 50) % 3 == 2 else 1.0)
+        runs[every] = (kinds, s.gaps, s)
+    (kinds, gaps, _), (kinds_held, gaps_held, held) = runs.values()
+    assert kinds == kinds_held
+    assert 3 <= sum(kinds[100:]) <= 20  # re-explorations (each one drafting step)
+    assert gaps_held == pytest.approx(gaps, rel=1e-12)
+    assert scans[1] == 600
+    assert scans[8] <= 600 / 8 + 2 * sum(kinds)
+    before = scans[8]
+    held.depths([SamplingParams()], [held.new_history()], [2])  # another request
+    assert scans[8] == before + 1

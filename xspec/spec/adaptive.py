@@ -80,6 +80,7 @@ EXPLORE_EVERY = 32  # and once again after at least this many steps of a bucket 
 EXPLORE_BUDGET = 0.005  # ... and gap / this many: re-exploring costs at most this, on average
 EXPLORE_WIDE = 0.5  # ... when the other kind is predicted within this of the best (the gap)
 GAP_DECAY = 0.9  # ... the gap as an EMA over the bucket's steps (one request's dip is not it)
+RESCAN_EVERY = 8  # steps one scan's drafting option serves while the batch steps plain
 YIELD_PRIOR_STEPS = 8.0  # YieldCheck: steps' worth of "the model is right", always
 
 
@@ -451,6 +452,18 @@ def _scan_small(
     return _against_plain(Choice(depths, best_value, None, 0.0, accepted, seconds=best_s), plain_s)
 
 
+def _revalued(option: Choice, line: StepLine) -> Choice:
+    """A drafting option scanned at an earlier step (its depths and expected accepted
+    drafts) against the plain step, both at ``line``'s step times: what
+    :func:`scan_depths` answers at ``line`` when the survivals are the same (the step-time
+    factor of drafting steps scales every drafting candidate alike, so the best of them
+    stays the best)."""
+    R, depths = line.requests, option.depths
+    s = line(R + sum(depths), sum(d > 0 for d in depths))
+    best = Choice(depths, (R + option.accepted) / s, None, 0.0, option.accepted, seconds=s)
+    return _against_plain(best, line(R, 0))
+
+
 def _against_plain(drafting: Choice, plain_s: float) -> Choice:
     """The best drafting step (``drafting``: its depths, value, accepted drafts and
     seconds) and the plain step of ``plain_s`` seconds, the better one as the choice."""
@@ -518,6 +531,9 @@ class Speculation:
         self.yield_check = YieldCheck()
         self.kinds = StepKinds()
         self.gaps: dict[int, float] = {}  # bucket -> EMA of the gap (:meth:`_explore`)
+        # the last scan's best drafting option, its batch (caps, histories) and the steps
+        # it has served (:data:`RESCAN_EVERY`); None after a step that verified drafts
+        self._scanned: tuple[tuple[tuple[int, ...], tuple[int, ...]], Choice, int] | None = None
         self.last: StepRecord | None = None
         # a test hook: ``force(caps) -> depths`` replaces the decision (clipped to caps)
         self.force: Callable[[list[int]], list[int]] | None = None
@@ -570,13 +586,22 @@ class Speculation:
         elif self.cost is None or not any(caps):
             depths = caps
         else:
-            conditional = [
-                self.acceptance.conditional(g, h, rates[g]) for g, h in zip(regimes, histories)
-            ]
-            surv = [list(itertools.accumulate(c, operator.mul)) for c in conditional]
             R = len(caps)
             line = self.cost.line(R, R + sum(caps))
-            choice = self._checked(scan_depths(surv, caps, line), R)
+            key = (tuple(caps), tuple(map(id, histories)))
+            held = self._scanned
+            if held is not None and held[0] == key and held[2] < RESCAN_EVERY:
+                scanned = _revalued(held[1], line)  # the same batch, plain steps since
+                self._scanned = (key, held[1], held[2] + 1)
+            else:
+                conditional = [
+                    self.acceptance.conditional(g, h, rates[g]) for g, h in zip(regimes, histories)
+                ]
+                surv = [list(itertools.accumulate(c, operator.mul)) for c in conditional]
+                scanned = scan_depths(surv, caps, line)
+                drafts = scanned if any(scanned.depths) else scanned.swapped()
+                self._scanned = (key, drafts, 1)
+            choice = self._checked(scanned, R)
             if choice.other is not None and self._explore(R, choice):
                 choice = choice.swapped()
             depths, accepted = choice.depths, choice.accepted
@@ -701,6 +726,8 @@ class Speculation:
             self.kinds.observe(drafting > 0, R)
             if drafting and math.isfinite(rec.accepted):
                 self.yield_check.observe(R, rec.accepted, sum(accepted))
+        if any(verified):  # the acceptance estimates moved: the next step scans afresh
+            self._scanned = None
         raw = rec.raw  # [R][width] host rows (the trim's), or None
         for b, history in enumerate(histories):
             self.acceptance.observe(rec.regimes[b], history, verified[b], accepted[b])
