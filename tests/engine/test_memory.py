@@ -20,7 +20,7 @@ from xspec.engine.memory import (
 )
 from xspec.errors import ConfigError, MemoryBudgetError
 from xspec.models.base import KvBytes
-from xspec.models.deepseek_v4.dspark import PENDING_ROWS, DSparkCache
+from xspec.models.deepseek_v4.dspark import HOLD_ROWS, PENDING_ROWS, DSparkCache
 from xspec.sampling import SamplingParams
 from xspec.spec.step import decode_step, prefill
 
@@ -88,7 +88,7 @@ def test_dspark_reserves_only_window_rings_mtp_its_layer() -> None:
     row = stages * args.hidden_size * es  # one capture held back, K*d
     assert dspark.drafter.kv_bytes() == KvBytes(rings + PENDING_ROWS * row)  # fixed gamma
     plain = llm("dsv4_tiny_random", "dspark", skips=True)._built  # up to a window more
-    window = PENDING_ROWS + args.sliding_window
+    window = HOLD_ROWS + args.sliding_window
     assert plain.drafter.kv_bytes() == KvBytes(rings + window * row)
     mtp = llm("dsv4_tiny_random", "mtp")._built
     assert mtp.drafter.kv_bytes().fixed >= args.sliding_window * args.head_dim * es

@@ -15,6 +15,7 @@ from tests.platforms.conformance import NativeSas, PlatformCfg
 from xspec.errors import CheckpointError
 from xspec.models.deepseek_v4.args import DeepseekV4Args
 from xspec.models.deepseek_v4.dspark import (
+    HOLD_ROWS,
     PENDING_ROWS,
     DraftWindow,
     DSparkDraft,
@@ -142,7 +143,7 @@ def test_context_is_computed_only_when_the_sequence_drafts(draft: DSparkDraft) -
             draft.flush_context([eager])
         assert all(torch.equal(r.data, b) for r, b in zip(lazy.rings, before))
         assert lazy.observed == eager.num_tokens
-        assert lazy.backlog_rows <= window and lazy.pending_rows < PENDING_ROWS
+        assert lazy.backlog_rows <= window and lazy.pending_rows < lazy.held.shape[0]
 
     def drafts_equal() -> None:
         tokens = torch.randint(0, 511, (1, 3), generator=gen)
@@ -211,7 +212,9 @@ def test_a_batch_of_held_rows_equals_each_cache_taken_alone(draft: DSparkDraft) 
     k_d = 3 * draft.args.hidden_size
     batch = [draft.new_cache(3) for _ in range(4)]
     alone = [draft.new_cache(3) for _ in range(4)]
-    for lens in ([2, 0, 5, 1], [1, 1, PENDING_ROWS - 1, 1], [3, 1, 1, 0], [1, 1, 1, 1]):
+    held = min(HOLD_ROWS, draft.args.sliding_window)  # each buffer's rows (held_rows)
+    assert batch[0].held.shape[0] == held
+    for lens in ([2, 0, 5, 1], [1, 1, held - 1, 1], [3, 1, 1, 0], [1, 1, 1, 1]):
         aux = torch.randn(sum(lens), k_d, generator=gen)
         draft.write_context(batch, aux, lens)
         for cache, rows in zip(alone, aux.split(lens)):

@@ -258,7 +258,18 @@ class DSparkStage(Block, HyperHead):
         return out, ctx.rot
 
 
-PENDING_ROWS = 8  # committed rows a sequence holds in its slot of the batch's stack
+PENDING_ROWS = 8  # committed rows a sequence holds in its slot of the batch's stack ...
+HOLD_ROWS = 32  # ... in runs that can skip drafting (``hold_window``): see held_rows
+
+
+def held_rows(hold_window: bool, window: int) -> int:
+    """Rows of a sequence's ``held`` buffer (:class:`DSparkCache`). Where steps can skip
+    drafting, a full buffer moves to the sequence's backlog: a copy per sequence, which
+    at 32 requests stepping plain cost 0.8 ms every 8th step with 8 rows (0.1 ms per step
+    on average); 32 rows make it every 32nd. Where every request drafts every step the
+    buffer only fills with a prompt, and 8 rows (a step's commits) are enough. Never more
+    than the ``window`` the context keeps."""
+    return min(HOLD_ROWS if hold_window else PENDING_ROWS, window)
 
 
 def context_bytes(
@@ -267,10 +278,11 @@ def context_bytes(
     """One sequence's draft state: a ``[window, head_dim]`` context ring per stage; every
     stage is ratio 1, so nothing grows with the context (xLLM: the DSpark draft reserves
     only its SWA pool). Plus the captures it holds back (:class:`DSparkCache`):
-    :data:`PENDING_ROWS` rows of ``K*d``, and ``window`` more with ``hold_window`` (a
+    :func:`held_rows` rows of ``K*d``, and ``window`` more with ``hold_window`` (a
     sequence that stops drafting)."""
     ring = num_stages * args.sliding_window * args.head_dim * itemsize
-    rows = PENDING_ROWS + (args.sliding_window if hold_window else 0)
+    w = args.sliding_window
+    rows = held_rows(hold_window, w) + (w if hold_window else 0)
     return KvBytes(ring + rows * num_stages * args.hidden_size * itemsize, 0.0)
 
 
@@ -289,7 +301,7 @@ class DSparkCache:
       ``p % window``) of this sequence alone, allocated when it first fills its ``held``
       rows without drafting and freed when it drafts; the rows falling out of it are the
       ones the context ring would have overwritten.
-    - ``held [PENDING_ROWS, K*d]``, the first ``pending_rows``: the latest rows, in this
+    - ``held [held_rows, K*d]``, the first ``pending_rows``: the latest rows, in this
       sequence's row of a stack of every running sequence's buffer (:class:`Ring`), so a
       step's rows go in with one scatter; when a sequence's rows do not fit, its held
       rows and the new ones move to its backlog.
@@ -308,7 +320,7 @@ class DSparkCache:
 
     @property
     def held(self) -> torch.Tensor:
-        """``[PENDING_ROWS, K*d]``: the latest captures held back (the first ``pending_rows``)."""
+        """``[held_rows, K*d]``: the latest captures held back (the first ``pending_rows``)."""
         return self.held_ring.data
 
     @property
@@ -380,7 +392,7 @@ class DSparkDraft(nn.Module):
         self.fill_token_id = noise_token_id
         # hold a sequence's captures back while it does not draft (up to a window of
         # them: no context compute on its plain steps) or write a full buffer at once
-        # (8 rows of K*d per sequence instead of 8 + window)
+        # (8 rows of K*d per sequence instead of 32 + window: held_rows)
         self.hold_window = hold_window
         self.mtp = nn.ModuleList(
             DSparkStage(
@@ -436,7 +448,7 @@ class DSparkDraft(nn.Module):
         capture = len(self.stages) * self.args.hidden_size  # K*d
         return DSparkCache(  # one ring per stage
             [Ring(attn.attn_sink.new_zeros(w, hd, dtype=attn.dtype)) for _ in self.stages],
-            attn.attn_sink.new_zeros(PENDING_ROWS, capture, dtype=attn.dtype),
+            attn.attn_sink.new_zeros(held_rows(self.hold_window, w), capture, dtype=attn.dtype),
             w,
         )
 
@@ -459,9 +471,10 @@ class DSparkDraft(nn.Module):
         row = 0
         for b, (cache, n) in enumerate(zip(caches, seq_lens)):
             k = cache.pending_rows
-            if n and k + n < PENDING_ROWS:
+            size = cache.held.shape[0]  # (one size in a batch: the buffers are stacked)
+            if n and k + n < size:
                 picked += range(row, row + n)
-                slots += range(b * PENDING_ROWS + k, b * PENDING_ROWS + k + n)
+                slots += range(b * size + k, b * size + k + n)
                 cache.pending_rows += n
             elif n and self.hold_window:  # full: to the backlog, with what it held
                 cache.defer(aux[row : row + n])
@@ -469,7 +482,7 @@ class DSparkDraft(nn.Module):
                 due.append((cache, aux[row : row + n]))
             row += n
         if slots:
-            stack = stack_rings([c.held_ring for c in caches])  # [B, PENDING_ROWS, K*d]
+            stack = stack_rings([c.held_ring for c in caches])  # [B, held_rows, K*d]
             index = torch.tensor(slots, device=aux.device)
             which = None if len(picked) == aux.shape[0] else torch.tensor(picked, device=aux.device)
             scatter_rows(stack, aux.to(stack.dtype), (which, index))
