@@ -312,6 +312,7 @@ class DSparkCache:
     def __init__(self, rings: list[Ring], held: torch.Tensor, window: int) -> None:
         self.rings = rings
         self.held_ring = Ring(held)  # a Ring, so a batch's rows go in with one scatter
+        self.capacity = held.shape[0]  # rows ``held`` takes (:func:`held_rows`)
         self.window = window
         self.backlog: torch.Tensor | None = None
         self.backlog_rows = 0
@@ -470,9 +471,12 @@ class DSparkDraft(nn.Module):
         slots: list[int] = []  # ... and where, in the stack of every cache's buffer
         row = 0
         for b, (cache, n) in enumerate(zip(caches, seq_lens)):
-            k = cache.pending_rows
-            size = cache.held.shape[0]  # (one size in a batch: the buffers are stacked)
-            if n and k + n < size:
+            k, size = cache.pending_rows, cache.capacity  # (one size: the buffers are stacked)
+            if n == 1 and k + 1 < size:  # a plain step's row (the loop runs per sequence)
+                picked.append(row)
+                slots.append(b * size + k)
+                cache.pending_rows = k + 1
+            elif n and k + n < size:
                 picked += range(row, row + n)
                 slots += range(b * size + k, b * size + k + n)
                 cache.pending_rows += n
