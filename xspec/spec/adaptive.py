@@ -666,7 +666,7 @@ class Speculation:
         loss, not what it does to the batch (at 32 requests, T=0.8, a drafting step of
         one request gets it a token or two ahead of the others, which then end and are
         replaced at different steps); there, in one process, runs without
-        re-exploration made 1.01-1.03x those with it at 0.005 (1.75-2.8 re-explorations
+        re-exploration made 1.02-1.03x those with it at 0.005 (1.75-2.8 re-explorations
         per 94-step run), where the model counted 0.5 %. Hence 0.0025."""
         kind = any(d > 0 for d in choice.other or [])
         known = choice.value > 0 and choice.seconds > 0

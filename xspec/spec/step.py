@@ -57,8 +57,9 @@ class RunningSeq:
     @cached_property
     def regime(self) -> str:
         """Its sampling regime's label (:func:`~xspec.spec.adaptive.regime_of`), once:
-        every step reads it for the metrics and ``spec.adaptive`` (at 32 requests, two
-        hashes of the sampling parameters per request cost the decision a fifth)."""
+        every step reads it for the metrics and ``spec.adaptive`` (at 32 requests,
+        hashing every request's sampling parameters twice cost the decision 0.04 ms of
+        its 0.29 a step)."""
         return regime_of(self.params)
 
     @property
