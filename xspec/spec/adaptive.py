@@ -22,12 +22,13 @@ One decision per step, per request, made **before drafting** by :class:`Speculat
    whether the step drafts at all is then decided on the two values, the drafting
    one's tokens corrected by what drafting steps really committed (:class:`YieldCheck`:
    the acceptance the model learns comes from the positions the trim kept, the
-   confident ones). The seconds of each kind come from one model that keeps the
-   machine's speed (common to both kinds, followed at every step) apart from the
-   relative cost of drafting (learnt only from steps of both kinds close together, so
-   a slow or fast spell does not move it): near the crossover, a speed learnt for each
-   kind from its own steps flipped the choice whenever the kind not taken had last been
-   measured in another spell;
+   confident ones), and a plain step is not taken on a regime's acceptance before it
+   rests on :data:`MIN_EVIDENCE` request-steps (:meth:`Speculation._unsure`). The
+   seconds of each kind come from one model that keeps the machine's speed (common to
+   both kinds, followed at every step) apart from the relative cost of drafting (learnt
+   only from steps of both kinds close together, so a slow or fast spell does not move
+   it): near the crossover, a speed learnt for each kind from its own steps flipped the
+   choice whenever the kind not taken had last been measured in another spell;
 3. after drafting, a drafter with a confidence head has Algorithm 1
    (:func:`~xspec.spec.schedule.schedule_verify`) trim each request's verified prefix
    within ``d_r``, from its confidences, corrected per position by the realised
@@ -81,6 +82,7 @@ EXPLORE_BUDGET = 0.0025  # ... and gap / this many: re-exploring costs this, by 
 EXPLORE_WIDE = 0.5  # ... when the other kind is predicted within this of the best (the gap)
 GAP_DECAY = 0.9  # ... the gap as an EMA over the bucket's steps (one request's dip is not it)
 RESCAN_EVERY = 8  # steps one scan's drafting option serves while the batch steps plain
+MIN_EVIDENCE = 64  # request-steps of a regime's acceptance before plain may win on it
 YIELD_PRIOR_STEPS = 8.0  # YieldCheck: steps' worth of "the model is right", always
 
 
@@ -183,6 +185,11 @@ class AcceptanceModel:
             return [PRIOR_ACCEPTANCE] * self.gamma
         w, prior = self.prior_weight, PRIOR_ACCEPTANCE
         return [(h + w * prior) / (r + w) for h, r in zip(batch.hits, batch.reached)]
+
+    def evidence(self, regime: str) -> float:
+        """The regime's request-steps that verified a draft (decayed counts)."""
+        batch = self.regimes.get(regime)
+        return 0.0 if batch is None else batch.reached[0]
 
     def conditional(
         self, regime: str, history: AcceptanceHistory | None, batch: list[float] | None = None
@@ -602,9 +609,13 @@ class Speculation:
                 drafts = scanned if any(scanned.depths) else scanned.swapped()
                 self._scanned = (key, drafts, 1)
             choice = self._checked(scanned, R)
-            if choice.other is not None and self._explore(R, choice):
-                choice = choice.swapped()
-            depths, accepted = choice.depths, choice.accepted
+            unsure = self._unsure(choice, regimes)
+            if unsure is not None:  # plain, but on too little acceptance: those draft
+                depths, accepted = unsure, math.nan
+            else:
+                if choice.other is not None and self._explore(R, choice):
+                    choice = choice.swapped()
+                depths, accepted = choice.depths, choice.accepted
             if self.trim_enabled:  # the draft forward costs the same at any depth: a
                 # drafting request drafts its cap, the trim picks the verified prefix
                 depths = [c if d > 0 else 0 for d, c in zip(depths, caps)]
@@ -632,6 +643,38 @@ class Speculation:
             other_value=choice.other_value * (1.0 if drafts else f),
         )
         return checked.swapped() if checked.other_value > checked.value else checked
+
+    def _unsure(self, choice: Choice, regimes: Sequence[str]) -> list[int] | None:
+        """When a plain ``choice`` rests on too little acceptance to stop drafting, the
+        depths that draft anyway (else None): its drafting option's, for the requests
+        whose regime has fewer than :data:`MIN_EVIDENCE` request-steps of realised
+        acceptance (:meth:`AcceptanceModel.evidence`), while that option is predicted
+        within :data:`EXPLORE_WIDE` of plain.
+
+        A plain step verifies nothing, so nothing a regime's acceptance was learnt from
+        changes while the steps are plain: an estimate that turned the steps plain stays
+        as it is until a re-exploration (spaced by the gap: tens of steps). Two unlucky
+        drafting steps of four requests at T=0.8 (5 drafts accepted where 16 were
+        likely) left the estimates at 0.57, 0.48, ... per position against a true 0.8,
+        0.65, ... (a prior of 4 pseudo-observations at :data:`PRIOR_ACCEPTANCE` cannot
+        hold 8 request-steps), and one fresh benchmark process stepped plain for all 94
+        steps of its measured run where drafting made 1.4x plain's value (1 of 60
+        fresh processes; on a synthetic machine with this profile, 20 of 1000 runs
+        stuck, none with this rule). A regime's evidence only grows (64 decayed counts
+        are 77 request-steps), so this costs a bounded few drafting steps per regime and
+        process, about MIN_EVIDENCE / R at R requests of one regime, each within
+        EXPLORE_WIDE of plain's value; only the requests of the regimes short of
+        evidence draft, so a rare regime in a big batch costs a small drafting step."""
+        drafts = choice.other
+        if drafts is None or any(choice.depths):
+            return None
+        if choice.other_value < (1.0 - EXPLORE_WIDE) * choice.value:
+            return None  # far behind: the acceptance would have to be off by 2x
+        depths = [
+            d if d > 0 and self.acceptance.evidence(g) < MIN_EVIDENCE else 0
+            for d, g in zip(drafts, regimes)
+        ]
+        return depths if any(depths) else None
 
     def _explore(self, requests: int, choice: Choice) -> bool:
         """Take the other kind of step (plain / drafting) instead of the best, to measure
