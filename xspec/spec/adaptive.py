@@ -657,10 +657,11 @@ class Speculation:
         drafting steps of four requests at T=0.8 (5 drafts accepted where 16 were
         likely) left the estimates at 0.57, 0.48, ... per position against a true 0.8,
         0.65, ... (a prior of 4 pseudo-observations at :data:`PRIOR_ACCEPTANCE` cannot
-        hold 8 request-steps), and one fresh benchmark process stepped plain for all 94
-        steps of its measured run where drafting made 1.4x plain's value (1 of 60
-        fresh processes; on a synthetic machine with this profile, 20 of 1000 runs
-        stuck, none with this rule). A regime's evidence only grows (64 decayed counts
+        hold 8 request-steps), and one fresh decision (a benchmark process's: a warm-up
+        run, then the measured one) stepped plain for all 94 steps of its measured run
+        where drafting made 1.4x plain's value (1 of 60 seeds; on a synthetic machine
+        with the tiny model's profile, 20 of 1000 fresh runs stuck, none with this
+        rule). A regime's evidence only grows (64 decayed counts
         are 77 request-steps), so this costs a bounded few drafting steps per regime and
         process, about MIN_EVIDENCE / R at R requests of one regime, each within
         EXPLORE_WIDE of plain's value; only the requests of the regimes short of
