@@ -499,7 +499,8 @@ def test_plain_is_not_chosen_on_too_little_acceptance(
     """Two unlucky drafting steps of four requests (3 of 8 request-steps past the first
     draft, where a true 0.8 per position makes 2.7 accepted drafts a request-step) put
     the estimates at 0.48, 0.40, 0.7, ... per position (0.97 expected accepted drafts
-    per request-step: plain wins, 0.79 of its value within EXPLORE_WIDE). A plain step
+    of 5: plain wins; the best drafting option, 2 drafts each, makes 0.88 of its value,
+    within EXPLORE_WIDE). A plain step
     learns nothing of the acceptance, so a plain choice would stand on those 8
     request-steps until a re-exploration: the steps draft until the regime has
     MIN_EVIDENCE request-steps (but for the exploration of plain steps), and only that

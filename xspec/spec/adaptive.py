@@ -661,11 +661,11 @@ class Speculation:
         run, then the measured one) stepped plain for all 94 steps of its measured run
         where drafting made 1.4x plain's value (1 of 60 seeds; on a synthetic machine
         with the tiny model's profile, 20 of 1000 fresh runs stuck, none with this
-        rule). A regime's evidence only grows (64 decayed counts
-        are 77 request-steps), so this costs a bounded few drafting steps per regime and
-        process, about MIN_EVIDENCE / R at R requests of one regime, each within
-        EXPLORE_WIDE of plain's value; only the requests of the regimes short of
-        evidence draft, so a rare regime in a big batch costs a small drafting step."""
+        rule). A regime's evidence only grows (64 decayed counts are 77 request-steps),
+        so this costs a bounded few drafting steps per regime and process, about
+        MIN_EVIDENCE / R at R requests of one regime, each within EXPLORE_WIDE of
+        plain's value; only the requests of the regimes short of evidence draft, so a
+        rare regime in a big batch costs a small drafting step."""
         drafts = choice.other
         if drafts is None or any(choice.depths):
             return None
