@@ -40,7 +40,10 @@ concurrency 2 (the first calls' one-off costs only: a cold start).
 Printed: the markdown tables of docs/adaptive.md (tok/s per configuration, and the
 ratios adaptive / best-of(none, fixed) and schedule / best-of(none, fixed); the issue's
 bar is >= 0.97 everywhere), then per adaptive run the depth histogram, the steps that
-drafted nothing and the cost model's predicted vs measured step time. ``--out`` keeps
+drafted nothing and the cost model's predicted vs measured step time, and for fixed
+gamma and adaptive where the time went: decode steps, ms per decode step, seconds of
+decode and of prefill (at T=0.8 and 4 requests the gap is in the steps: adaptive took
+37.8 against 33.9 over seeds 400-407, its steps 0.5-1 ms cheaper). ``--out`` keeps
 every run's figures as JSON, ``--plot FILE.svg`` draws output tok/s against concurrency
 (``--replot FILE.json --plot FILE.svg`` prints the tables of a saved run and redraws it;
 give it the run's ``--max-new``, ``--gamma`` and ``--schedule`` for the headings; several
@@ -149,6 +152,10 @@ def child(spec: dict[str, Any], turns: TextIO | None = None) -> dict[str, Any]:
         "depth_histogram": r.depth_histogram,
         "steps": r.num_steps,
         "steps_without_drafts": r.num_steps_without_drafts,
+        # the run's seconds inside prefill and inside decode steps (Engine.prefill_s)
+        "prefill_s": engine.prefill_s,
+        "decode_s": engine.step_s - engine.prefill_s,
+        "prefills": engine.prefills,
         "regimes": r.regimes,
         "outputs": [g.token_ids for g in gens] if params.greedy else None,
     }
@@ -362,7 +369,37 @@ def details(a: argparse.Namespace, runs: dict[tuple[str, float, int], list[dict]
                 f"  T={t:g} c={c}: depths {r['depth_histogram']}, "
                 f"{r['steps_without_drafts']}/{r['steps']} steps without drafts, ms {ms}"
             )
+    lines.append(
+        "\nwhere the time went (medians over the repeats): decode steps, ms per decode "
+        "step, seconds of decode and of prefill (prefill calls)"
+    )
+    for t in a.temperatures:
+        for c in a.concurrency:
+            parts = [
+                f"{config} {split}"
+                for config in ("fixed", "adaptive")
+                if (split := time_split(runs.get((config, t, c), []))) is not None
+            ]
+            if parts:
+                lines.append(f"  T={t:g} c={c}: " + "; ".join(parts))
     return "\n".join(lines)
+
+
+def time_split(runs: list[dict]) -> str | None:
+    """A configuration's decode / prefill split over its repeats (None: not recorded, a
+    run saved before 2026-12-05)."""
+    runs = [r for r in runs if r.get("decode_s") is not None]
+    if not runs:
+        return None
+
+    def med(key: str) -> float:
+        return statistics.median(r[key] for r in runs)
+
+    per_step = statistics.median(1e3 * r["decode_s"] / max(r["steps"], 1) for r in runs)
+    return (
+        f"{med('steps'):g} steps, {per_step:.1f} ms/step, decode {med('decode_s'):.2f} s, "
+        f"prefill {med('prefill_s'):.2f} s ({med('prefills'):g})"
+    )
 
 
 LABELS = {

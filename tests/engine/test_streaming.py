@@ -79,6 +79,28 @@ def test_requests_added_mid_run_and_aborted_ones(llm: xspec.LLM) -> None:
     assert list(engine.drain())[-1].generation.token_ids == want[0]
 
 
+def test_the_clock_splits_prefill_from_decode(llm: xspec.LLM) -> None:
+    """``prefill_s`` / ``prefills`` count the iterations that prefilled (what
+    benchmarks/bench_adaptive.py splits a run's time by): three requests at concurrency 2
+    prefill twice (the first two, then the third), every other iteration is a decode
+    step, and ``reset_clock`` starts them afresh."""
+    engine: Engine = llm._built.engine
+    engine.reset_clock()
+    engine.concurrency = 2
+    for i in range(3):
+        engine.add(i, greedy(i))
+    kinds = []
+    while engine.busy:
+        before = engine.prefills
+        engine.step()
+        kinds.append(engine.prefills - before)
+    assert kinds[0] == 1 and sum(kinds) == engine.prefills == 2
+    assert engine.iterations == len(kinds)
+    assert 0.0 < engine.prefill_s < engine.step_s
+    engine.reset_clock()
+    assert engine.prefills == 0 and engine.prefill_s == 0.0 == engine.step_s
+
+
 def test_abort_returns_the_reservation_at_once() -> None:
     """With a memory plan each running request holds its worst case: an abort releases
     it before the next step, so a waiting request is admitted on that step."""

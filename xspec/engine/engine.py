@@ -172,8 +172,10 @@ class Engine:
         self.pool = self._new_pool()
         self.peak_allocated = 0  # bytes, with measure_memory: max over steps of the states' sum
         self.step_s = 0.0  # seconds inside prefill / decode_step since reset_clock
+        self.prefill_s = 0.0  # ... of them inside prefill (step_s - prefill_s: decode_step)
         self.run_s = 0.0  # last run: seconds of the whole run
         self.iterations = 0  # prefill + decode_step calls since reset_clock
+        self.prefills = 0  # ... of them prefill
         self.done = False  # under lockstep: no rank had work in the last iteration
         self._requests: dict[Hashable, Request] = {}
         self._gens: dict[Hashable, Generation] = {}
@@ -189,6 +191,7 @@ class Engine:
         if self.busy:
             raise RuntimeError("reset_clock while requests are in flight")
         self.pool, self.peak_allocated, self.step_s, self.iterations = self._new_pool(), 0, 0.0, 0
+        self.prefill_s, self.prefills = 0.0, 0
         self.done = False
         self._t0 = time.perf_counter()
 
@@ -309,8 +312,12 @@ class Engine:
                 gen.num_steps += 1
                 gen.drafted += result.num_drafts[j]
                 gen.accepted += result.num_accepted[j]
-        self.step_s += self._t0 + now - t_step  # the step itself, up to its synchronize
+        took = self._t0 + now - t_step  # the step itself, up to its synchronize
+        self.step_s += took
         self.iterations += 1
+        if admitted:
+            self.prefill_s += took
+            self.prefills += 1
         if self.measure_memory:
             self.peak_allocated = max(self.peak_allocated, self._allocated())
         for j, i in enumerate(stepped):  # only these committed tokens in this iteration
