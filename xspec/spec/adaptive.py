@@ -441,15 +441,13 @@ def _scan_small(
     cand = sorted((-survivals[r][j], j, r) for r in range(R) for j in range(caps[r]))
     tau, drafting = float(R), 0
     best_value, best_k, accepted, best_s = -math.inf, 0, 0.0, 0.0
-    # seconds(R + k, drafting) read from the line's tables inline (StepLine.__call__: the
-    # base scaled, the rows beyond R as profiled): a call per candidate cost more than
-    # the rest of the scan
+    # seconds(R + k, drafting) read from the line's tables inline: a call per candidate
+    # cost more than the rest of the scan
     verify, draft, scale = seconds.verify, seconds.draft, seconds.scale
-    v0 = verify[0]
     for k, (neg_a, j, _) in enumerate(cand, start=1):
         tau, drafting = tau - neg_a, drafting + (j == 0)
         if k < len(verify):
-            s = (v0 + draft[drafting]) * scale[drafting > 0] + (verify[k] - v0)
+            s = (verify[k] + draft[drafting]) * scale[drafting > 0]
         else:
             s = seconds(R + k, drafting)
         value = tau / s

@@ -64,9 +64,6 @@ __all__ = [
 # of 160 candidates (32 requests x 5) takes 0.15-0.2 ms, the tensor one 0.37-0.46 ms; at
 # 320 the tensor scan is ahead (0.43 vs 0.70 ms for Algorithm 1)
 SMALL_SCAN = 200
-# the least share of a measured step the online step-cost model takes as its base
-# (OnlineStepCost.update): the rest is the profile's verify rows beyond R
-MIN_BASE = 0.25
 
 
 def _lerp(xs: Sequence[float], ys: Sequence[float], x: float) -> float:
@@ -312,34 +309,21 @@ class OnlineStepCost:
       the relative cost from 1.10 to 0.91 and the choice to drafting, which outlived
       the spell.
 
-    The predicted time of a step of R requests is then ``base * exp(level(R) +
-    relative(R) * drafting) + rows``: ``base`` the profile's step at R rows (the anchors
-    and, when some draft, the draft forward), ``rows`` the profile's seconds of the
-    verify rows beyond (:meth:`StepLine.parts`). The earlier model kept one scale per kind of step,
+    The predicted time of a step of R requests is then ``profile * exp(level(R) +
+    relative(R) * drafting)``. The earlier model kept one scale per kind of step,
     learnt from that kind's steps alone: the kind not being taken kept the speed of
     the spell in which it was last measured, so a 1.7x spell flipped the plain /
     drafting choice (benchmarks/sim_adaptive.py, plain right: drafting taken in 4-6 % of
     the steps under such spells, 0.5 % on a steady machine; this model 1.0 % in both,
     all of it re-exploration).
 
-    Both are factors on the step's base, never per-row figures: what one more verify row
-    costs (which Algorithm 1 and the depth scan weigh against a draft's survival) stays
+    Both are factors, never per-row figures: the shape in rows (what one more verify row
+    costs, which Algorithm 1 and the depth scan weigh against a draft's survival) stays
     the profile's, measured interleaved, and a prediction never falls as rows grow. An
     EMA per ``(requests, rows, drafting)`` bucket (an earlier model still) learnt each
     row count from its own few steps: a slow spell left one dearer than its neighbours,
     the trim then verified 3 rows in 101 of 132 steps, and the rows it avoided were
-    never measured again. Until 2026-12-05 the factors scaled the rows too (``profile *
-    exp(...)``): where a step costs more than profiled, the extra is per step, not per
-    row. In the benchmark's turns (four processes stepping in turn, each step starting
-    cold) a step of 4 requests took 22.2, 23.7, 24.7, 25.4, 26.9 ms at 1..5 drafts each
-    against 16.3, 17.8, 18.9, 20.2, 21.8 in a process of its own: 6 ms more per step,
-    0.29 ms per row against 0.34 (the profile: 0.31). Scaled by that level (1.2-1.35),
-    a row was predicted at 0.4 ms, so the trim cut drafts worth verifying: at T=0.8
-    and 4 requests adaptive took 37.8 steps a run against fixed gamma's 33.9 and made
-    0.92 of it (seeds 400-407); with the rows at the profile's, 35.6 steps and 0.99. A
-    machine slower per row (a longer context than profiled) is then predicted cheaper
-    per row than it is, and the trim verifies more than it should: the side of fixed
-    gamma, where it loses least."""
+    never measured again."""
 
     def __init__(
         self,
@@ -440,14 +424,10 @@ class OnlineStepCost:
         self.predicted_s += predicted
         self.measured_s += seconds
         self.abs_error_s += abs(predicted - seconds)
-        base, extra = line.parts(rows, drafting)
-        if not (seconds > 0 and base > 0 and math.isfinite(seconds)):
+        profiled = line.profiled(rows, drafting)
+        if not (seconds > 0 and profiled > 0 and math.isfinite(seconds)):
             return predicted
-        # the factor on the base: what the step took beyond the profile's rows (at least
-        # MIN_BASE of the step, so that a step measured faster than its rows alone were
-        # profiled still reads as a fast machine, not as a negative time)
-        x = math.log(max(seconds - extra, MIN_BASE * seconds) / base)
-        kind, bucket = drafting > 0, batch_bucket(requests)
+        x, kind, bucket = math.log(seconds / profiled), drafting > 0, batch_bucket(requests)
         run, before = self._runs.get(bucket), self._before.get(bucket)
         if run is not None and run.drafting == kind and self._step - run.last <= self.fresh:
             # two steps of one kind close together: their difference is the step noise
@@ -546,16 +526,7 @@ class StepLine:
         self.scale = cost.factors(requests)  # on the profile: (plain, drafting)
 
     def __call__(self, rows: int, drafting: int) -> float:
-        base, extra = self.parts(rows, drafting)
-        return base * self.scale[drafting > 0] + extra
-
-    def parts(self, rows: int, drafting: int) -> tuple[float, float]:
-        """The profile's seconds of the step split in two: its base (``R`` rows: the
-        anchors, and the draft forward of ``drafting`` requests), which the online
-        factors scale, and the verify rows beyond ``R``, which they do not
-        (:class:`OnlineStepCost`)."""
-        base = self.verify[0] + self.draft[min(max(drafting, 0), self.requests)]
-        return base, self.profiled(rows, drafting) - base
+        return self.profiled(rows, drafting) * self.scale[drafting > 0]
 
     def profiled(self, rows: int, drafting: int) -> float:
         """The profile's own seconds of the step (without the online factors)."""
@@ -571,9 +542,9 @@ class StepLine:
         """Seconds of a step in which ``drafting`` requests draft, at ``R + k`` rows for
         each ``k`` up to the ``max_rows`` given (the values of ``self(R + k, drafting)``,
         in one pass: a scan reads one per candidate)."""
-        v0 = self.verify[0]
-        base = (v0 + self.draft[min(max(drafting, 0), self.requests)]) * self.scale[drafting > 0]
-        return [base + (v - v0) for v in self.verify]
+        d = self.draft[min(max(drafting, 0), self.requests)]
+        scale = self.scale[drafting > 0]
+        return [(v + d) * scale for v in self.verify]
 
     def sps(self, drafting: int) -> Callable[[int], float]:
         """SPS(B) for Algorithm 1 in a step where ``drafting`` requests drafted: steps
@@ -591,5 +562,4 @@ class StepLine:
         verify = torch.tensor(self.verify, dtype=torch.float64)  # here, not per line: most
         draft = torch.tensor(self.draft, dtype=torch.float64)  # lines are only called
         scale = torch.where(drafting > 0, self.scale[1], self.scale[0])
-        v0 = self.verify[0]
-        return (v0 + draft[drafting]) * scale + (verify[rows - self.requests] - v0)
+        return (verify[rows - self.requests] + draft[drafting]) * scale
