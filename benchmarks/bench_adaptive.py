@@ -60,6 +60,17 @@ cell, in a process of its own, and prints its ratio to the first: the same
 configuration, so whatever that ratio moves is the harness's own noise (a process's speed
 differs from another's by a few percent for the whole run, whatever it runs), the floor
 under every other ratio.
+
+``--turns``: the configurations of a cell alive at once, each in its own process, stepped
+in turns over a pipe; a turn is engine iterations until ``--turn-ms`` (100) of the
+process's own time, at least one. Each counts only its own iterations' time, and a slow
+spell of the machine (seconds long) falls on every configuration alike. A turn of one
+iteration (``--turn-ms 0``, the harness before 2026-12-05) charged every step the
+switch between processes, about 6 ms at 4 requests (the others' data in the caches, their
+threads' wake-ups): fixed depths 1..5 took 22.2-26.9 ms a step there against 16.3-21.8 in
+a process of its own, so it favoured fewer, larger steps and made a row look cheap
+against a step (``spec=none`` at T=0.8 and 4 requests: 207 tok/s in turns of one
+iteration, 271 in turns of 100 ms, the same seeds).
 """
 
 from __future__ import annotations
@@ -142,7 +153,9 @@ def child(spec: dict[str, Any], turns: TextIO | None = None) -> dict[str, Any]:
         gens = engine.run(requests, w.concurrency)
         seconds = engine.run_s
     else:
-        gens, seconds = run_in_turns(engine, requests, w.concurrency, turns)
+        gens, seconds = run_in_turns(
+            engine, requests, w.concurrency, turns, spec.get("turn_ms", 0.0) / 1e3
+        )
     r = engine.metrics.report()
     out: dict[str, Any] = {
         "tok_s": sum(len(g.token_ids) for g in gens) / seconds,
@@ -173,15 +186,17 @@ def child_spec(
         "overrides": overrides_for(config, a, temperature, c, seed),
         "threads": a.threads,
         "warmup": a.warmup,
+        "turn_ms": a.turn_ms,
     }
 
 
 def run_in_turns(
-    engine: Any, requests: list[Any], concurrency: int, turns: TextIO
+    engine: Any, requests: list[Any], concurrency: int, turns: TextIO, turn_s: float = 0.0
 ) -> tuple[list[Any], float]:
-    """The measured run, one engine iteration per turn the parent gives (a line on
-    ``turns``), answering ``stepped`` after each and ``done`` after the last; the seconds
-    are the sum of this process's own iterations (the waits for a turn excluded)."""
+    """The measured run, one turn per line the parent gives on ``turns``: engine
+    iterations until ``turn_s`` seconds of them (at least one), answering ``stepped``
+    after each turn and ``done`` after the last; the seconds are the sum of this
+    process's own iterations (the waits for a turn excluded)."""
     engine.reset_clock()
     engine.concurrency = concurrency
     gens = [engine.add(i, r, arrived_at=0.0) for i, r in enumerate(requests)]
@@ -189,9 +204,12 @@ def run_in_turns(
     seconds = 0.0
     while engine.busy:
         turns.readline()
-        t0 = time.perf_counter()
-        engine.step()
-        seconds += time.perf_counter() - t0
+        turn = 0.0
+        while engine.busy and (turn == 0.0 or turn < turn_s):
+            t0 = time.perf_counter()
+            engine.step()
+            turn += time.perf_counter() - t0
+        seconds += turn
         print("stepped" if engine.busy else "done", flush=True)
     return gens, seconds
 
@@ -522,6 +540,13 @@ def main() -> None:
         action="store_true",
         help="the configurations of a cell alive at once, stepped in turns (each in its own "
         "process): robust to the machine's slow spells",
+    )
+    ap.add_argument(
+        "--turn-ms",
+        type=float,
+        default=100.0,
+        help="with --turns: each turn steps until this many ms of its own (at least one "
+        "iteration; 0: one iteration a turn)",
     )
     ap.add_argument(
         "--twin",
