@@ -648,6 +648,29 @@ def test_acceptance_model_learns_per_regime_and_request() -> None:
     assert m.survivals("T=0.8", None)[0] == pytest.approx(0.7)
 
 
+def test_a_few_unlucky_steps_move_a_request_less_than_its_regime_holds() -> None:
+    """A request of a regime accepting 0.8 at its first position, its own steps like its
+    regime's, then five steps whose first draft is rejected (bad luck at T=0.8): its
+    first position's estimate stays above 0.6 (the default shrinkage to its regime, 10
+    pseudo-observations); with 3 (the weight before 2026-12-05) it falls to 0.56, and at
+    one request such dips turned the decision plain for 10-25 steps of a run."""
+
+    def after_bad_luck(m: AcceptanceModel) -> tuple[float, float]:
+        h = m.new_history()
+        for i in range(200):  # 4 of every 5 first drafts accepted, then the second
+            m.observe("T=0.8", h, 5, 2 if i % 5 else 0)
+        regime = m.conditional("T=0.8", None)[0]
+        for _ in range(5):
+            m.observe("T=0.8", h, 5, 0)
+        return regime, m.conditional("T=0.8", h)[0]
+
+    regime, own = after_bad_luck(AcceptanceModel(5))
+    assert regime == pytest.approx(0.8, abs=0.02)
+    assert own > 0.6
+    _, own3 = after_bad_luck(AcceptanceModel(5, request_weight=3.0))
+    assert own3 < 0.6
+
+
 def test_steps_without_drafts_age_a_requests_history_back_to_its_regime() -> None:
     """A step that verified nothing decays every count of the request (held as one
     factor, applied at its next count): its estimate drifts back to its regime's, the

@@ -159,7 +159,16 @@ class AcceptanceModel:
     """Expected survival of each draft position before drafting: per sampling regime, the
     batch's realised conditional acceptance per position (decayed counts, prior
     :data:`PRIOR_ACCEPTANCE`), and per request its own, shrunk towards its regime's by
-    ``request_weight`` pseudo-observations."""
+    ``request_weight`` pseudo-observations.
+
+    The request's counts decay by ``request_decay`` (about 10 request-steps), so with 3
+    pseudo-observations (until 2026-12-05) a few unlucky steps outweighed its regime: at
+    one request and T=0.8 the drafting option fell below plain's value, and plain steps
+    verify nothing, so it stayed there until the counts aged (in one process, seeds
+    610 and 612: 25 and 22 plain steps of 138 and 136, where 10 pseudo-observations
+    took 3 and 6 plain steps of 123 and 122; at 8 and 16 requests the same steps either
+    way). In the benchmark (seeds 608-615, one request, T=0.8) adaptive took 990 decode
+    steps against 1016 (fixed gamma: 962), and greedy stayed at fixed gamma's speed."""
 
     def __init__(
         self,
@@ -168,7 +177,7 @@ class AcceptanceModel:
         batch_decay: float = 0.995,
         request_decay: float = 0.9,
         prior_weight: float = 4.0,
-        request_weight: float = 3.0,
+        request_weight: float = 10.0,
     ) -> None:
         self.gamma = gamma
         self.batch_decay, self.request_decay = batch_decay, request_decay
