@@ -205,10 +205,12 @@ def run_in_turns(
     while engine.busy:
         turns.readline()
         turn = 0.0
-        while engine.busy and (turn == 0.0 or turn < turn_s):
+        while True:  # at least one iteration a turn
             t0 = time.perf_counter()
             engine.step()
             turn += time.perf_counter() - t0
+            if not engine.busy or turn >= turn_s:
+                break
         seconds += turn
         print("stepped" if engine.busy else "done", flush=True)
     return gens, seconds
