@@ -42,8 +42,9 @@ ratios adaptive / best-of(none, fixed) and schedule / best-of(none, fixed); the 
 bar is >= 0.97 everywhere), then per adaptive run the depth histogram, the steps that
 drafted nothing and the cost model's predicted vs measured step time, and for fixed
 gamma and adaptive where the time went: decode steps, ms per decode step, seconds of
-decode and of prefill (at T=0.8 and 4 requests the gap is in the steps: adaptive took
-37.8 against 33.9 over seeds 400-407, its steps 0.5-1 ms cheaper). ``--out`` keeps
+decode and of prefill (at T=0.8 and 4 requests, in turns of one iteration, the gap was
+in the steps: adaptive took 37.8 against 33.9 over seeds 400-407, its steps 0.5-1 ms
+cheaper; in turns of 100 ms, 33.5 against 33). ``--out`` keeps
 every run's figures as JSON, ``--plot FILE.svg`` draws output tok/s against concurrency
 (``--replot FILE.json --plot FILE.svg`` prints the tables of a saved run and redraws it;
 give it the run's ``--max-new``, ``--gamma`` and ``--schedule`` for the headings; several
