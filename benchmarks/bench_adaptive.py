@@ -71,7 +71,9 @@ switch between processes, about 6 ms at 4 requests (the others' data in the cach
 threads' wake-ups): fixed depths 1..5 took 22.2-26.9 ms a step there against 16.3-21.8 in
 a process of its own, so it favoured fewer, larger steps and made a row look cheap
 against a step (``spec=none`` at T=0.8 and 4 requests: 207 tok/s in turns of one
-iteration, 271 in turns of 100 ms, the same seeds).
+iteration, 271 in turns of 100 ms, the same seeds). A child done early stays alive
+until the last one is done (:func:`drive_turns`): until 2026-12-05 its exit ran beside
+the others' last turns and made four identical processes differ by up to 45 %.
 """
 
 from __future__ import annotations
@@ -240,18 +242,38 @@ def run_cell_in_turns(
                 text=True,
             )
             _read_until(p, config, logs[config], ("ready",))
-        results: dict[str, dict[str, Any]] = {}
-        live = list(configs)
-        while live:
-            for config in list(live):
-                p = procs[config]
-                assert p.stdin is not None
-                p.stdin.write("go\n")
-                p.stdin.flush()
-                if _read_until(p, config, logs[config], ("stepped", "done")) == "done":
-                    results[config] = json.loads(_read_until(p, config, logs[config], None))
-                    live.remove(config)
-        return results
+        return drive_turns(procs, logs)
+
+
+def drive_turns(
+    procs: dict[str, subprocess.Popen[str]], logs: dict[str, Any]
+) -> dict[str, dict[str, Any]]:
+    """Turns to every process of ``procs`` (ready, in their order) until each is done;
+    their JSON figures. A finished child stays alive until every one is done: it exits
+    when its stdin closes, and that comes after the last one's figures. Until
+    2026-12-05 a child exited as soon as it was done, and its exit (freeing its memory,
+    the interpreter's shutdown) ran beside the turns of those still measuring, so
+    whichever finished in a later turn paid for the exits before it. Four processes of
+    fixed gamma (greedy, 4 requests, seeds 616-619) took 21.8-22.5 ms a decode step
+    first in the turn order and 27.2-31.8 ms last on one core (``taskset -c 1``),
+    21.3-26.8 ms on the two, where their median steps were the same (23.7-24.2 ms): the
+    run's last steps took 12-17 ms in the first process and 30-66 ms in the others,
+    after its exit. Now 21.3-22.4 ms on one core and on two, whatever the position."""
+    results: dict[str, dict[str, Any]] = {}
+    live = list(procs)
+    while live:
+        for config in list(live):
+            p = procs[config]
+            assert p.stdin is not None
+            p.stdin.write("go\n")
+            p.stdin.flush()
+            if _read_until(p, config, logs[config], ("stepped", "done")) == "done":
+                results[config] = json.loads(_read_until(p, config, logs[config], None))
+                live.remove(config)
+    for p in procs.values():  # every one measured: now they may exit
+        assert p.stdin is not None
+        p.stdin.close()
+    return results
 
 
 def _kill(procs: dict[str, subprocess.Popen[str]]) -> None:
@@ -561,7 +583,9 @@ def main() -> None:
     ap.add_argument("overrides", nargs="*", help="key=value, e.g. model=dsv4_tiny")
     a = ap.parse_args()
     if a.child is not None:
-        print(json.dumps(child(json.loads(a.child), sys.stdin if a.turns else None)))
+        print(json.dumps(child(json.loads(a.child), sys.stdin if a.turns else None)), flush=True)
+        if a.turns:  # exit once every configuration of the cell is done (drive_turns)
+            sys.stdin.read()
         return
     a.model = dict(o.split("=", 1) for o in a.overrides).get("model", "dsv4_tiny")
     if a.replot is not None:

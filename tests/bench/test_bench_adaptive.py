@@ -1,8 +1,15 @@
-"""benchmarks/bench_adaptive.py's turns: how much of a run one turn steps."""
+"""benchmarks/bench_adaptive.py's turns: how much of a run one turn steps, and when the
+children exit."""
 
 from __future__ import annotations
 
+import contextlib
 import io
+import json
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -69,3 +76,62 @@ def test_a_turn_steps_until_its_seconds(
     assert seconds == pytest.approx(7 * 0.01)
     turns, _ = _turns(capsys, monkeypatch, 4, 10.0)  # a turn longer than the run
     assert turns + 1 == 1
+
+
+# a stand-in for a ``--turns --child`` process: ``turns`` turns, then its figures; it
+# exits when its stdin closes and leaves a file saying so; on its last turn it waits up
+# to a second for ``peer``'s file (another child's exit), and reports whether it came
+_CHILD = r"""
+import json, os, sys, time
+exited, turns, peer = sys.argv[1], int(sys.argv[2]), sys.argv[3]
+print("ready", flush=True)
+saw = False
+for t in range(turns):
+    sys.stdin.readline()
+    if t == turns - 1 and peer:
+        end = time.monotonic() + 1.0
+        while not saw and time.monotonic() < end:
+            saw = os.path.exists(peer)
+            time.sleep(0.01)
+    print("stepped" if t < turns - 1 else "done", flush=True)
+print(json.dumps({"saw_an_exit": saw}), flush=True)
+sys.stdin.read()
+open(exited, "w").close()
+"""
+
+
+def test_no_child_exits_before_every_one_is_done(tmp_path: Path) -> None:
+    """A child done early stays alive until the last is done: its exit would run beside
+    the turns of those still measuring."""
+    early, late = tmp_path / "early", tmp_path / "late"
+    procs = {
+        name: subprocess.Popen(
+            [sys.executable, "-c", _CHILD, str(exited), str(turns), str(peer)],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+        for name, exited, turns, peer in (("early", early, 1, ""), ("late", late, 3, early))
+    }
+    with contextlib.ExitStack() as stack:
+        logs = {name: stack.enter_context(tempfile.TemporaryFile("w+")) for name in procs}
+        for p in procs.values():
+            stack.enter_context(p)  # killed if still alive, its pipes closed
+            assert p.stdout is not None and p.stdout.readline().strip() == "ready"
+        results = bench_adaptive.drive_turns(procs, logs)
+        assert results == {"early": {"saw_an_exit": False}, "late": {"saw_an_exit": False}}
+        for p in procs.values():  # released: each exits on its own
+            assert p.wait(timeout=10) == 0
+        assert early.exists() and late.exists()
+
+
+def test_a_child_in_turns_exits_only_when_its_stdin_closes(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(bench_adaptive, "child", lambda spec, turns: {"tok_s": 1.0})
+    stdin = io.StringIO("left over\n")
+    monkeypatch.setattr(sys, "stdin", stdin)
+    monkeypatch.setattr(sys, "argv", ["bench_adaptive.py", "--turns", "--child", "{}"])
+    bench_adaptive.main()
+    assert json.loads(capsys.readouterr().out) == {"tok_s": 1.0}
+    assert stdin.read() == ""  # it read its stdin to the end before returning
