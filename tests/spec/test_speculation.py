@@ -36,6 +36,7 @@ from xspec.spec.adaptive import (
     EXPLORE_EVERY,
     EXPLORE_WIDE,
     MIN_EVIDENCE,
+    PLAIN_MARGIN,
     AcceptanceModel,
     Choice,
     ConfidenceCorrection,
@@ -338,17 +339,19 @@ def _machine(
     steps: int,
     draft_cost: float | Callable[[int], float],
     speed: Callable[[int], float] = lambda t: 1.0,
+    profile: StepCost = LINE,
 ) -> list[bool]:
     """``steps`` decisions for one request whose drafts all survive (2 drafts: 3 tokens in
     1.18 s by the profile, 2.54x a plain step's 1 token in 1.0 s) on a synthetic machine:
     a step takes the profile's time times ``speed(t)``, times ``draft_cost`` (or
-    ``draft_cost(t)``) when it drafts. Returns which steps drafted."""
+    ``draft_cost(t)``) when it drafts. Returns which steps drafted. ``profile``: the
+    step-cost model's and the machine's, when not LINE."""
     s.acceptance.regimes["greedy"] = _flat(s, 1.0)
     params, kinds = [SamplingParams()], []
     for t in range(steps):
         d = s.depths(params, [None], [2])[0]
         cost = draft_cost(t) if callable(draft_cost) else draft_cost
-        seconds = LINE.seconds_at(1, 1 + d, int(d > 0)) * speed(t) * (cost if d else 1.0)
+        seconds = profile.seconds_at(1, 1 + d, int(d > 0)) * speed(t) * (cost if d else 1.0)
         s.observe([None], [d], [d], seconds=seconds)
         kinds.append(d > 0)
     return kinds
@@ -436,6 +439,27 @@ def test_a_slow_spell_does_not_flip_the_plain_or_drafting_choice(draft_cost: flo
     kinds = _machine(s, 800, draft_cost, speed=lambda t: 2.0 if (t // 100) % 2 else 1.0)
     wrong = _runs(kinds[100:], draft_cost > 2.54)  # the kind that is not right
     assert len(wrong) <= 700 / EXPLORE_EVERY + 1, wrong
+    assert all(b - a >= EXPLORE_EVERY for a, b in itertools.pairwise(wrong)), wrong
+
+
+@pytest.mark.parametrize("ahead", [1.02, 1.10], ids=["within-margin", "beyond-margin"])
+def test_drafting_must_be_predicted_a_margin_ahead_of_plain(ahead: float) -> None:
+    """A machine (and profile) on which drafting 2 drafts, all accepted, makes ``ahead`` x
+    a plain step's value (3 tokens in ``3 / ahead`` s, a plain step 1 token in 1 s):
+    2 % ahead, within PLAIN_MARGIN, the steps are plain (drafting only as the first
+    exploration and re-explorations, single steps spaced by at least EXPLORE_EVERY);
+    10 % ahead, they draft (plain only so)."""
+    assert 0.02 < PLAIN_MARGIN < 0.10
+    # verify 1.0 s plus 0.2 * (s5 - 1.0) per draft row, the draft forward 0.1 s
+    s5 = 1.0 + (3 / ahead - 1.1) / 0.4
+    near = StepCost(
+        requests=[1, 8], drafts=[0, 5], seconds=[[1.0, s5]] * 2, draft_seconds=[0.1] * 2
+    )
+    assert near.seconds_at(1, 3, 1) == pytest.approx(3 / ahead)
+    s = Speculation(2, cost=OnlineStepCost(near))
+    kinds = _machine(s, 400, 1.0, profile=near)
+    wrong = _runs(kinds[10:], ahead < 1 + PLAIN_MARGIN)  # the kind the margin rules out
+    assert len(wrong) <= 390 / EXPLORE_EVERY + 1, wrong
     assert all(b - a >= EXPLORE_EVERY for a, b in itertools.pairwise(wrong)), wrong
 
 
@@ -539,13 +563,15 @@ def test_plain_is_not_chosen_on_too_little_acceptance(
 
 def test_a_kind_of_step_shut_out_is_taken_again_now_and_then() -> None:
     """Drafting steps take 4x their profiled time (0.64x a plain step's value, a gap of
-    0.36): the steps are plain, and a single drafting step measures it again once every
-    ``max(EXPLORE_EVERY, gap * (drafting / plain seconds) / EXPLORE_BUDGET)`` steps,
-    about 345 here (what was learnt of a kind never taken would otherwise never change;
-    spaced so, re-exploring costs at most EXPLORE_BUDGET of the time)."""
+    0.39 with PLAIN_MARGIN): the steps are plain, and a single drafting step measures it
+    again once every ``max(EXPLORE_EVERY, gap * (drafting / plain seconds) /
+    EXPLORE_BUDGET)`` steps, about 750 here (what was learnt of a kind never taken would
+    otherwise never change; spaced so, re-exploring costs at most EXPLORE_BUDGET of the
+    time)."""
     s = Speculation(2, cost=OnlineStepCost(LINE))
-    kinds = _machine(s, 2500, 4.0)
-    gap, slower = 1 - 2.54 / 4.0, LINE.seconds_at(1, 3, 1) * 4.0 / LINE.seconds_at(1, 1, 0)
+    kinds = _machine(s, 3500, 4.0)
+    gap = 1 - 2.54 / 4.0 / (1 + PLAIN_MARGIN)
+    slower = LINE.seconds_at(1, 3, 1) * 4.0 / LINE.seconds_at(1, 1, 0)
     wait = gap * slower / EXPLORE_BUDGET
     assert gap < EXPLORE_WIDE and wait > EXPLORE_EVERY
     explored = _runs(kinds[10:], True)

@@ -22,13 +22,15 @@ One decision per step, per request, made **before drafting** by :class:`Speculat
    whether the step drafts at all is then decided on the two values, the drafting
    one's tokens corrected by what drafting steps really committed (:class:`YieldCheck`:
    the acceptance the model learns comes from the positions the trim kept, the
-   confident ones), and a plain step is not taken on a regime's acceptance before it
-   rests on :data:`MIN_EVIDENCE` request-steps (:meth:`Speculation._unsure`). The
-   seconds of each kind come from one model that keeps the machine's speed (common to
-   both kinds, followed at every step) apart from the relative cost of drafting (learnt
-   only from steps of both kinds close together, so a slow or fast spell does not move
-   it): near the crossover, a speed learnt for each kind from its own steps flipped the
-   choice whenever the kind not taken had last been measured in another spell;
+   confident ones), drafting only when that is :data:`PLAIN_MARGIN` ahead of plain
+   (a plain step is what ``spec=none`` pays: the sure option near a tie), and a plain
+   step is not taken on a regime's acceptance before it rests on :data:`MIN_EVIDENCE`
+   request-steps (:meth:`Speculation._unsure`). The seconds of each kind come from
+   one model that keeps the machine's speed (common to both kinds, followed at every
+   step) apart from the relative cost of drafting (learnt only from steps of both
+   kinds close together, so a slow or fast spell does not move it): near the
+   crossover, a speed learnt for each kind from its own steps flipped the choice
+   whenever the kind not taken had last been measured in another spell;
 3. after drafting, a drafter with a confidence head has Algorithm 1
    (:func:`~xspec.spec.schedule.schedule_verify`) trim each request's verified prefix
    within ``d_r``, from its confidences, corrected per position by the realised
@@ -83,6 +85,7 @@ EXPLORE_WIDE = 0.5  # ... when the other kind is predicted within this of the be
 GAP_DECAY = 0.9  # ... the gap as an EMA over the bucket's steps (one request's dip is not it)
 RESCAN_EVERY = 8  # steps one scan's drafting option serves while the batch steps plain
 MIN_EVIDENCE = 64  # request-steps of a regime's acceptance before plain may win on it
+PLAIN_MARGIN = 0.05  # drafting is taken only when predicted this much ahead of plain
 YIELD_PRIOR_STEPS = 8.0  # YieldCheck: steps' worth of "the model is right", always
 
 
@@ -640,11 +643,25 @@ class Speculation:
 
     def _checked(self, choice: Choice, requests: int) -> Choice:
         """``choice`` with the drafting option's value corrected by :class:`YieldCheck`
-        (times its factor) and the plain / drafting decision made on the corrected
-        values; the depths of each kind stay the model's."""
+        (times its factor) and by :data:`PLAIN_MARGIN` (divided by ``1 + margin``), and
+        the plain / drafting decision made on the corrected values; the depths of each
+        kind stay the model's.
+
+        The margin: a plain step costs what ``spec=none`` pays and commits exactly R
+        tokens; a drafting step's value rests on two estimates (the acceptance, the
+        relative cost of drafting), so drafting has to be predicted :data:`PLAIN_MARGIN`
+        ahead: near a tie it has little to win and much to lose. At 32 requests and
+        T=0.8 the contrasts learnt a relative cost of drafting of 0.07-0.12 (log) where
+        the steps' own times gave 0.14 (the profile's plain step 27 ms, the engine's
+        22-25), so once a run drafted, the model put plain steps 6-10 % dearer than
+        they were and drafting 1-4 % ahead where it made 0.92x plain's tokens per
+        second; such runs drafted 36-37 of 40-41 steps and took 1.15x ``spec=none``'s
+        decode time (in one process; docs/adaptive.md, "The decision rule"). On the
+        synthetic machine (benchmarks/sim_adaptive.py) the margin costs about 3 % where
+        drafting is truly 5 % ahead, 1-2 % at 10 %, nothing beyond."""
         if choice.other is None:
             return choice
-        f = self.yield_check.factor(requests)
+        f = self.yield_check.factor(requests) / (1.0 + PLAIN_MARGIN)
         drafts = any(choice.depths)
         checked = replace(
             choice,
