@@ -116,7 +116,7 @@ def test_no_child_exits_before_every_one_is_done(tmp_path: Path) -> None:
     with contextlib.ExitStack() as stack:
         logs = {name: stack.enter_context(tempfile.TemporaryFile("w+")) for name in procs}
         for p in procs.values():
-            stack.enter_context(p)  # killed if still alive, its pipes closed
+            stack.enter_context(p)  # on the way out: its pipes closed, waited for
             assert p.stdout is not None and p.stdout.readline().strip() == "ready"
         results = bench_adaptive.drive_turns(procs, logs)
         assert results == {"early": {"saw_an_exit": False}, "late": {"saw_an_exit": False}}
