@@ -377,16 +377,26 @@ def test_each_kind_of_step_is_measured_a_few_times_whatever_the_gap() -> None:
     assert s.kinds.steps(False, 8) == 0
 
 
-def _batch(s: Speculation, requests: int, steps: int, c: float) -> list[bool]:
+def _batch(
+    s: Speculation, requests: int, steps: int, c: float, *, as_expected: bool = False
+) -> list[bool]:
     """``steps`` decisions for ``requests`` requests, 2 drafts each at most, a conditional
-    acceptance of ``c`` per position, on the profile's machine; which steps drafted."""
+    acceptance of ``c`` per position, on the profile's machine; which steps drafted.
+    Every draft is accepted, or with ``as_expected`` what ``c`` makes (its expected
+    count, as a running total rounded down per request: the yield check stays at 1)."""
     s.acceptance.regimes["greedy"] = _flat(s, c)
     params, kinds = [SamplingParams()] * requests, []
+    owed = [0.0] * requests  # expected accepted drafts so far, per request
     for _ in range(steps):
         d = s.depths(params, [None] * requests, [2] * requests)
         rows, drafting = requests + sum(d), sum(k > 0 for k in d)
         seconds = LINE.seconds_at(requests, rows, drafting)
-        s.observe([None] * requests, d, d, seconds=seconds)
+        accepted = d
+        if as_expected:
+            before = [math.floor(o) for o in owed]
+            owed = [o + sum(c**j for j in range(1, k + 1)) for o, k in zip(owed, d)]
+            accepted = [math.floor(o) - b for o, b in zip(owed, before)]
+        s.observe([None] * requests, d, accepted, seconds=seconds)
         kinds.append(drafting > 0)
     return kinds
 
@@ -400,22 +410,27 @@ def _gap(s: Speculation, requests: int, c: float) -> float:
 
 
 @pytest.mark.parametrize("c", [1.0, 0.35], ids=["far-apart", "within-wide"])
-def test_a_new_bucket_is_explored_only_near_a_tie_once_another_has_contrasts(c: float) -> None:
+def test_a_new_bucket_is_explored_late_and_only_near_a_tie_once_another_has_contrasts(
+    c: float,
+) -> None:
     """A bucket first seen after another's contrasts (the speed is known then; only its
     relative cost of drafting is not): plain, far behind drafting (a gap beyond
-    EXPLORE_WIDE), is not explored; within it, explored as before. With no contrast
-    anywhere, a bucket is explored whatever the gap."""
+    EXPLORE_WIDE), is not explored; within it, explored EXPLORE_STEPS times, each after
+    EXPLORE_EVERY steps of the bucket without it (a bucket a workload visits a few steps
+    at a time, the tail of a wave, pays no exploration for them). With no contrast
+    anywhere, a bucket is explored at once, alternating, whatever the gap."""
     s = Speculation(2, cost=OnlineStepCost(LINE))
     _machine(s, 20, 1.0)  # one request: explored, three contrasts
     assert s.cost is not None and s.cost.contrasted() and s.cost.contrasted(2)
     assert not s.cost.contrasted(1)  # (but its own bucket's)
     gap = _gap(s, 2, c)
     assert gap > 0 and (gap > EXPLORE_WIDE) == (c == 1.0), gap
-    kinds = _batch(s, 2, 20, c)  # two requests: a bucket of its own
-    assert kinds.count(False) == (0 if c == 1.0 else 2), kinds
+    kinds = _batch(s, 2, 3 * EXPLORE_EVERY, c, as_expected=True)  # a bucket of its own
+    plain = _runs(kinds, False)
+    assert plain == ([] if c == 1.0 else [EXPLORE_EVERY, 2 * EXPLORE_EVERY + 1]), kinds
     fresh = Speculation(2, cost=OnlineStepCost(LINE))
     assert not fresh.cost.contrasted()  # type: ignore[union-attr]
-    assert _batch(fresh, 2, 20, c).count(False) == 2
+    assert _runs(_batch(fresh, 2, 20, c, as_expected=True), False) == [1, 3]
 
 
 def test_a_drafting_step_dearer_than_profiled_turns_the_choice_to_plain() -> None:

@@ -718,8 +718,14 @@ class Speculation:
         (the rule of re-exploration below): its profiled cost of drafting would have to
         be off by more than 2x to flip the choice. At greedy and four requests, the
         first steps of two requests (the tail of a run, a bucket a warm-up had not seen)
-        explored plain steps at 0.36x drafting's value: two steps of a 28-step run. It
-        costs a bounded few steps per bucket, once.
+        explored plain steps at 0.36x drafting's value: two steps of a 28-step run.
+        Within it, each exploration waits for :data:`EXPLORE_EVERY` steps of the bucket
+        without that kind (the spacing of re-explorations): a bucket a workload visits
+        a few steps at a time (the tail of each wave of requests: 8 requests at T=0.8
+        took 4 plain steps at 1, 2 and 5 requests in a measured run after a warm-up run,
+        at 0.55-0.77x drafting's value, about 1 % of its time) learns its relative cost
+        of drafting once it is visited often enough for that to pay. It costs a bounded
+        few steps per bucket, once.
 
         Once more, when its value is within :data:`EXPLORE_WIDE` of the best (``gap = 1
         - other / best <= EXPLORE_WIDE``, as the bucket's EMA: :meth:`_gap`), after
@@ -741,14 +747,17 @@ class Speculation:
         kind = any(d > 0 for d in choice.other or [])
         known = choice.value > 0 and choice.seconds > 0
         gap = self._gap(requests, 1.0 - choice.other_value / choice.value) if known else 0.0
+        since = self.kinds.since(kind, requests)
         if self.kinds.steps(kind, requests) < EXPLORE_STEPS:
-            if gap > EXPLORE_WIDE and self.cost is not None and self.cost.contrasted(requests):
-                return False  # another bucket's contrasts told speed and drafting apart
-            return self.kinds.since(kind, requests) >= 1
+            if self.cost is not None and self.cost.contrasted(requests):
+                # another bucket's contrasts told speed and drafting apart: far behind,
+                # never; else once the bucket has had EXPLORE_EVERY steps without it
+                return gap <= EXPLORE_WIDE and since >= EXPLORE_EVERY
+            return since >= 1
         if not known:
             return False
         wait = max(EXPLORE_EVERY, gap * choice.other_seconds / choice.seconds / EXPLORE_BUDGET)
-        return gap <= EXPLORE_WIDE and self.kinds.since(kind, requests) >= wait
+        return gap <= EXPLORE_WIDE and since >= wait
 
     def _gap(self, requests: int, gap: float) -> float:
         """This step's gap into its bucket's EMA (:data:`GAP_DECAY`; the first step's own):
