@@ -28,7 +28,8 @@ shipped draft's calibration prompts come from: ``asyncio/taskgroups``,
 ``importlib/metadata/_meta``, ``importlib/resources/readers``,
 ``lib2to3/fixes/fix_itertools``, ``lib2to3/fixes/fix_paren``, ``re/_compiler`` (the tiny
 model never trained on any held-out file: ``xspec/train/corpus.py``). Each run has
-``max(2 * concurrency, 8)`` requests of ``--max-new`` tokens (eos ignored).
+``max(2 * concurrency, 8)`` requests of ``--max-new`` tokens (eos ignored;
+``--requests-per-slot`` sets the 2).
 
 The warm-up (``--warmup``): ``workload`` (default) runs the same workload once, unmeasured,
 in every configuration: what a server under this load has learnt by the time anyone
@@ -105,7 +106,7 @@ def overrides_for(
     o |= {
         "model": o.get("model", "dsv4_tiny"),
         "workload.prompts_file": str(a.prompts),
-        "workload.num_requests": str(max(2 * c, 8)),
+        "workload.num_requests": str(max(getattr(a, "requests_per_slot", 2) * c, 8)),
         "workload.concurrency": str(c),
         "workload.max_new_tokens": str(a.max_new),
         "workload.ignore_eos": "true",
@@ -532,6 +533,13 @@ def main() -> None:
     ap.add_argument("--temperatures", type=float, nargs="+", default=[0.0, 0.8])
     ap.add_argument("--reps", type=int, default=2)
     ap.add_argument("--max-new", type=int, default=64)
+    ap.add_argument(
+        "--requests-per-slot",
+        type=int,
+        default=2,
+        help="each run has max(this * concurrency, 8) requests (more: less of the sample "
+        "paths' spread at T>0 per run, see the docstring)",
+    )
     ap.add_argument("--gamma", type=int, default=5)
     ap.add_argument("--schedule", default=DEFAULT_SCHEDULE, help="spec.gamma_schedule")
     ap.add_argument("--prompts", type=Path, default=PROMPTS)
@@ -582,6 +590,8 @@ def main() -> None:
     ap.add_argument("--child", default=None, help=argparse.SUPPRESS)
     ap.add_argument("overrides", nargs="*", help="key=value, e.g. model=dsv4_tiny")
     a = ap.parse_args()
+    if a.requests_per_slot < 1:
+        ap.error(f"--requests-per-slot must be at least 1, got {a.requests_per_slot}")
     if a.child is not None:
         print(json.dumps(child(json.loads(a.child), sys.stdin if a.turns else None)), flush=True)
         if a.turns:  # exit once every configuration of the cell is done (drive_turns)

@@ -3,6 +3,7 @@ children exit."""
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import io
 import json
@@ -135,3 +136,29 @@ def test_a_child_in_turns_exits_only_when_its_stdin_closes(
     bench_adaptive.main()
     assert json.loads(capsys.readouterr().out) == {"tok_s": 1.0}
     assert stdin.read() == ""  # it read its stdin to the end before returning
+
+
+@pytest.mark.parametrize(
+    ("per_slot", "c", "want"), [(None, 4, 8), (2, 8, 16), (8, 4, 32), (8, 1, 8)]
+)
+def test_a_run_has_requests_per_slot_times_the_concurrency(
+    per_slot: int | None, c: int, want: int
+) -> None:
+    """``max(--requests-per-slot * c, 8)`` requests (2 per slot when a caller's namespace
+    has no such field)."""
+    a = argparse.Namespace(
+        overrides=[], prompts=bench_adaptive.PROMPTS, max_new=48, gamma=5, concurrency=[c]
+    )
+    if per_slot is not None:
+        a.requests_per_slot = per_slot
+    o = bench_adaptive.overrides_for("fixed", a, 0.8, c, 3)
+    assert o["workload.num_requests"] == str(want) and o["workload.concurrency"] == str(c)
+
+
+def test_fewer_than_one_request_per_slot_is_refused(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.setattr(sys, "argv", ["bench_adaptive.py", "--requests-per-slot", "0"])
+    with pytest.raises(SystemExit) as e:
+        bench_adaptive.main()
+    assert e.value.code == 2 and "--requests-per-slot must be at least 1" in capsys.readouterr().err
