@@ -29,7 +29,15 @@ shipped draft's calibration prompts come from: ``asyncio/taskgroups``,
 ``lib2to3/fixes/fix_itertools``, ``lib2to3/fixes/fix_paren``, ``re/_compiler`` (the tiny
 model never trained on any held-out file: ``xspec/train/corpus.py``). Each run has
 ``max(2 * concurrency, 8)`` requests of ``--max-new`` tokens (eos ignored;
-``--requests-per-slot`` sets the 2).
+``--requests-per-slot`` sets the 2). ``--max-new-spread S`` gives the requests
+``--max-new - S .. --max-new + S`` new tokens instead, evenly spaced, dealt out of order
+(the same tokens in all): without it, every request of a wave ends at the same step
+under ``spec=none`` (one batched prefill refills the batch, nothing runs at part
+occupancy), while a drafting run's requests end where their acceptance took them (a
+prefill iteration per newcomer, a tail of the last few). At 16 requests, T=0.8, in one
+process, a spread of 8 took ``spec=none`` from 484 to 459 tok/s and fixed gamma from 479
+to 479 (seeds 700-703): how much of ``spec=none``'s lead there is the lockstep of equal
+lengths, which a served workload does not have.
 
 The warm-up (``--warmup``): ``workload`` (default) runs the same workload once, unmeasured,
 in every configuration: what a server under this load has learnt by the time anyone
@@ -82,12 +90,14 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import math
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
 from collections.abc import Sequence
+from dataclasses import replace
 from pathlib import Path
 from typing import Any, TextIO
 
@@ -108,7 +118,8 @@ def overrides_for(
         "workload.prompts_file": str(a.prompts),
         "workload.num_requests": str(max(getattr(a, "requests_per_slot", 2) * c, 8)),
         "workload.concurrency": str(c),
-        "workload.max_new_tokens": str(a.max_new),
+        # the longest request's (spread_lengths sets each one's in the child)
+        "workload.max_new_tokens": str(a.max_new + getattr(a, "max_new_spread", 0)),
         "workload.ignore_eos": "true",
         "sampling.temperature": str(temperature),
         "sampling.seed": str(seed),
@@ -126,6 +137,20 @@ def overrides_for(
     elif config == "schedule":
         o["spec.gamma_schedule"] = json.loads(a.schedule)
     return o
+
+
+def spread_lengths(n: int, mean: int, spread: int) -> list[int]:
+    """``--max-new-spread``: the new tokens of each of ``n`` requests, evenly spaced over
+    ``[mean - spread, mean + spread]`` (mean ``mean``: the same tokens in all as without
+    the spread) and dealt out of order (by a stride coprime with ``n`` near ``0.618 n``),
+    so that each wave of requests mixes short and long ones."""
+    if n < 2 or spread == 0:
+        return [mean] * n
+    stride = next(
+        k for k in sorted(range(1, n), key=lambda k: abs(k - 0.618 * n)) if math.gcd(k, n) == 1
+    )
+    even = [mean - spread + round(2 * spread * j / (n - 1)) for j in range(n)]
+    return [even[i * stride % n] for i in range(n)]
 
 
 def child(spec: dict[str, Any], turns: TextIO | None = None) -> dict[str, Any]:
@@ -146,6 +171,9 @@ def child(spec: dict[str, Any], turns: TextIO | None = None) -> dict[str, Any]:
     s, w = built.cfg.sampling, built.cfg.workload
     params = SamplingParams(temperature=s.temperature, top_k=s.top_k, top_p=s.top_p, seed=s.seed)
     requests = load_workload(w, built.tokenizer, built.target.vocab_size, params).requests
+    if spec.get("spread"):  # --max-new-spread: workload.max_new_tokens is the longest's
+        lengths = spread_lengths(len(requests), spec["max_new"], spec["spread"])
+        requests = [replace(r, max_new_tokens=n) for r, n in zip(requests, lengths)]
     if spec.get("warmup", "workload") == "workload":  # the steady state of a running server
         engine.run(requests, w.concurrency)
     else:  # a cold start: the first calls' one-off costs only
@@ -191,6 +219,8 @@ def child_spec(
         "threads": a.threads,
         "warmup": a.warmup,
         "turn_ms": a.turn_ms,
+        "max_new": a.max_new,
+        "spread": getattr(a, "max_new_spread", 0),
     }
 
 
@@ -343,6 +373,12 @@ def ratio_interval(
     return bootstrap_interval(rows, ratio)
 
 
+def new_tokens(a: argparse.Namespace) -> str:
+    """The new tokens per request, as the headings give them: ``48``, or ``32-64``."""
+    spread = getattr(a, "max_new_spread", 0)
+    return f"{a.max_new - spread}-{a.max_new + spread}" if spread else str(a.max_new)
+
+
 def table(a: argparse.Namespace, runs: dict[tuple[str, float, int], list[dict]]) -> str:
     """The markdown tables (one per temperature) of median tok/s and the ratios (of the
     medians: the goal's figure), then adaptive / best per repeat and, with ``--twin``,
@@ -355,7 +391,7 @@ def table(a: argparse.Namespace, runs: dict[tuple[str, float, int], list[dict]])
     for t in a.temperatures:
         mode = "greedy" if t == 0 else f"T={t:g}"
         out += [
-            f"\n{mode}, output tok/s (median of {a.reps}), {a.max_new} new tokens, "
+            f"\n{mode}, output tok/s (median of {a.reps}), {new_tokens(a)} new tokens, "
             f"gamma {a.gamma}, schedule {a.schedule}:\n",
             "| concurrency | spec=none | dspark fixed | adaptive | schedule "
             "| adaptive / best | schedule / best |",
@@ -540,6 +576,13 @@ def main() -> None:
         help="each run has max(this * concurrency, 8) requests (more: less of the sample "
         "paths' spread at T>0 per run, see the docstring)",
     )
+    ap.add_argument(
+        "--max-new-spread",
+        type=int,
+        default=0,
+        help="each request's new tokens spread evenly over --max-new +- this (the same "
+        "mean; 0: every request --max-new, all of a wave ending together)",
+    )
     ap.add_argument("--gamma", type=int, default=5)
     ap.add_argument("--schedule", default=DEFAULT_SCHEDULE, help="spec.gamma_schedule")
     ap.add_argument("--prompts", type=Path, default=PROMPTS)
@@ -608,6 +651,11 @@ def main() -> None:
         return
     if a.quick:
         a.concurrency, a.temperatures, a.reps, a.max_new = [1, 8], [0.0], 1, 16
+    if not 0 <= a.max_new_spread < a.max_new:
+        ap.error(
+            f"--max-new-spread must be in [0, --max-new), got {a.max_new_spread} "
+            f"(--max-new {a.max_new})"
+        )
     configs = (*CONFIGS, TWIN) if a.twin else CONFIGS
     runs: dict[tuple[str, float, int], list[dict]] = {}
     t0, k = time.perf_counter(), a.first_rep * len(a.temperatures) * len(a.concurrency)

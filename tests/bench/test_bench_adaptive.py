@@ -162,3 +162,64 @@ def test_fewer_than_one_request_per_slot_is_refused(
     with pytest.raises(SystemExit) as e:
         bench_adaptive.main()
     assert e.value.code == 2 and "--requests-per-slot must be at least 1" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("n", [2, 8, 9, 16, 24, 32, 64])
+@pytest.mark.parametrize("spread", [0, 3, 8, 16])
+def test_spread_lengths_keep_the_mean_and_mix_each_wave(n: int, spread: int) -> None:
+    lengths = bench_adaptive.spread_lengths(n, 48, spread)
+    assert len(lengths) == n and sum(lengths) == 48 * n  # the same tokens as unspread
+    assert min(lengths) == 48 - spread and max(lengths) == 48 + spread
+    assert sorted(lengths) == sorted(
+        48 - spread + round(2 * spread * j / (n - 1)) for j in range(n)
+    )
+    if spread and n >= 8:  # the first half (a wave) is not all the short ones
+        half = sorted(lengths[: n // 2])
+        assert half != sorted(lengths)[: n // 2] and half != sorted(lengths)[n - n // 2 :]
+
+
+def test_a_child_gives_each_request_its_spread_length(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The child's runs get ``spread_lengths`` (the workload's max_new_tokens is the
+    longest's, so every request fits the plan)."""
+    a = argparse.Namespace(
+        overrides=[],
+        prompts=bench_adaptive.PROMPTS,
+        max_new=12,
+        gamma=5,
+        concurrency=[4],
+        threads=1,
+        warmup="two",
+        turn_ms=0.0,
+        max_new_spread=4,
+    )
+    spec = bench_adaptive.child_spec("fixed", a, 0.0, 4, 0)
+    assert spec["overrides"]["workload.max_new_tokens"] == "16"
+    seen: list[list[int]] = []
+    import xspec.engine.engine as engine_mod
+
+    run = engine_mod.Engine.run
+
+    def spy(self: Any, requests: Any, concurrency: int) -> Any:
+        seen.append([r.max_new_tokens for r in requests])
+        return run(self, requests, concurrency)
+
+    monkeypatch.setattr(engine_mod.Engine, "run", spy)
+    out = bench_adaptive.child(spec)
+    want = bench_adaptive.spread_lengths(8, 12, 4)
+    assert seen[-1] == want and sorted(set(want)) != [12]
+    assert out["steps"] > 0
+
+
+@pytest.mark.parametrize("spread", ["-1", "48"])
+def test_a_spread_outside_0_to_max_new_is_refused(
+    spread: str, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.setattr(
+        sys, "argv", ["bench_adaptive.py", "--max-new", "48", "--max-new-spread", spread]
+    )
+    with pytest.raises(SystemExit) as e:
+        bench_adaptive.main()
+    assert (
+        e.value.code == 2
+        and "--max-new-spread must be in [0, --max-new)" in capsys.readouterr().err
+    )
