@@ -3,7 +3,7 @@ from the host, the same answer every run.
 
     python benchmarks/sim_adaptive.py [--seeds 8] [--steps 800] [--batch 32]
         [--draft-bias 1.47] [--tail-every 60] [--tail 10] [--spells 20:1.0 20:1.7 8:1.7 50:1.7]
-        [--spell-noise 0.08]
+        [--spell-noise 0.08] [--switch-cost 0.08 0.05]
 
 What the benchmark machine cannot show cleanly (its speed moves by 20-50 % within
 minutes, docs/adaptive.md) is whether the plain / drafting choice itself is right. Here a
@@ -21,7 +21,10 @@ minutes, docs/adaptive.md) is whether the plain / drafting choice itself is righ
   between 1.0 and RATIO (all step times multiplied), times 8 % log-normal noise
   (``--spell-noise``: the log sd in the slow spells instead; a machine slowed by other
   loads is noisier, 0.17-0.25 beside two CPU hogs);
-- each draft position accepted with probability 0.7.
+- each draft position accepted with probability 0.7;
+- ``--switch-cost P D``: the first step of a kind after a step of the other kind (of the
+  same batch size) takes ``1 + P`` (plain) or ``1 + D`` (drafting) times its time. The
+  engine's are about 0.08 and 0.05 at 16 requests (docs/adaptive.md); 0 by default.
 
 Printed per spell pattern: the share of the big-batch steps (after a 120-step warm-up)
 that drafted, per seed and the mean, and which kind is right; and the committed tokens
@@ -73,6 +76,7 @@ def simulate(
     histories = {r: [s.new_history() for _ in range(r)] for r in (TAIL_REQUESTS, a.batch)}
     params = [SamplingParams(temperature=0.8)] * a.batch
     speed, drafted, counted, tokens, seconds_total = 1.0, 0, 0, 0, 0.0
+    last: dict[int, bool] = {}  # batch size -> whether its last step drafted
     for t in range(a.steps):
         if t % spell == 0:
             speed = machine.choice([1.0, ratio])
@@ -86,6 +90,9 @@ def simulate(
         rows = R + sum(depths)
         bias = (TAIL_BIAS if tail else a.draft_bias) if drafting else 1.0
         seconds = PROFILE.seconds_at(R, rows, drafting) * speed * bias * noise
+        if last.setdefault(R, drafting > 0) != (drafting > 0):  # a switch: its first step
+            seconds *= 1.0 + a.switch_cost[drafting > 0]
+        last[R] = drafting > 0
         accepted = []
         for d in depths:
             k = 0
@@ -111,7 +118,17 @@ def main() -> None:
     ap.add_argument("--tail", type=int, default=10)
     ap.add_argument("--spells", nargs="+", default=["20:1.0", "20:1.7", "8:1.7", "50:1.7"])
     ap.add_argument("--spell-noise", type=float, default=NOISE)
+    ap.add_argument(
+        "--switch-cost",
+        type=float,
+        nargs=2,
+        default=[0.0, 0.0],
+        metavar=("PLAIN", "DRAFTING"),
+        help="the first step of a kind after the other kind costs 1 + this more",
+    )
     a = ap.parse_args()
+    if min(a.switch_cost) < 0:
+        ap.error(f"--switch-cost {a.switch_cost} must be >= 0")
     if a.spell_noise < 0:
         ap.error(f"--spell-noise {a.spell_noise} must be >= 0 (a log sd)")
     if not 0 <= a.tail < a.tail_every:

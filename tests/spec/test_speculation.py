@@ -34,6 +34,8 @@ from xspec.spec import adaptive
 from xspec.spec.adaptive import (
     EXPLORE_BUDGET,
     EXPLORE_EVERY,
+    EXPLORE_RUN,
+    EXPLORE_STEPS,
     EXPLORE_WIDE,
     MIN_EVIDENCE,
     PLAIN_MARGIN,
@@ -362,17 +364,39 @@ def _runs(kinds: list[bool], kind: bool) -> list[int]:
     return [i for i, k in enumerate(kinds) if k == kind]
 
 
+def _spans(steps: list[int]) -> list[tuple[int, int]]:
+    """Runs of consecutive step indices: ``(first, last)`` each."""
+    spans: list[tuple[int, int]] = []
+    for i in steps:
+        if spans and i == spans[-1][1] + 1:
+            spans[-1] = (spans[-1][0], i)
+        else:
+            spans.append((i, i))
+    return spans
+
+
+def _re_explored(steps: list[int], every: float) -> bool:
+    """``steps`` (of a kind not taken) are re-explorations: runs of at most EXPLORE_RUN
+    steps, each started at least ``every`` steps after the last one ended."""
+    spans = _spans(steps)
+    return all(b - a < EXPLORE_RUN for a, b in spans) and all(
+        b[0] - a[1] >= every for a, b in itertools.pairwise(spans)
+    )
+
+
 def test_each_kind_of_step_is_measured_a_few_times_whatever_the_gap() -> None:
     """Before its first contrasts the model cannot tell the machine's speed from the cost
     of drafting, so in the first batch-size bucket seen the kind predicted worse is taken
-    EXPLORE_STEPS times, alternating with the best (each a contrast), even far behind
-    (drafting 2.54x a plain step here); then, far behind, never again. (A bucket seen
-    later: the next test.)"""
+    EXPLORE_STEPS times, in runs of EXPLORE_RUN alternating with runs as long of the best
+    (each run a contrast, from its steps after the first), even far behind (drafting
+    2.54x a plain step here); then, far behind, never again. (A bucket seen later: the
+    next test.)"""
+    assert EXPLORE_RUN == 2 and EXPLORE_STEPS == 4
     s = Speculation(2, cost=OnlineStepCost(LINE))
     kinds = _machine(s, 200, 1.0)
-    assert _runs(kinds, False) == [1, 3], kinds[:8]  # alternating with drafting steps
-    assert s.kinds.steps(False, 1) == 2 and s.kinds.steps(True, 1) == 198
-    assert s.cost.contrasts(1) == 3  # type: ignore[union-attr]  # D P D P D: 3 sandwiches
+    assert _runs(kinds, False) == [2, 3, 6, 7], kinds[:10]  # DD PP DD PP DD ...
+    assert s.kinds.steps(False, 1) == 4 and s.kinds.steps(True, 1) == 196
+    assert s.cost.contrasts(1) == 3  # type: ignore[union-attr]  # 3 sandwiches
     # another batch-size bucket is explored on its own
     assert s.kinds.steps(False, 8) == 0
 
@@ -418,7 +442,8 @@ def test_a_new_bucket_is_explored_late_and_only_near_a_tie_once_another_has_cont
     EXPLORE_WIDE), is not explored; within it, explored EXPLORE_STEPS times, each after
     EXPLORE_EVERY steps of the bucket without it (a bucket a workload visits a few steps
     at a time, the tail of a wave, pays no exploration for them). With no contrast
-    anywhere, a bucket is explored at once, alternating, whatever the gap."""
+    anywhere, a bucket is explored at once, alternating, whatever the gap. (Each
+    exploration: EXPLORE_RUN = 2 steps.)"""
     s = Speculation(2, cost=OnlineStepCost(LINE))
     _machine(s, 20, 1.0)  # one request: explored, three contrasts
     assert s.cost is not None and s.cost.contrasted() and s.cost.contrasted(2)
@@ -427,10 +452,11 @@ def test_a_new_bucket_is_explored_late_and_only_near_a_tie_once_another_has_cont
     assert gap > 0 and (gap > EXPLORE_WIDE) == (c == 1.0), gap
     kinds = _batch(s, 2, 3 * EXPLORE_EVERY, c, as_expected=True)  # a bucket of its own
     plain = _runs(kinds, False)
-    assert plain == ([] if c == 1.0 else [EXPLORE_EVERY, 2 * EXPLORE_EVERY + 1]), kinds
+    E = EXPLORE_EVERY
+    assert plain == ([] if c == 1.0 else [E, E + 1, 2 * E + 2, 2 * E + 3]), kinds
     fresh = Speculation(2, cost=OnlineStepCost(LINE))
     assert not fresh.cost.contrasted()  # type: ignore[union-attr]
-    assert _runs(_batch(fresh, 2, 20, c, as_expected=True), False) == [1, 3]
+    assert _runs(_batch(fresh, 2, 20, c, as_expected=True), False) == [2, 3, 6, 7]
 
 
 def test_a_drafting_step_dearer_than_profiled_turns_the_choice_to_plain() -> None:
@@ -440,7 +466,7 @@ def test_a_drafting_step_dearer_than_profiled_turns_the_choice_to_plain() -> Non
     s = Speculation(2, cost=OnlineStepCost(LINE))
     kinds = _machine(s, 200, 3.0)
     drafted = _runs(kinds[10:], True)  # past the first exploration: re-explorations only
-    assert all(b - a >= EXPLORE_EVERY for a, b in itertools.pairwise(drafted)), drafted
+    assert _re_explored(drafted, EXPLORE_EVERY), drafted
     assert math.exp(s.cost.relative_cost(1)) == pytest.approx(3.0, rel=0.25)  # type: ignore[union-attr]
 
 
@@ -449,12 +475,13 @@ def test_a_slow_spell_does_not_flip_the_plain_or_drafting_choice(draft_cost: flo
     """The machine slows down 2x for a spell of 100 steps, then back, over and over. The
     speed moves both kinds alike: whichever kind is right (plain, drafting at 3x its
     profiled time, 0.85x plain's value; drafting, at 1.5x, 1.69x plain's) stays the
-    choice, but for single re-explorations spaced by at least EXPLORE_EVERY."""
+    choice, but for re-explorations (runs of EXPLORE_RUN) spaced by at least
+    EXPLORE_EVERY."""
     s = Speculation(2, cost=OnlineStepCost(LINE))
     kinds = _machine(s, 800, draft_cost, speed=lambda t: 2.0 if (t // 100) % 2 else 1.0)
     wrong = _runs(kinds[100:], draft_cost > 2.54)  # the kind that is not right
-    assert len(wrong) <= 700 / EXPLORE_EVERY + 1, wrong
-    assert all(b - a >= EXPLORE_EVERY for a, b in itertools.pairwise(wrong)), wrong
+    assert len(_spans(wrong)) <= 700 / EXPLORE_EVERY + 1, wrong
+    assert _re_explored(wrong, EXPLORE_EVERY), wrong
 
 
 @pytest.mark.parametrize("ahead", [1.02, 1.10], ids=["within-margin", "beyond-margin"])
@@ -462,7 +489,7 @@ def test_drafting_must_be_predicted_a_margin_ahead_of_plain(ahead: float) -> Non
     """A machine (and profile) on which drafting 2 drafts, all accepted, makes ``ahead`` x
     a plain step's value (3 tokens in ``3 / ahead`` s, a plain step 1 token in 1 s):
     2 % ahead, within PLAIN_MARGIN, the steps are plain (drafting only as the first
-    exploration and re-explorations, single steps spaced by at least EXPLORE_EVERY);
+    exploration and re-explorations, runs of EXPLORE_RUN spaced by at least EXPLORE_EVERY);
     10 % ahead, they draft (plain only so)."""
     assert 0.02 < PLAIN_MARGIN < 0.10
     # verify 1.0 s plus 0.2 * (s5 - 1.0) per draft row, the draft forward 0.1 s
@@ -474,8 +501,8 @@ def test_drafting_must_be_predicted_a_margin_ahead_of_plain(ahead: float) -> Non
     s = Speculation(2, cost=OnlineStepCost(near))
     kinds = _machine(s, 400, 1.0, profile=near)
     wrong = _runs(kinds[10:], ahead < 1 + PLAIN_MARGIN)  # the kind the margin rules out
-    assert len(wrong) <= 390 / EXPLORE_EVERY + 1, wrong
-    assert all(b - a >= EXPLORE_EVERY for a, b in itertools.pairwise(wrong)), wrong
+    assert len(_spans(wrong)) <= 390 / EXPLORE_EVERY + 1, wrong
+    assert _re_explored(wrong, EXPLORE_EVERY), wrong
 
 
 def test_observe_takes_a_given_step_time() -> None:
@@ -578,39 +605,38 @@ def test_plain_is_not_chosen_on_too_little_acceptance(
 
 def test_a_kind_of_step_shut_out_is_taken_again_now_and_then() -> None:
     """Drafting steps take 4x their profiled time (0.64x a plain step's value, a gap of
-    0.39 with PLAIN_MARGIN): the steps are plain, and a single drafting step measures it
-    again once every ``max(EXPLORE_EVERY, gap * (drafting / plain seconds) /
-    EXPLORE_BUDGET)`` steps, about 750 here (what was learnt of a kind never taken would
-    otherwise never change; spaced so, re-exploring costs at most EXPLORE_BUDGET of the
-    time)."""
+    0.36-0.39 with PLAIN_MARGIN): the steps are plain, and a run of EXPLORE_RUN drafting
+    steps measures it again once every ``max(EXPLORE_EVERY, EXPLORE_RUN * gap *
+    (drafting / plain seconds) / EXPLORE_BUDGET)`` steps, about 1400 here (what was
+    learnt of a kind never taken would otherwise never change; spaced so, re-exploring
+    costs at most EXPLORE_BUDGET of the time)."""
     s = Speculation(2, cost=OnlineStepCost(LINE))
-    kinds = _machine(s, 3500, 4.0)
+    kinds = _machine(s, 7000, 4.0)
     gap = 1 - 2.54 / 4.0 / (1 + PLAIN_MARGIN)
     slower = LINE.seconds_at(1, 3, 1) * 4.0 / LINE.seconds_at(1, 1, 0)
-    wait = gap * slower / EXPLORE_BUDGET
+    wait = EXPLORE_RUN * gap * slower / EXPLORE_BUDGET
     assert gap < EXPLORE_WIDE and wait > EXPLORE_EVERY
-    explored = _runs(kinds[10:], True)
-    assert all(not kinds[10 + i + 1] for i in explored), explored  # single steps
+    explored = _spans(_runs(kinds[12:], True))
+    assert all(b - a == EXPLORE_RUN - 1 for a, b in explored), explored  # runs of 2
     # spaced by the gap the model has learnt, which approaches the machine's from below
     # as the contrasts grow in number (the relative cost is shrunk to the profile's)
-    spacing = [b - a for a, b in itertools.pairwise(explored)]
-    assert len(spacing) >= 4 and all(EXPLORE_EVERY <= x < wait + 2 for x in spacing), spacing
+    spacing = [b[0] - a[1] for a, b in itertools.pairwise(explored)]
+    assert len(spacing) >= 3 and all(EXPLORE_EVERY <= x < wait + 2 for x in spacing), spacing
     assert spacing[-1] > 0.8 * wait, (spacing, wait)
 
 
 def test_a_kind_shut_out_comes_back_when_it_pays_again() -> None:
     """Drafting was shut out (4x its profiled time), then the machine changes and drafting
     steps take their profiled time again: the next re-exploration's contrast brings it
-    back, and it stays (plain only as its own re-explorations, single steps spaced by at
-    least EXPLORE_EVERY)."""
+    back, and it stays (plain only as its own re-explorations, runs of EXPLORE_RUN spaced
+    by at least EXPLORE_EVERY)."""
     s = Speculation(2, cost=OnlineStepCost(LINE))
-    kinds = _machine(s, 1200, lambda t: 4.0 if t < 300 else 1.0)
-    drafted = _runs(kinds[10:300], True)
-    assert drafted and all(not kinds[10 + i + 1] for i in drafted), drafted  # shut out
-    back = next(i for i in range(300, len(kinds) - 1) if kinds[i] and kinds[i + 1])
-    assert sum(kinds[300:back]) <= 2, kinds[300:back]  # two re-explorations at most
+    kinds = _machine(s, 3000, lambda t: 4.0 if t < 300 else 1.0)
+    assert sum(kinds[12:300]) <= EXPLORE_RUN, kinds[12:300]  # shut out
+    back = next(i for i in range(300, len(kinds) - 2) if all(kinds[i : i + 3]))
+    assert sum(kinds[300:back]) <= 2 * EXPLORE_RUN, kinds[300:back]  # two re-explorations
     plain = _runs(kinds[back:], False)
-    assert plain and all(b - a >= EXPLORE_EVERY for a, b in itertools.pairwise(plain)), plain
+    assert plain and _re_explored(plain, EXPLORE_EVERY), plain
 
 
 def test_a_kind_far_behind_is_not_re_explored() -> None:
@@ -623,7 +649,7 @@ def test_a_kind_far_behind_is_not_re_explored() -> None:
 def _explorations(s: Speculation, gaps: list[float]) -> list[int]:
     """Feed ``_explore`` one drafting choice per gap (plain predicted ``1 - gap`` of its
     value, in 0.6 of its seconds) after both kinds were measured; the steps it explored."""
-    for kind in (False, False, True):
+    for kind in [False] * EXPLORE_STEPS + [True]:
         s.kinds.observe(kind, 1)
     explored = []
     for t, gap in enumerate(gaps):
@@ -638,13 +664,13 @@ def _explorations(s: Speculation, gaps: list[float]) -> list[int]:
 def test_one_steps_dip_of_the_gap_does_not_re_explore() -> None:
     """The gap goes by its bucket's EMA: at 0.6 (beyond EXPLORE_WIDE) with one step in 10
     at 0.3 (one request's bad step), the kind not taken is never re-explored; held at 0.3
-    it is, spaced by the wait of that gap."""
+    it is, in runs of EXPLORE_RUN spaced by the wait of that gap."""
     s = Speculation(2, cost=OnlineStepCost(LINE))
     assert _explorations(s, [0.3 if t % 10 == 9 else 0.6 for t in range(600)]) == []
-    explored = _explorations(Speculation(2, cost=OnlineStepCost(LINE)), [0.3] * 600)
-    wait = max(EXPLORE_EVERY, 0.3 * 0.6 / EXPLORE_BUDGET)
-    assert len(explored) >= int(600 / wait) - 1, explored  # re-explored, at that pace
-    assert all(b - a >= wait for a, b in itertools.pairwise(explored)), explored
+    explored = _explorations(Speculation(2, cost=OnlineStepCost(LINE)), [0.3] * 1200)
+    wait = max(EXPLORE_EVERY, EXPLORE_RUN * 0.3 * 0.6 / EXPLORE_BUDGET)
+    assert len(_spans(explored)) >= int(1200 / wait) - 1, explored  # at that pace
+    assert _re_explored(explored, wait), explored
 
 
 def test_a_fresh_decision_keeps_the_settings_and_nothing_learnt() -> None:
@@ -779,7 +805,8 @@ def test_a_step_is_learnt_alike_from_the_decisions_line_or_a_fresh_read(
     is what a fresh read of the model gives, and a line of another batch size (a caller
     that decided on another batch) is not taken for this one."""
     given, fresh = OnlineStepCost(COST), OnlineStepCost(COST)
-    steps = [(1, 1, 0, 2.0), (1, 6, 1, 5.0), (1, 1, 0, 2.1), (4, 12, 4, 9.0), (4, 4, 0, 4.5)]
+    steps = [(1, 1, 0, 2.0), (1, 6, 1, 5.0), (1, 6, 1, 5.1), (1, 1, 0, 2.1), (1, 1, 0, 2.0)]
+    steps += [(4, 12, 4, 9.0), (4, 4, 0, 4.5)]
     for _ in range(3):
         for requests, rows, drafting, seconds in steps:
             line = given.line(line_of(requests), line_of(requests) + 20)
@@ -797,23 +824,23 @@ def test_a_step_is_learnt_alike_from_the_decisions_line_or_a_fresh_read(
 
 
 def _sandwiches(cost: OnlineStepCost, n: int, plain: float, drafting: float) -> None:
-    """``n`` times: a plain step, a drafting step, a plain step (R=1, 5 drafts), taking
-    ``plain`` and ``drafting`` times their profiled seconds."""
+    """``n`` times: two plain steps, two drafting steps, two plain steps (R=1, 5 drafts),
+    taking ``plain`` and ``drafting`` times their profiled seconds."""
     for _ in range(n):
-        cost.update(1, 1, 0, plain * COST.seconds_at(1, 1, 0))
-        cost.update(1, 6, 1, drafting * COST.seconds_at(1, 6, 1))
-        cost.update(1, 1, 0, plain * COST.seconds_at(1, 1, 0))
+        for rows, drafts, factor in ((1, 0, plain), (6, 1, drafting), (1, 0, plain)):
+            for _ in range(2):
+                cost.update(1, rows, drafts, factor * COST.seconds_at(1, rows, drafts))
 
 
 def test_the_relative_cost_of_drafting_is_learnt_from_contrasts_only() -> None:
-    """Drafting steps take 2x their profile where plain steps take theirs: a drafting
-    step between two plain ones (a contrast) teaches that. A slow spell (3x) in a run of
+    """Drafting steps take 2x their profile where plain steps take theirs: a run of
+    drafting steps between two of plain ones (a contrast) teaches that. A slow spell (3x) in a run of
     plain steps then moves both kinds' predictions (the machine's speed) and leaves the
     relative cost alone. The earlier model's scale per kind kept drafting at the speed
     it was last measured at: plain 3x, drafting 2x, and the choice flipped to drafting."""
     cost = OnlineStepCost(COST)
     _sandwiches(cost, 10, 1.0, 2.0)
-    assert cost.contrasts(1) == 19  # P D P, P D P, ...: each drafting step, each plain pair
+    assert cost.contrasts(1) == 19  # PP DD PPPP DD PPPP ...: each run but the ends
     assert math.exp(cost.relative_cost(1)) == pytest.approx(2.0, rel=0.03)
     assert cost.seconds_at(1, 1, 0) == pytest.approx(1.0, rel=0.03)
     assert cost.seconds_at(1, 6, 1) == pytest.approx(2.0 * 2.0, rel=0.03)
@@ -823,15 +850,18 @@ def test_the_relative_cost_of_drafting_is_learnt_from_contrasts_only() -> None:
     assert cost.relative_cost(1) == relative and cost.contrasts(1) == 19
     assert cost.seconds_at(1, 1, 0) == pytest.approx(3.0, rel=0.02)
     assert cost.seconds_at(1, 6, 1) == pytest.approx(3.0 * 2.0 * 2.0, rel=0.05)
-    # a drafting step between plain steps of different speeds saw the speed change:
+    # drafting steps between plain steps of different speeds saw the speed change:
     # no contrast
-    cost.update(1, 6, 1, 2.0 * COST.seconds_at(1, 6, 1))
-    cost.update(1, 1, 0, 1.0)
+    for rows, drafts, seconds in ((6, 1, 2.0 * COST.seconds_at(1, 6, 1)), (1, 0, 1.0)):
+        for _ in range(2):
+            cost.update(1, rows, drafts, seconds)
     assert cost.contrasts(1) == 19
     # nor do steps of the two kinds far apart (another batch size's steps between)
     for _ in range(10):
         cost.update(8, 8, 0, 1.0)
-    cost.update(1, 6, 1, 2.0 * COST.seconds_at(1, 6, 1))
+    for rows, drafts, seconds in ((6, 1, 2.0 * COST.seconds_at(1, 6, 1)), (1, 0, 1.0)):
+        for _ in range(2):
+            cost.update(1, rows, drafts, seconds)
     assert cost.contrasts(1) == 19
     # other batch-size buckets keep their own (none yet: the profile's)
     assert cost.relative_cost(8) == 0.0
@@ -839,8 +869,8 @@ def test_the_relative_cost_of_drafting_is_learnt_from_contrasts_only() -> None:
 
 
 def test_a_contrast_among_noisy_steps_counts_for_less() -> None:
-    """Drafting steps take 2x their profile, learnt on a quiet machine. Then one drafting
-    step reads its profile, between plain steps at theirs: on a quiet machine that is a
+    """Drafting steps take 2x their profile, learnt on a quiet machine. Then two drafting
+    steps read their profile, between plain steps at theirs: on a quiet machine that is a
     contrast to learn from, but where plain steps jump by 2.2x step to step (the noise
     of a loaded machine, where a run learnt the relative cost at 0.91 of the profile's
     and turned to drafting) it is one more noisy step and moves the relative cost less
@@ -857,8 +887,9 @@ def test_a_contrast_among_noisy_steps_counts_for_less() -> None:
     assert noisy.summary()["step_noise"]["1"] > 0.3 and quiet.summary()["step_noise"]["1"] == 0
     moved = {}
     for name, cost in (("quiet", quiet), ("noisy", noisy)):
-        cost.update(1, 6, 1, COST.seconds_at(1, 6, 1))  # drafting at its profile
-        cost.update(1, 1, 0, 1.0)
+        for rows, drafts, seconds in ((6, 1, COST.seconds_at(1, 6, 1)), (1, 0, 1.0)):
+            for _ in range(2):  # drafting at its profile, then plain
+                cost.update(1, rows, drafts, seconds)
         assert cost.contrasts(1) == 20  # a contrast, each
         moved[name] = learnt - cost.relative_cost(1)
     assert moved["quiet"] > 0.1 and 0 < moved["noisy"] < 0.1 * moved["quiet"]
@@ -867,14 +898,15 @@ def test_a_contrast_among_noisy_steps_counts_for_less() -> None:
 
 def test_a_long_stretch_of_the_other_kind_is_a_contrast_at_its_two_switches() -> None:
     """Plain steps, 12 drafting steps (a stretch the choice took itself, longer than any
-    exploration), a plain step, while the machine slows by 2 % a step: each switch is
-    measured at one speed, so the relative cost learnt is drafting's 1.5x and the drift
-    cancels between the two switches. The sandwich had to fit in 8 steps before, and
-    such a stretch taught nothing. A speed change at one of the switches teaches
-    nothing."""
+    exploration), two plain steps, while the machine slows by 2 % a step: each switch is
+    measured at one speed (the stretch's second step against the plain steps before it,
+    its last ones against the second plain step after it), so the relative cost learnt
+    is drafting's 1.5x and the drift cancels between the two switches. The sandwich had
+    to fit in 8 steps before, and such a stretch taught nothing. A speed change at one
+    of the switches teaches nothing."""
 
     def stretch(cost: OnlineStepCost, after: float, drift: float) -> None:
-        steps = [(1, 0, 1.0)] * 3 + [(6, 1, 1.5)] * 12 + [(1, 0, after)]
+        steps = [(1, 0, 1.0)] * 3 + [(6, 1, 1.5)] * 12 + [(1, 0, after)] * 2
         for t, (rows, drafting, factor) in enumerate(steps):
             seconds = factor * math.exp(drift * t) * COST.seconds_at(1, rows, drafting)
             cost.update(1, rows, drafting, seconds)

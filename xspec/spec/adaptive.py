@@ -78,14 +78,15 @@ __all__ = [
 ]
 
 PRIOR_ACCEPTANCE = 0.7  # per-position acceptance assumed before anything was verified
-EXPLORE_STEPS = 2  # steps of each kind (plain / drafting) per batch-size bucket wanted
+EXPLORE_RUN = 2  # consecutive steps an exploration takes (a contrast needs a second)
+EXPLORE_STEPS = 2 * EXPLORE_RUN  # steps of each kind per batch-size bucket wanted
 EXPLORE_EVERY = 32  # and once again after at least this many steps of a bucket without it
 EXPLORE_BUDGET = 0.0025  # ... and gap / this many: re-exploring costs this, by the model
 EXPLORE_WIDE = 0.5  # ... when the other kind is predicted within this of the best (the gap)
 GAP_DECAY = 0.9  # ... the gap as an EMA over the bucket's steps (one request's dip is not it)
 RESCAN_EVERY = 8  # steps one scan's drafting option serves while the batch steps plain
 MIN_EVIDENCE = 64  # request-steps of a regime's acceptance before plain may win on it
-PLAIN_MARGIN = 0.05  # drafting is taken only when predicted this much ahead of plain
+PLAIN_MARGIN = 0.03  # drafting is taken only when predicted this much ahead of plain
 YIELD_PRIOR_STEPS = 8.0  # YieldCheck: steps' worth of "the model is right", always
 
 
@@ -550,6 +551,8 @@ class Speculation:
         self.yield_check = YieldCheck()
         self.kinds = StepKinds()
         self.gaps: dict[int, float] = {}  # bucket -> EMA of the gap (:meth:`_explore`)
+        # the exploration under way: (bucket, the kind explored, steps of it still to take)
+        self._exploring: tuple[int, bool, int] | None = None
         # the last scan's best drafting option, its batch (caps, histories) and the steps
         # it has served (:data:`RESCAN_EVERY`); None after a step that verified drafts
         self._scanned: tuple[tuple[tuple[int, ...], tuple[int, ...]], Choice, int] | None = None
@@ -650,15 +653,21 @@ class Speculation:
         The margin: a plain step costs what ``spec=none`` pays and commits exactly R
         tokens; a drafting step's value rests on two estimates (the acceptance, the
         relative cost of drafting), so drafting has to be predicted :data:`PLAIN_MARGIN`
-        ahead: near a tie it has little to win and much to lose. At 32 requests and
-        T=0.8 the contrasts learnt a relative cost of drafting of 0.07-0.12 (log) where
-        the steps' own times gave 0.14 (the profile's plain step 27 ms, the engine's
-        22-25), so once a run drafted, the model put plain steps 6-10 % dearer than
-        they were and drafting 1-4 % ahead where it made 0.92x plain's tokens per
-        second; such runs drafted 36-37 of 40-41 steps and took 1.15x ``spec=none``'s
-        decode time (in one process; docs/adaptive.md, "The decision rule"). On the
-        synthetic machine (benchmarks/sim_adaptive.py) the margin costs about 3 % where
-        drafting is truly 5 % ahead, 1-2 % at 10 %, nothing beyond."""
+        ahead: near a tie it has little to win and much to lose. It was 0.05 until
+        2026-12-05: at 32 requests and T=0.8 the contrasts learnt a relative cost of
+        drafting of 0.07-0.12 (log) where the steps' own times gave 0.14, so once a run
+        drafted, the model put plain steps 6-10 % dearer than they were and drafting
+        1-4 % ahead where it made 0.92x plain's tokens per second (docs/adaptive.md,
+        "The decision rule"). Most of that was the contrasts' own bias (a single plain
+        step explored amid drafting paid for its switch: :class:`OnlineStepCost`), gone
+        with explorations of :data:`EXPLORE_RUN` steps; the margin of 0.05 then kept
+        16 requests at T=0.8 plain where drafting made 1.05-1.08x ``spec=none``'s
+        tokens per second with requests of mixed lengths (``spec=none`` 439, fixed
+        gamma 460, adaptive 427 tok/s in one process). On the synthetic machine with
+        the engine's switch costs (benchmarks/sim_adaptive.py ``--switch-cost 0.08
+        0.05``), drafting truly 0.96-1.12x plain's value: 0.990-1.019x the better fixed
+        kind at 0.03 with these explorations, 0.975-1.010x at 0.05, and 0.978-1.009x
+        with the single-step explorations and 0.05."""
         if choice.other is None:
             return choice
         f = self.yield_check.factor(requests) / (1.0 + PLAIN_MARGIN)
@@ -705,10 +714,14 @@ class Speculation:
 
     def _explore(self, requests: int, choice: Choice) -> bool:
         """Take the other kind of step (plain / drafting) instead of the best, to measure
-        it: while this batch size's bucket (:func:`batch_bucket`) has fewer than
-        :data:`EXPLORE_STEPS` steps of that kind, each after a step of the best kind
-        (alternating, so that each is a contrast of the two kinds close together: the
-        only thing the cost model learns the relative cost of drafting from). Whatever
+        it, for :data:`EXPLORE_RUN` consecutive steps of the bucket (an exploration):
+        the cost model counts no run's first step, which pays for the switch, so a
+        contrast needs a run of two (:class:`~xspec.spec.schedule.OnlineStepCost`).
+        While this batch size's bucket (:func:`batch_bucket`) has fewer than
+        :data:`EXPLORE_STEPS` steps of that kind, each exploration after EXPLORE_RUN
+        steps of the best kind (alternating, so that each run is a contrast of the two
+        kinds close together: the only thing the cost model learns the relative cost of
+        drafting from). Whatever
         the values predicted while no bucket has a contrast: before its first contrasts
         the model cannot tell the machine's speed from the cost of drafting (a run of
         drafting steps twice as slow as profiled could be either), so a gap between the
@@ -729,8 +742,8 @@ class Speculation:
 
         Once more, when its value is within :data:`EXPLORE_WIDE` of the best (``gap = 1
         - other / best <= EXPLORE_WIDE``, as the bucket's EMA: :meth:`_gap`), after
-        ``max(EXPLORE_EVERY, gap * (seconds of the other / seconds of the best) /
-        EXPLORE_BUDGET)`` steps of the bucket without that kind: what was learnt of a
+        ``max(EXPLORE_EVERY, EXPLORE_RUN * gap * (seconds of the other / seconds of the
+        best) / EXPLORE_BUDGET)`` steps of the bucket without that kind: what was learnt of a
         kind it stopped taking never changes otherwise, so one unlucky contrast could
         shut a kind out for good (at T=0.8, one request, after a warm-up run, one
         benchmark process made 43 tok/s, about ``spec=none``'s 45, where fixed gamma
@@ -738,7 +751,7 @@ class Speculation:
         drafting step of 32 requests takes 2.6x a plain one), so that spacing bounds
         their cost at :data:`EXPLORE_BUDGET` of the time: every 32 steps cost 4 % at
         T=0.8 and one request (a plain step explored where drafting made 1.9x its value;
-        paired in one process). By the model only: it counts the explored step's own
+        paired in one process). By the model only: it counts the explored steps' own
         loss, not what it does to the batch (at 32 requests, T=0.8, a drafting step of
         one request gets it a token or two ahead of the others, which then end and are
         replaced at different steps); there, in one process, runs without
@@ -747,17 +760,38 @@ class Speculation:
         kind = any(d > 0 for d in choice.other or [])
         known = choice.value > 0 and choice.seconds > 0
         gap = self._gap(requests, 1.0 - choice.other_value / choice.value) if known else 0.0
+        bucket, held = batch_bucket(requests), self._exploring
+        self._exploring = None
+        if (
+            held is not None
+            and held[:2] == (bucket, kind)
+            and self.kinds.since(kind, requests) == 0
+        ):
+            # under way (the bucket's last step was its first): its next step
+            if held[2] > 1:
+                self._exploring = (bucket, kind, held[2] - 1)
+            return True
+        if self._starts_exploring(requests, kind, gap, known, choice):
+            if EXPLORE_RUN > 1:
+                self._exploring = (bucket, kind, EXPLORE_RUN - 1)
+            return True
+        return False
+
+    def _starts_exploring(
+        self, requests: int, kind: bool, gap: float, known: bool, choice: Choice
+    ) -> bool:
+        """Whether an exploration of ``kind`` starts at this step (:meth:`_explore`)."""
         since = self.kinds.since(kind, requests)
         if self.kinds.steps(kind, requests) < EXPLORE_STEPS:
             if self.cost is not None and self.cost.contrasted(requests):
                 # another bucket's contrasts told speed and drafting apart: far behind,
                 # never; else once the bucket has had EXPLORE_EVERY steps without it
                 return gap <= EXPLORE_WIDE and since >= EXPLORE_EVERY
-            return since >= 1
+            return since >= EXPLORE_RUN  # a steady figure of the best kind on each side
         if not known:
             return False
-        wait = max(EXPLORE_EVERY, gap * choice.other_seconds / choice.seconds / EXPLORE_BUDGET)
-        return gap <= EXPLORE_WIDE and since >= wait
+        loss = EXPLORE_RUN * gap * choice.other_seconds / choice.seconds  # in best steps
+        return gap <= EXPLORE_WIDE and since >= max(EXPLORE_EVERY, loss / EXPLORE_BUDGET)
 
     def _gap(self, requests: int, gap: float) -> float:
         """This step's gap into its bucket's EMA (:data:`GAP_DECAY`; the first step's own):

@@ -259,8 +259,10 @@ def bucket_label(bucket: int) -> str:
 class _Run:
     """A run of consecutive steps of one kind in a batch-size bucket: its kind, the
     indices of its first and last steps, its first step's log(measured / profiled)
-    seconds, a short EMA of its last steps' (the machine's speed as it was then) and its
-    last step's own."""
+    seconds, a short EMA of its last steps' (the machine's speed as it was then), its
+    last step's own, and of its steps after the first (a first step pays for the switch,
+    see :class:`OnlineStepCost`) its second step's and their short EMA (None while it
+    has one step)."""
 
     drafting: bool
     start: int
@@ -268,6 +270,8 @@ class _Run:
     first: float
     x: float
     last_x: float
+    second: float | None = None
+    steady: float | None = None
 
 
 class OnlineStepCost:
@@ -285,21 +289,32 @@ class OnlineStepCost:
     - the **relative cost** of a drafting step per batch-size bucket
       (:func:`batch_bucket`): ``log(drafting / plain)`` beyond the profile's, learnt
       from contrasts only: a run of one kind sandwiched between two of the other, each
-      switch between steps at most ``fresh`` apart, of any length between them. At
-      each switch the run's figure is set against its neighbour's (going in: its first
-      step against the run before's short EMA of its last steps; coming out: its own
-      such EMA against the next step), and the contrast is the mean of the two. Each
-      switch is measured at one speed, so a slow or fast spell, or a drift during a
-      long run, leaves it alone, and the two switches' drift cancels; two switches
-      that differ by more than ``jump`` (log) saw the speed change at one of them and
-      teach nothing (a contrast with one switch only took half a speed change for a
-      cost of drafting). Until 2026-12-04 the sandwich had to fit in ``2 * fresh``
+      switch between steps at most ``fresh`` apart, of any length between them (two
+      steps at least). At each switch the run's figure is set against its neighbour's
+      (going in: its second step against the run before's short EMA of its steps after
+      its first; coming out: its own such EMA against the next run's second step), and
+      the contrast is the mean of the two, taken at that second step. Each switch is
+      measured at one speed, so a slow or fast spell, or a drift during a long run,
+      leaves it alone, and the two switches' drift cancels; two switches that differ
+      by more than ``jump`` (log) saw the speed change at one of them and teach nothing
+      (a contrast with one switch only took half a speed change for a cost of
+      drafting). **No first step of a run counts**: the step after a switch pays for
+      it. At 16 requests, T=0.8, in one process (runs of 6 of each kind, forced), a
+      plain step took 19.7 ms first and 18.0-18.2 after, a drafting step 52.0 ms first
+      and 49.2-49.6 after (the drafter's held-back rows written, the rings restacked
+      for the requests the other kind ended). Until 2026-12-05 a run of one step was a
+      contrast, its step on both sides: a plain step explored amid drafting put
+      drafting at ``log(50.7 / 19.7)`` over plain where the runs of each kind made
+      ``log(49.4 / 18.1)``, 5.5 % cheaper than it is, and the model, drafting, kept
+      drafting where plain was as good (``PLAIN_MARGIN`` of the decision was 0.05 to
+      make up for it; :mod:`xspec.spec.adaptive` explores in runs of two steps since,
+      and its margin is 0.03). Until 2026-12-04 the sandwich had to fit in ``2 * fresh``
       steps, so a stretch of the other kind that the choice itself took (the values
       crossed) taught nothing: after a spell had left the relative cost low, one run
       took 11 plain steps amid drafting ones and went back to drafting. An EMA
       (``relative_decay``, the first samples averaged exactly) shrunk to 0 (the
       profile is right) by ``relative_prior`` samples (the first few contrasts decide:
-      a bucket gets three from its first exploration). Each contrast counts by the
+      a bucket gets three from its first explorations). Each contrast counts by the
       noise around it (:meth:`contrast_weight`): fully while the steps' noise
       (``log(measured / profiled)`` step to step, an EMA by ``noise_decay`` of half the
       squared difference of two steps of one kind close together, or the difference
@@ -351,6 +366,7 @@ class OnlineStepCost:
         self.noise: dict[int, tuple[float, float]] = {}
         self._runs: dict[int, _Run] = {}  # bucket -> its latest run of one kind
         self._before: dict[int, _Run | None] = {}  # bucket -> the run before that
+        self._earlier: dict[int, _Run | None] = {}  # bucket -> and the one before that
         self._step = 0  # steps taken in (the runs' clock; the report's count can restart)
         # (requests, max_rows) -> the profile's verify and draft seconds (StepLine)
         self.profile_lines: dict[tuple[int, int], tuple[list[float], list[float], list[float]]] = {}
@@ -428,27 +444,20 @@ class OnlineStepCost:
         if not (seconds > 0 and profiled > 0 and math.isfinite(seconds)):
             return predicted
         x, kind, bucket = math.log(seconds / profiled), drafting > 0, batch_bucket(requests)
-        run, before = self._runs.get(bucket), self._before.get(bucket)
+        run = self._runs.get(bucket)
         if run is not None and run.drafting == kind and self._step - run.last <= self.fresh:
             # two steps of one kind close together: their difference is the step noise
             var, n = self.noise.get(bucket, (0.0, 0.0))
             alpha = max(1.0 / (n + 1), 1.0 - self.noise_decay)
             self.noise[bucket] = (var + alpha * ((x - run.last_x) ** 2 / 2 - var), n + 1)
             run.last, run.x, run.last_x = self._step, run.x + 0.5 * (x - run.x), x
+            if run.steady is None:  # its second step, its first steady figure: the run
+                run.second = run.steady = x  # before it, sandwiched, is a contrast
+                self._sandwich(bucket, run)
+            else:
+                run.steady += 0.5 * (x - run.steady)
         else:
-            if (  # a contrast: a run of the other kind between two of this one, each
-                # switch between steps close together
-                run is not None
-                and before is not None
-                and before.drafting == kind != run.drafting
-                and run.start - before.last <= self.fresh
-                and self._step - run.last <= self.fresh
-            ):
-                # the other kind's figure over this one's, at the switch into it and out
-                into, out = run.first - before.x, run.x - x
-                if abs(into - out) <= self.jump:  # else the speed changed at a switch
-                    sample = 0.5 * (into + out)
-                    self._contrast(bucket, sample if run.drafting else -sample, into - out)
+            self._earlier[bucket] = self._before.get(bucket)
             self._before[bucket] = run
             self._runs[bucket] = _Run(kind, self._step, self._step, x, x, x)
         x -= self.relative_cost(requests) if kind else 0.0
@@ -457,6 +466,31 @@ class OnlineStepCost:
         self.levels[requests] = (ema + alpha * (x - ema), n + 1)
         self.speed += (1.0 - self.decay) * (x - self.speed) if self._step > 1 else x - self.speed
         return predicted
+
+    def _sandwich(self, bucket: int, after: _Run) -> None:
+        """The contrast of the run before ``after`` (its second step just taken), when that
+        run is of the other kind and lies between two of this kind, each switch between
+        steps close together: the run's steady figure over the steady figures on either
+        side (the mean of the switch into it and the switch out of it), never a run's
+        first step (see the class docstring)."""
+        run, before = self._before.get(bucket), self._earlier.get(bucket)
+        if (
+            run is None
+            or before is None
+            or run.steady is None  # one step: no figure without its switch's cost
+            or not before.drafting == after.drafting != run.drafting
+            or run.start - before.last > self.fresh
+            or after.start - run.last > self.fresh
+        ):
+            return
+        side = before.steady if before.steady is not None else before.first
+        # each switch at one speed: the run's start (its second step) against the end of
+        # the run before, its end (its last steps) against the start of the run after
+        assert run.second is not None and after.second is not None
+        into, out = run.second - side, run.steady - after.second
+        if abs(into - out) <= self.jump:  # else the speed changed at a switch
+            sample = 0.5 * (into + out)
+            self._contrast(bucket, sample if run.drafting else -sample, into - out)
 
     def contrast_weight(self, requests: int, sides: float = 0.0) -> float:
         """The weight a contrast taken now in the bucket of ``requests`` gets, in
