@@ -258,17 +258,15 @@ def bucket_label(bucket: int) -> str:
 @dataclass
 class _Run:
     """A run of consecutive steps of one kind in a batch-size bucket: its kind, the
-    indices of its first and last steps, its first step's log(measured / profiled)
-    seconds, a short EMA of its last steps' (the machine's speed as it was then), its
-    last step's own, and of its steps after the first (a first step pays for the switch,
-    see :class:`OnlineStepCost`) its second step's and their short EMA (None while it
-    has one step)."""
+    indices of its first and last steps, its first and last steps' log(measured /
+    profiled) seconds, and of its steps after the first (a first step pays for the
+    switch, see :class:`OnlineStepCost`) the second's and a short EMA of them (the
+    machine's speed as it was lately; both None while the run has one step)."""
 
     drafting: bool
     start: int
     last: int
     first: float
-    x: float
     last_x: float
     second: float | None = None
     steady: float | None = None
@@ -450,7 +448,7 @@ class OnlineStepCost:
             var, n = self.noise.get(bucket, (0.0, 0.0))
             alpha = max(1.0 / (n + 1), 1.0 - self.noise_decay)
             self.noise[bucket] = (var + alpha * ((x - run.last_x) ** 2 / 2 - var), n + 1)
-            run.last, run.x, run.last_x = self._step, run.x + 0.5 * (x - run.x), x
+            run.last, run.last_x = self._step, x
             if run.steady is None:  # its second step, its first steady figure: the run
                 run.second = run.steady = x  # before it, sandwiched, is a contrast
                 self._sandwich(bucket, run)
@@ -459,7 +457,7 @@ class OnlineStepCost:
         else:
             self._earlier[bucket] = self._before.get(bucket)
             self._before[bucket] = run
-            self._runs[bucket] = _Run(kind, self._step, self._step, x, x, x)
+            self._runs[bucket] = _Run(kind, self._step, self._step, x, x)
         x -= self.relative_cost(requests) if kind else 0.0
         ema, n = self.levels.get(requests, (x, 0.0))
         alpha = max(1.0 / (n + 1), 1.0 - self.decay)  # the first samples average exactly
