@@ -868,6 +868,22 @@ def test_the_relative_cost_of_drafting_is_learnt_from_contrasts_only() -> None:
     assert cost.summary()["relative_cost_drafting"] == {"1": pytest.approx(2.0, rel=0.03)}
 
 
+def test_a_runs_first_step_pays_for_its_switch_and_teaches_nothing() -> None:
+    """Drafting steps take 2x their profile, and the first step of every run pays for the
+    switch (plain 1.3x, drafting 1.1x: the engine's are 1.08x and 1.05x at 16 requests).
+    The contrasts come from the runs' steps after their first, so the relative cost
+    learnt is drafting's 2x; counting the first steps (the contrasts before 2026-12-05)
+    put drafting 12 % cheaper (1.76x)."""
+    cost = OnlineStepCost(COST)
+    for _ in range(12):
+        for rows, drafting, factor, n in ((1, 0, 1.0, 4), (6, 1, 2.0, 2)):
+            for k in range(n):
+                switch = (1.3 if drafting == 0 else 1.1) if k == 0 else 1.0
+                cost.update(1, rows, drafting, factor * switch * COST.seconds_at(1, rows, drafting))
+    assert cost.contrasts(1) == 22  # 24 runs: each between two others
+    assert math.exp(cost.relative_cost(1)) == pytest.approx(2.0, rel=0.02)
+
+
 def test_a_contrast_among_noisy_steps_counts_for_less() -> None:
     """Drafting steps take 2x their profile, learnt on a quiet machine. Then two drafting
     steps read their profile, between plain steps at theirs: on a quiet machine that is a
