@@ -662,8 +662,8 @@ class Speculation:
         step explored amid drafting paid for its switch: :class:`OnlineStepCost`), gone
         with explorations of :data:`EXPLORE_RUN` steps; the margin of 0.05 then kept
         16 requests at T=0.8 plain where drafting made 1.05-1.08x ``spec=none``'s
-        tokens per second with requests of mixed lengths (``spec=none`` 439, fixed
-        gamma 460, adaptive 427 tok/s in one process). On the synthetic machine with
+        tokens per second with requests of mixed lengths (``spec=none`` 437, fixed
+        gamma 469, adaptive 442 tok/s in one process; 450, 469, 483 with this). On the synthetic machine with
         the engine's switch costs (benchmarks/sim_adaptive.py ``--switch-cost 0.08
         0.05``), drafting truly 0.96-1.12x plain's value: 0.990-1.019x the better fixed
         kind at 0.03 with these explorations, 0.975-1.010x at 0.05, and 0.978-1.009x
