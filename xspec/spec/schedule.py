@@ -469,8 +469,9 @@ class OnlineStepCost:
         """The contrast of the run before ``after`` (its second step just taken), when that
         run is of the other kind and lies between two of this kind, each switch between
         steps close together: the run's steady figure over the steady figures on either
-        side (the mean of the switch into it and the switch out of it), never a run's
-        first step (see the class docstring)."""
+        side (the mean of the switch into it and the switch out of it): never its first
+        step nor the next run's (see the class docstring); the run before counts by its
+        only step when it had one."""
         run, before = self._before.get(bucket), self._earlier.get(bucket)
         if (
             run is None
