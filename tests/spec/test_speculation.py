@@ -833,8 +833,8 @@ def _sandwiches(cost: OnlineStepCost, n: int, plain: float, drafting: float) -> 
 
 
 def test_the_relative_cost_of_drafting_is_learnt_from_contrasts_only() -> None:
-    """Drafting steps take 2x their profile where plain steps take theirs: a run of
-    drafting steps between two of plain ones (a contrast) teaches that. A slow spell (3x) in a run of
+    """Drafting steps take 2x their profile where plain steps take theirs: a run of drafting
+    steps between two of plain ones (a contrast) teaches that. A slow spell (3x) in a run of
     plain steps then moves both kinds' predictions (the machine's speed) and leaves the
     relative cost alone. The earlier model's scale per kind kept drafting at the speed
     it was last measured at: plain 3x, drafting 2x, and the choice flipped to drafting."""

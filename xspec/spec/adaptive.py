@@ -663,11 +663,12 @@ class Speculation:
         with explorations of :data:`EXPLORE_RUN` steps; the margin of 0.05 then kept
         16 requests at T=0.8 plain where drafting made 1.05-1.08x ``spec=none``'s
         tokens per second with requests of mixed lengths (``spec=none`` 437, fixed
-        gamma 469, adaptive 442 tok/s in one process; 450, 469, 483 with this). On the synthetic machine with
-        the engine's switch costs (benchmarks/sim_adaptive.py ``--switch-cost 0.08
-        0.05``), drafting truly 0.96-1.12x plain's value: 0.990-1.019x the better fixed
-        kind at 0.03 with these explorations, 0.975-1.010x at 0.05, and 0.978-1.009x
-        with the single-step explorations and 0.05."""
+        gamma 469, adaptive 442 tok/s in one process; 450, 469, 483 with this). On the
+        synthetic machine with the engine's switch costs (benchmarks/sim_adaptive.py
+        ``--switch-cost 0.08 0.05``), drafting truly 0.96-1.12x plain's value:
+        0.990-1.019x the better fixed kind at 0.03 with these explorations,
+        0.975-1.010x at 0.05, and 0.978-1.009x with the single-step explorations and
+        0.05."""
         if choice.other is None:
             return choice
         f = self.yield_check.factor(requests) / (1.0 + PLAIN_MARGIN)
