@@ -820,6 +820,7 @@ def test_a_step_is_learnt_alike_from_the_decisions_line_or_a_fresh_read(
     mine, theirs = given.summary(), fresh.summary()
     assert mine.pop("relative_cost_drafting") == pytest.approx(theirs.pop("relative_cost_drafting"))
     assert mine.pop("step_noise") == pytest.approx(theirs.pop("step_noise"))
+    assert mine.pop("switch_cost") == pytest.approx(theirs.pop("switch_cost"))
     assert mine == pytest.approx(theirs)
 
 
@@ -868,20 +869,78 @@ def test_the_relative_cost_of_drafting_is_learnt_from_contrasts_only() -> None:
     assert cost.summary()["relative_cost_drafting"] == {"1": pytest.approx(2.0, rel=0.03)}
 
 
+def _switching(cost: OnlineStepCost, pairs: int, requests: int = 1) -> None:
+    """``pairs`` times: 4 plain steps, 2 drafting steps (5 drafts a request), drafting at
+    2x its profile, the first step of every run paying for the switch (plain 1.3x,
+    drafting 1.1x: the engine's are 1.08x and 1.05x at 16 requests)."""
+    for _ in range(pairs):
+        for drafts, factor, n in ((0, 1.0, 4), (5, 2.0, 2)):
+            rows, drafting = requests * (1 + drafts), requests if drafts else 0
+            for k in range(n):
+                switch = (1.1 if drafting else 1.3) if k == 0 else 1.0
+                seconds = factor * switch * COST.seconds_at(requests, rows, drafting)
+                cost.update(requests, rows, drafting, seconds)
+
+
 def test_a_runs_first_step_pays_for_its_switch_and_teaches_nothing() -> None:
     """Drafting steps take 2x their profile, and the first step of every run pays for the
-    switch (plain 1.3x, drafting 1.1x: the engine's are 1.08x and 1.05x at 16 requests).
-    The contrasts come from the runs' steps after their first, so the relative cost
-    learnt is drafting's 2x; counting the first steps (the contrasts before 2026-12-05)
-    put drafting 12 % cheaper (1.76x)."""
+    switch (:func:`_switching`). The contrasts come from the runs' steps after their
+    first, so the relative cost learnt is drafting's 2x; counting the first steps (the
+    contrasts before 2026-12-05) put drafting 12 % cheaper (1.76x)."""
     cost = OnlineStepCost(COST)
-    for _ in range(12):
-        for rows, drafting, factor, n in ((1, 0, 1.0, 4), (6, 1, 2.0, 2)):
-            for k in range(n):
-                switch = (1.3 if drafting == 0 else 1.1) if k == 0 else 1.0
-                cost.update(1, rows, drafting, factor * switch * COST.seconds_at(1, rows, drafting))
+    _switching(cost, 12)
     assert cost.contrasts(1) == 22  # 24 runs: each between two others
     assert math.exp(cost.relative_cost(1)) == pytest.approx(2.0, rel=0.02)
+
+
+def test_what_a_switch_costs_is_learnt_from_the_runs_first_steps() -> None:
+    """The first step of a run right after the other kind, over its second, is what a
+    switch to that kind costs: 0.3 of a plain step, 0.1 of a drafting one here. Learnt
+    per batch-size bucket, and a bucket that has seen no switch takes every bucket's; a
+    run that starts after steps of another bucket (no switch in its own) teaches
+    nothing, nor does a bucket's first run."""
+    cost = OnlineStepCost(COST)
+    assert cost.switch_cost(1, False) == cost.switch_cost(1, True) == 0.0  # nothing seen
+    _switching(cost, 12)
+    assert cost.switch_cost(1, False) == pytest.approx(0.3, rel=0.02)
+    assert cost.switch_cost(1, True) == pytest.approx(0.1, rel=0.05)
+    every = cost.summary()["switch_cost"]  # every bucket's (results.json)
+    assert every == {
+        "plain": pytest.approx(1.3 ** (11 / 12) - 1),
+        "drafting": pytest.approx(1.1 ** (12 / 13) - 1),
+    }
+    # 8 requests: none seen, every bucket's (shrunk to 0 by one sample)
+    assert cost.switch_cost(8, False) == pytest.approx(1.3 ** (11 / 12) - 1, rel=0.01)
+    # a step of another bucket between the runs: their first steps teach nothing
+    apart = OnlineStepCost(COST)
+    for drafts in (0, 5, 0, 5):
+        apart.update(1, 1 + drafts, int(drafts > 0), 1.5 * COST.seconds_at(1, 1 + drafts, 1))
+        apart.update(1, 1 + drafts, int(drafts > 0), COST.seconds_at(1, 1 + drafts, 1))
+        apart.update(8, 8, 0, COST.seconds_at(8, 8, 0))
+    assert apart.switches == {}
+    # steps dearer at no switch (a fresh bucket's first run, or steady) are no switch cost
+    steady = OnlineStepCost(COST)
+    steady.update(1, 1, 0, 2.0)
+    steady.update(1, 1, 0, 1.0)
+    assert steady.switch_cost(1, False) == 0.0
+
+
+def test_re_exploring_pays_for_the_switches_too() -> None:
+    """A re-exploration's loss counts the two switches it makes, at what the cost model
+    learnt they cost: plain explored amid drafting (plain in 0.6 of drafting's seconds,
+    0.3 behind) loses 2 x 0.3 x 0.6 best steps by the gap, and 0.3 x 0.6 + 0.1 more
+    by the switches (plain 1.3x, drafting 1.1x), so the re-explorations are spaced
+    by (0.36 + 0.28) / EXPLORE_BUDGET steps (256, not the gap's 144)."""
+    s = Speculation(2, cost=OnlineStepCost(COST))
+    assert s.cost is not None
+    _switching(s.cost, 40)
+    plain, drafting = s.cost.switch_cost(1, False), s.cost.switch_cost(1, True)
+    assert (plain, drafting) == (pytest.approx(0.3, rel=0.01), pytest.approx(0.1, rel=0.01))
+    explored = _explorations(s, [0.3] * 1600)
+    wait = (EXPLORE_RUN * 0.3 * 0.6 + plain * 0.6 + drafting) / EXPLORE_BUDGET
+    assert 250 < wait < 260
+    assert _re_explored(explored, wait), explored
+    assert len(_spans(explored)) >= int(1600 / wait) - 1, explored  # at that pace
 
 
 def test_a_contrast_among_noisy_steps_counts_for_less() -> None:

@@ -261,6 +261,8 @@ def step_time_summary(built: Built) -> str | None:
         f"{t['abs_error_ms_mean']:.2f} ms; measured/profiled lately {t['speed']:.2f}; a "
         f"drafting step's cost relative to a plain one's beyond the profile, per batch size: "
         f"{relative or 'not measured'}; step-to-step noise (log sd) per batch size: "
-        f"{noise or 'not measured'}; realised/expected tokens of drafting steps "
+        f"{noise or 'not measured'}; a switch's cost, of the step switched to: plain "
+        f"{t['switch_cost']['plain']:.2f}, drafting {t['switch_cost']['drafting']:.2f}; "
+        f"realised/expected tokens of drafting steps "
         f"{speculation.yield_check.factor():.2f})"
     )
