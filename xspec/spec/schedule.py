@@ -476,16 +476,18 @@ class OnlineStepCost:
         self.speed += (1.0 - self.decay) * (x - self.speed) if self._step > 1 else x - self.speed
         return predicted
 
-    def switch_cost(self, requests: int, drafting: bool) -> float:
-        """What switching to a step of this kind costs at ``requests``, as a fraction of
-        such a step: how much dearer the first step of a run is than its second (the
-        rings restacked for the requests the other kind ended, the drafter's held-back
-        rows written; :meth:`update`), learnt from the switches seen (an EMA of the log
-        excess per batch-size bucket, shrunk to every bucket's, which is shrunk to 0 by
-        ``switch_prior`` samples), never below 0. At 32 requests, T=0.8, a drafting
-        step right after plain ones took 87 ms where the next took 70-75."""
-        overall = self._shrunk(self.switches.get((None, drafting)), 0.0)
-        x = self._shrunk(self.switches.get((batch_bucket(requests), drafting)), overall)
+    def switch_cost(self, requests: int | None, drafting: bool) -> float:
+        """What switching to a step of this kind costs at ``requests`` (None: every
+        bucket's figure), as a fraction of such a step: how much dearer the first step of
+        a run is than its second (the rings restacked for the requests the other kind
+        ended, the drafter's held-back rows written; :meth:`update`), learnt from the
+        switches seen (an EMA of the log excess per batch-size bucket, shrunk to every
+        bucket's, which is shrunk to 0 by ``switch_prior`` samples), never below 0. At
+        32 requests, T=0.8, a drafting step right after plain ones took 87 ms where the
+        next took 70-75."""
+        x = self._shrunk(self.switches.get((None, drafting)), 0.0)
+        if requests is not None:
+            x = self._shrunk(self.switches.get((batch_bucket(requests), drafting)), x)
         return max(math.expm1(x), 0.0)
 
     def _shrunk(self, ema: tuple[float, float] | None, prior: float) -> float:
@@ -576,8 +578,8 @@ class OnlineStepCost:
             },
             # what a switch to each kind costs, as a fraction of its step (every bucket's)
             "switch_cost": {
-                kind: max(math.expm1(self._shrunk(self.switches.get((None, k)), 0.0)), 0.0)
-                for kind, k in (("plain", False), ("drafting", True))
+                "plain": self.switch_cost(None, False),
+                "drafting": self.switch_cost(None, True),
             },
         }
 
