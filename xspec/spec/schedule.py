@@ -255,6 +255,16 @@ def bucket_label(bucket: int) -> str:
     return str(lo) if lo == hi else f"{lo}-{hi}"
 
 
+def _averaged(
+    state: tuple[float, float] | None, sample: float, decay: float
+) -> tuple[float, float]:
+    """An EMA ``(value, samples)`` (None: none yet) after one more ``sample``: the first
+    samples averaged exactly, then by ``decay``."""
+    ema, n = state if state is not None else (sample, 0.0)
+    alpha = max(1.0 / (n + 1), 1.0 - decay)
+    return ema + alpha * (sample - ema), n + 1
+
+
 @dataclass
 class _Run:
     """A run of consecutive steps of one kind in a batch-size bucket: its kind, the
@@ -455,9 +465,8 @@ class OnlineStepCost:
         run = self._runs.get(bucket)
         if run is not None and run.drafting == kind and self._step - run.last <= self.fresh:
             # two steps of one kind close together: their difference is the step noise
-            var, n = self.noise.get(bucket, (0.0, 0.0))
-            alpha = max(1.0 / (n + 1), 1.0 - self.noise_decay)
-            self.noise[bucket] = (var + alpha * ((x - run.last_x) ** 2 / 2 - var), n + 1)
+            noise = (x - run.last_x) ** 2 / 2
+            self.noise[bucket] = _averaged(self.noise.get(bucket), noise, self.noise_decay)
             run.last, run.last_x = self._step, x
             if run.steady is None:  # its second step, its first steady figure: the run
                 run.second = run.steady = x  # before it, sandwiched, is a contrast
@@ -470,9 +479,7 @@ class OnlineStepCost:
             self._before[bucket] = run
             self._runs[bucket] = _Run(kind, self._step, self._step, x, x)
         x -= self.relative_cost(requests) if kind else 0.0
-        ema, n = self.levels.get(requests, (x, 0.0))
-        alpha = max(1.0 / (n + 1), 1.0 - self.decay)  # the first samples average exactly
-        self.levels[requests] = (ema + alpha * (x - ema), n + 1)
+        self.levels[requests] = _averaged(self.levels.get(requests), x, self.decay)
         self.speed += (1.0 - self.decay) * (x - self.speed) if self._step > 1 else x - self.speed
         return predicted
 
@@ -506,9 +513,7 @@ class OnlineStepCost:
         assert run.second is not None
         sample = run.first - run.second
         for key in ((bucket, run.drafting), (None, run.drafting)):
-            ema, n = self.switches.get(key, (sample, 0.0))
-            alpha = max(1.0 / (n + 1), 1.0 - self.switch_decay)
-            self.switches[key] = (ema + alpha * (sample - ema), n + 1)
+            self.switches[key] = _averaged(self.switches.get(key), sample, self.switch_decay)
 
     def _sandwich(self, bucket: int, after: _Run) -> None:
         """The contrast of the run before ``after`` (its second step just taken), when that
