@@ -214,6 +214,7 @@ def test_nonfinite_logits_fail_one_request_only(
 
     def faulty(batch):  # NaN logits for request 1, from its prefill or its first decode step
         out = forward(batch)
+        scored = range(len(batch.input_ids)) if batch.logit_rows is None else batch.logit_rows
         start = 0
         for n, state in zip(batch.seq_lens, batch.states):
             if int(batch.input_ids[start]) == PROMPTS[1][0] and n == len(PROMPTS[1]):
@@ -221,8 +222,8 @@ def test_nonfinite_logits_fail_one_request_only(
                 poison = when == "prefill"
             else:
                 poison = when == "decode" and any(state is m for m in marked)
-            if poison:
-                out.logits[start : start + n] = math.nan
+            if poison:  # the logits rows of this sequence's scored rows
+                out.logits[[k for k, r in enumerate(scored) if start <= r < start + n]] = math.nan
             start += n
         return out
 

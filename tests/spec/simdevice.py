@@ -186,6 +186,8 @@ class SimTarget:
         self.forwards += 1
         ids = _unwrap(batch.input_ids)  # refuses host input ids
         with self.mode.bypassed():
-            out = self.inner.forward(ForwardBatch(ids, batch.seq_lens, batch.states, batch.capture))
+            out = self.inner.forward(
+                ForwardBatch(ids, batch.seq_lens, batch.states, batch.capture, batch.logit_rows)
+            )
         aux = _wrap(out.aux_hidden) if out.aux_hidden is not None else None
         return ModelOutput(_wrap(out.logits), _wrap(out.hidden), aux)

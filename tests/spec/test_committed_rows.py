@@ -132,6 +132,10 @@ def test_drafter_sees_what_split_and_concat_delivered(layer_ids: list[int]) -> N
     want = split_then_cat(target.calls, tstates, [len(p) for p in PROMPTS])
     nxt = [torch.tensor([*p[1:], *f]) for p, f in zip(PROMPTS, first.new_tokens)]
     assert len(target.calls) == 10  # ceil(40 / CHUNK): the chunked prefill
+    # each chunk's forward scored only the last rows of the prompts that end in it
+    ending = [sum(lo < len(p) <= lo + CHUNK for p in PROMPTS) for lo in range(0, 40, CHUNK)]
+    assert [out.logits.shape[0] for _, out in target.calls] == ending == [1, 1, 1, *[0] * 6, 1]
+    assert first.new_tokens == [[r[len(p)]] for p, r in zip(PROMPTS, reference)]
     assert rows.seq_lens == [len(p) for p in PROMPTS] and rows.starts == [0] * len(PROMPTS)
     assert rows.offsets == [0, 5, 45, 47, 58]
     assert torch.equal(rows.input_ids, want["ids"])

@@ -26,10 +26,10 @@ weights with their scales; routed experts split among the ``parallel.ep`` ranks 
 refuses a run whose weights plus one sequence do not fit before any tensor is read, and
 ``python -m xspec.plan`` prints it for a DP x EP layout without loading anything.
 
-Not covered by the plan (documented, not hidden): the prefill's transient logits
-``[prompt chunk rows, V]`` and activations, the allocator's own fragmentation, and a
-DeepSeek-V4 ring stack that outlives a finished sequence until its batch-mates restack
-(``state.Ring``).
+Not covered by the plan (documented, not hidden): the prefill's transient activations
+(not its logits: one row per prompt, ``ForwardBatch.logit_rows``), the allocator's own
+fragmentation, and a DeepSeek-V4 ring stack that outlives a finished sequence until its
+batch-mates restack (``state.Ring``).
 """
 
 from __future__ import annotations

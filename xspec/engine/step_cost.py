@@ -239,8 +239,10 @@ def measure_step_cost(
         dstates = [drafter.new_state(n) for _ in range(R)]
         ids = torch.randint(0, target.vocab_size, (R, context + 1), generator=gen).to(device)
         out = target.forward(
-            ForwardBatch(ids[:, :context].reshape(-1), [context] * R, states, capture)
-        )
+            ForwardBatch(
+                ids[:, :context].reshape(-1), [context] * R, states, capture, logit_rows=[]
+            )
+        )  # the context only: no logits
         rows = CommittedRows(
             ids[:, :context].reshape(-1),  # [R*context]
             ids[:, 1:].reshape(-1),

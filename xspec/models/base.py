@@ -15,6 +15,11 @@ Hidden-state capture: ``capture`` is a list of :class:`CapturePoint` (already ma
 by the platform from checkpoint layer ids, see ``Platform.capture_point``); the model
 returns the hidden state at each point, concatenated in list order, as
 ``aux_hidden [T, K*d]``. Core code never adds +1 to a layer id itself.
+
+Logits: ``logit_rows`` names the rows whose logits the caller reads (a prefill needs
+only each prompt's last row); the model scores only those, so a prompt chunk of
+``T`` rows never holds ``[T, V]`` logits (at DeepSeek-V4's 129k vocabulary, 0.5 MiB of
+fp32 a row: 1 GiB for one 2048-row chunk). ``None``: every row (verification, parity).
 """
 
 from __future__ import annotations
@@ -41,14 +46,27 @@ class ForwardBatch:
     seq_lens: list[int]  # rows per sequence, sum == T
     states: list[Any]  # one model-specific decoding state per sequence
     capture: list[CapturePoint] = field(default_factory=list)
+    logit_rows: list[int] | None = None  # the rows to score (ascending); None: all T
 
     def __post_init__(self) -> None:
         if len(self.seq_lens) != len(self.states):
             raise ValueError("seq_lens and states must have one entry per sequence")
-        if sum(self.seq_lens) != self.input_ids.shape[0]:
+        rows = self.input_ids.shape[0]
+        if sum(self.seq_lens) != rows:
+            raise ValueError(f"seq_lens sum to {sum(self.seq_lens)}, input_ids has {rows} rows")
+        picked = self.logit_rows
+        if picked is not None and any(
+            not 0 <= r < rows or (i and r <= picked[i - 1]) for i, r in enumerate(picked)
+        ):
             raise ValueError(
-                f"seq_lens sum to {sum(self.seq_lens)}, input_ids has {self.input_ids.shape[0]} rows"
+                f"logit_rows must be ascending row indices in [0, {rows}), got {picked}"
             )
+
+    def scored(self, x: torch.Tensor) -> torch.Tensor:
+        """The rows of ``x`` (``[T, ...]``) whose logits are wanted: ``logit_rows``."""
+        if self.logit_rows is None:
+            return x
+        return x[torch.tensor(self.logit_rows, dtype=torch.long, device=x.device)]
 
     def positions(self) -> torch.Tensor:
         """Absolute position of every row: ``[T]`` int64."""
@@ -61,7 +79,7 @@ class ForwardBatch:
 
 @dataclass
 class ModelOutput:
-    logits: torch.Tensor  # [T, vocab] float32
+    logits: torch.Tensor  # [T, vocab] float32; [len(logit_rows), vocab] when the batch names them
     hidden: (
         torch.Tensor
     )  # [T, ...] pre-head hidden: DSv4 [T, hc, d] (before hc_head); Qwen3 [T, d] (before norm)

@@ -138,18 +138,21 @@ def prefill(
     for lo in range(0, max(len(p) for p in prompts), chunk_tokens):
         live = [i for i, p in enumerate(prompts) if len(p) > lo]
         chunks = [prompts[i][lo : lo + chunk_tokens] for i in live]
+        ends = torch.tensor([len(c) for c in chunks]).cumsum(0).tolist()
+        last = [j for j, i in enumerate(live) if len(prompts[i]) <= lo + chunk_tokens]
         batch = ForwardBatch(
             torch.cat(chunks),
             [len(c) for c in chunks],
             [seqs[i].target_state for i in live],
             capture,
+            logit_rows=[ends[j] - 1 for j in last],  # only the prompts' last rows
         )
         out = target.forward(batch)
-        end, base = 0, sum(len(h) for h in hidden)
-        for i, c in zip(live, chunks):
-            rows_of[i] += range(base + end, base + end + len(c))
-            end += len(c)
-            last_logits[i] = out.logits[end - 1]
+        base = sum(len(h) for h in hidden)
+        for i, c, end in zip(live, chunks, ends):
+            rows_of[i] += range(base + end - len(c), base + end)
+        for k, j in enumerate(last):
+            last_logits[live[j]] = out.logits[k]
         hidden.append(out.hidden)
         if out.aux_hidden is not None:
             aux.append(out.aux_hidden)

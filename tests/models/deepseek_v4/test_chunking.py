@@ -107,3 +107,23 @@ def test_decode_step_cost_is_flat_in_context_length(dsv4):
     assert long < 2.0 * short, (
         f"decode step: {short * 1e3:.1f} ms at 256, {long * 1e3:.1f} ms at 4080"
     )
+
+
+@pytest.mark.parametrize("rows", [[0, 5, 299], [299], []])
+def test_logit_rows_score_those_rows_only(dsv4, rows):
+    """A batch that names its ``logit_rows`` gets exactly those rows' logits (a prefill
+    reads only each prompt's last row), and the same hidden states as without."""
+    model = dsv4.model("tiny", 0)
+    ids = dsv4.ids(300, model.vocab_size, 7)
+    full = dsv4.run(model, ids, model.new_state())
+    some = dsv4.run(model, ids, model.new_state(), logit_rows=rows)
+    assert some.logits.shape == (len(rows), model.vocab_size)
+    assert not rows or dsv4.max_diff(some.logits, full.logits[rows]) <= TOL
+    assert torch.equal(some.hidden, full.hidden)
+
+
+@pytest.mark.parametrize("rows", [[3, 1], [0, 0], [-1], [300]])
+def test_bad_logit_rows_are_refused(dsv4, rows):
+    ids = dsv4.ids(300, 64, 7)
+    with pytest.raises(ValueError, match="logit_rows must be ascending row indices in"):
+        ForwardBatch(ids, [300], [None], logit_rows=rows)

@@ -39,6 +39,16 @@ def test_is_a_target_model(model):
     assert model.max_context == 2048
 
 
+def test_logit_rows_score_those_rows_only(model):
+    """Only the named rows get logits (a prefill reads each prompt's last row)."""
+    ids = _ids(4, 20)
+    full = _run(model, model.new_state(), ids)
+    some = model(ForwardBatch(ids, [20], [model.new_state()], logit_rows=[0, 7, 19]))
+    assert some.logits.shape == (3, 512)
+    assert (some.logits - full.logits[[0, 7, 19]]).abs().max().item() <= 1e-5
+    assert torch.equal(some.hidden, full.hidden)
+
+
 def test_truncate_then_continue_equals_never_scored(model):
     """Score k=6 speculative rows, keep j=2, continue: same as scoring only those 2."""
     prompt, spec, cont = _ids(0, 20), _ids(1, 6), _ids(2, 5)

@@ -238,7 +238,7 @@ class DeepseekV4Model(nn.Module, HyperHead):
             captured[self.num_layers] = x.float().mean(dim=1)
         for state, n in zip(batch.states, batch.seq_lens):
             state.advance(n)
-        logits = self.head(self.norm(self.hyper_head(x))).float()  # [T, V]
+        logits = self.head(self.norm(self.hyper_head(batch.scored(x)))).float()  # [T', V]
         aux = torch.cat([captured[b] for b in boundary], dim=-1) if boundary else None
         return ModelOutput(logits=logits, hidden=x, aux_hidden=aux)
 

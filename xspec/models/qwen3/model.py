@@ -394,7 +394,7 @@ class Qwen3Model(nn.Module):
         for n, state in zip(batch.seq_lens, batch.states):
             state.num_tokens += n
         head = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        logits = F.linear(self.model.norm(h), head).float()  # [T, V]
+        logits = F.linear(self.model.norm(batch.scored(h)), head).float()  # [T', V]
         aux = torch.cat([snaps[i] for i in snapshot_at], dim=-1) if snapshot_at else None
         return ModelOutput(logits=logits, hidden=h, aux_hidden=aux)
 
