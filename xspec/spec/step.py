@@ -46,6 +46,7 @@ class RunningSeq:
     params: SamplingParams
     generator: torch.Generator | None
     max_len: int  # prompt + max_new_tokens: the step never grows token_ids past this
+    ends_by_length: bool = False  # only max_len ends it (no stop id, no stop string)
     error: str | None = None  # set when its logits turned non-finite; the engine drops it
     # its realised acceptance per draft position (spec.adaptive's estimates), once stepped
     history: AcceptanceHistory | None = None
@@ -111,6 +112,14 @@ def prefill_forwards(prompt_lens: list[int], chunk_tokens: int) -> int:
     return math.ceil(max(prompt_lens, default=0) / chunk_tokens)
 
 
+def ending_together(seqs: list[RunningSeq]) -> int | None:
+    """The tokens each of ``seqs`` has left when plain steps end them all at one step
+    (two or more, each ending only by length, all with as many left), else None."""
+    left = {s.remaining for s in seqs}
+    together = len(seqs) > 1 and len(left) == 1 and all(s.ends_by_length for s in seqs)
+    return left.pop() if together else None
+
+
 def step_gamma(drafter: Drafter, seqs: list[RunningSeq]) -> int:
     """The block width of a decode step: ``gamma``, unless no sequence can commit that many
     (n drafts commit at most n + 1 tokens)."""
@@ -138,7 +147,7 @@ def prefill(
     for lo in range(0, max(len(p) for p in prompts), chunk_tokens):
         live = [i for i, p in enumerate(prompts) if len(p) > lo]
         chunks = [prompts[i][lo : lo + chunk_tokens] for i in live]
-        ends = torch.tensor([len(c) for c in chunks]).cumsum(0).tolist()
+        ends = list(itertools.accumulate(len(c) for c in chunks))  # each chunk's end row + 1
         last = [j for j, i in enumerate(live) if len(prompts[i]) <= lo + chunk_tokens]
         batch = ForwardBatch(
             torch.cat(chunks),
@@ -262,7 +271,9 @@ def decode_step(
             if s.history is None:
                 s.history = speculation.new_history()
         histories = [s.history for s in seqs]
-        n = speculation.depths(params, histories, n, regimes=regimes)  # before drafting
+        n = speculation.depths(  # before drafting
+            params, histories, n, regimes=regimes, together=ending_together(seqs)
+        )
         gamma = max(n, default=0)
         drafting = [b for b, k in enumerate(n) if k > 0]
     decided = list(n)
