@@ -32,7 +32,6 @@ from xspec.models.draft_heads import ConfidenceHead, MarkovHead
 from xspec.sampling import SamplingParams
 from xspec.spec import adaptive
 from xspec.spec.adaptive import (
-    DESYNC_STEPS,
     EXPLORE_BUDGET,
     EXPLORE_EVERY,
     EXPLORE_RUN,
@@ -343,25 +342,20 @@ def _machine(
     draft_cost: float | Callable[[int], float],
     speed: Callable[[int], float] = lambda t: 1.0,
     profile: StepCost = LINE,
-    together: int | None = None,
-    requests: int = 1,
 ) -> list[bool]:
     """``steps`` decisions for one request whose drafts all survive (2 drafts: 3 tokens in
     1.18 s by the profile, 2.54x a plain step's 1 token in 1.0 s) on a synthetic machine:
     a step takes the profile's time times ``speed(t)``, times ``draft_cost`` (or
     ``draft_cost(t)``) when it drafts. Returns which steps drafted. ``profile``: the
-    step-cost model's and the machine's, when not LINE; ``together``: what the decision
-    is told of a batch that ends together (the tokens each has left, every step);
-    ``requests``: that many alike instead of one."""
+    step-cost model's and the machine's, when not LINE."""
     s.acceptance.regimes["greedy"] = _flat(s, 1.0)
-    R, kinds = requests, []
+    params, kinds = [SamplingParams()], []
     for t in range(steps):
-        d = s.depths([SamplingParams()] * R, [None] * R, [2] * R, together=together)
+        d = s.depths(params, [None], [2])[0]
         cost = draft_cost(t) if callable(draft_cost) else draft_cost
-        drafting = sum(k > 0 for k in d)
-        seconds = profile.seconds_at(R, R + sum(d), drafting) * speed(t)
-        s.observe([None] * R, d, d, seconds=seconds * (cost if drafting else 1.0))
-        kinds.append(drafting > 0)
+        seconds = profile.seconds_at(1, 1 + d, int(d > 0)) * speed(t) * (cost if d else 1.0)
+        s.observe([None], [d], [d], seconds=seconds)
+        kinds.append(d > 0)
     return kinds
 
 
@@ -490,17 +484,6 @@ def test_a_slow_spell_does_not_flip_the_plain_or_drafting_choice(draft_cost: flo
     assert _re_explored(wrong, EXPLORE_EVERY), wrong
 
 
-def _ahead(ahead: float) -> StepCost:
-    """A profile on which drafting 2 drafts, all accepted, makes ``ahead`` x a plain
-    step's value (3 tokens in ``3 / ahead`` s, a plain step 1 token in 1 s)."""
-    s5 = 1.0 + (3 / ahead - 1.1) / 0.4  # verify 1.0 s + 0.2 * (s5 - 1.0) a draft row
-    cost = StepCost(
-        requests=[1, 8], drafts=[0, 5], seconds=[[1.0, s5]] * 2, draft_seconds=[0.1] * 2
-    )
-    assert cost.seconds_at(1, 3, 1) == pytest.approx(3 / ahead)
-    return cost
-
-
 @pytest.mark.parametrize("ahead", [1.02, 1.10], ids=["within-margin", "beyond-margin"])
 def test_drafting_must_be_predicted_a_margin_ahead_of_plain(ahead: float) -> None:
     """A machine (and profile) on which drafting 2 drafts, all accepted, makes ``ahead`` x
@@ -509,37 +492,17 @@ def test_drafting_must_be_predicted_a_margin_ahead_of_plain(ahead: float) -> Non
     exploration and re-explorations, runs of EXPLORE_RUN spaced by at least EXPLORE_EVERY);
     10 % ahead, they draft (plain only so)."""
     assert 0.02 < PLAIN_MARGIN < 0.10
-    near = _ahead(ahead)
+    # verify 1.0 s plus 0.2 * (s5 - 1.0) per draft row, the draft forward 0.1 s
+    s5 = 1.0 + (3 / ahead - 1.1) / 0.4
+    near = StepCost(
+        requests=[1, 8], drafts=[0, 5], seconds=[[1.0, s5]] * 2, draft_seconds=[0.1] * 2
+    )
+    assert near.seconds_at(1, 3, 1) == pytest.approx(3 / ahead)
     s = Speculation(2, cost=OnlineStepCost(near))
     kinds = _machine(s, 400, 1.0, profile=near)
     wrong = _runs(kinds[10:], ahead < 1 + PLAIN_MARGIN)  # the kind the margin rules out
     assert len(_spans(wrong)) <= 390 / EXPLORE_EVERY + 1, wrong
     assert _re_explored(wrong, EXPLORE_EVERY), wrong
-
-
-@pytest.mark.parametrize(("together", "drafts"), [(None, True), (47, False), (2000, True)], ids=str)
-def test_a_batch_that_ends_together_drafts_only_where_that_pays(
-    together: int | None, drafts: bool
-) -> None:
-    """Drafting makes 1.10x a plain step's value, beyond PLAIN_MARGIN. A batch of 8
-    requests that would all end at one step under plain steps, 47 tokens each from now,
-    keeps stepping plain: drafting would have to save DESYNC_STEPS plain steps over the
-    47 left (1.03 x 1.13 = 1.16x), and after the first explorations it is not
-    re-explored (its first step would part the requests for good). With 2000 left the
-    same lead pays, and as without ``together``, the steps draft (plain only in
-    re-explorations)."""
-    assert (1 + PLAIN_MARGIN) * (1 + DESYNC_STEPS / 47) > 1.10
-    assert (1 + PLAIN_MARGIN) * (1 + DESYNC_STEPS / 2000) < 1.10
-    profile = _ahead(1.10)
-    s = Speculation(2, cost=OnlineStepCost(profile))
-    kinds = _machine(s, 400, 1.0, profile=profile, together=together, requests=8)
-    # the first explorations of the kind not taken, as always: 2 runs of EXPLORE_RUN
-    assert _runs(kinds[:10], not drafts) == [2, 3, 6, 7]
-    wrong = _runs(kinds[10:], not drafts)
-    if drafts:
-        assert wrong and _re_explored(wrong, EXPLORE_EVERY), wrong
-    else:
-        assert wrong == [], wrong  # not one drafting step: no re-exploration either
 
 
 def test_observe_takes_a_given_step_time() -> None:

@@ -61,52 +61,6 @@ def test_batch_block_width_follows_the_neediest_request(oracle: xspec.LLM) -> No
     assert (rep.num_steps, rep.num_draft_tokens, rep.num_committed_tokens) == (1, 1 + 3, 2 + 4)
 
 
-@pytest.mark.parametrize(
-    ("lengths", "ignore_eos", "stop", "told"),
-    [
-        ([6, 6, 6], True, [], [5, 1]),  # equal budgets, ending only by length: told
-        ([6, 6, 7], True, [], None),  # one more token: they end apart
-        ([6, 6, 6], False, [], None),  # a stop id may end any of them early
-        ([6, 6, 6], True, ["x"], None),  # ... or a stop string
-        ([6], True, [], None),  # one request has no batch to keep together
-    ],
-)
-def test_the_decision_is_told_when_the_batch_ends_together(
-    monkeypatch: pytest.MonkeyPatch,
-    lengths: list[int],
-    ignore_eos: bool,
-    stop: list[str],
-    told: list[int] | None,
-) -> None:
-    """``spec.adaptive``'s :data:`~xspec.spec.adaptive.DESYNC_STEPS` rule hears, per
-    step, the tokens every request has left when plain steps would end them all at one
-    step (the oracle accepts every draft, so the batch stays together: 5 left after
-    prefill, 1 after a step of 3 drafts), and None otherwise (``told``: None at every
-    step)."""
-    llm = xspec.LLM(
-        model="qwen3_tiny",
-        spec="oracle",
-        platform="cpu",
-        overrides={"spec.num_speculative_tokens": 3, "spec.gamma_schedule": [[1, 3]]},
-    )
-    speculation = llm._built.engine.speculation
-    assert speculation is not None
-    heard: list[int | None] = []
-    depths = speculation.depths
-
-    def record(*args: Any, together: int | None = None, **kw: Any) -> list[int]:
-        heard.append(together)
-        return depths(*args, together=together, **kw)
-
-    monkeypatch.setattr(speculation, "depths", record)
-    reqs = [
-        Request(PROMPTS[i % 3], n, SamplingParams(), ignore_eos=ignore_eos, stop=stop)
-        for i, n in enumerate(lengths)
-    ]
-    llm._built.engine.run(reqs, concurrency=len(reqs))
-    assert heard == told if told is not None else heard and set(heard) == {None}
-
-
 def test_step_returns_what_it_committed(oracle: xspec.LLM) -> None:
     built = oracle._built
     target, drafter = built.target, built.drafter

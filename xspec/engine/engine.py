@@ -467,7 +467,6 @@ class Engine:
             params=req.params,
             generator=make_generator(req.params),
             max_len=len(req.prompt_ids) + req.max_new_tokens,
-            ends_by_length=not req.stop and (req.ignore_eos or not self.stop_ids),
         )
 
     def _take(self, req: Request, new_tokens: list[int], gen: Generation, now: float) -> bool:

@@ -23,9 +23,7 @@ One decision per step, per request, made **before drafting** by :class:`Speculat
    one's tokens corrected by what drafting steps really committed (:class:`YieldCheck`:
    the acceptance the model learns comes from the positions the trim kept, the
    confident ones), drafting only when that is :data:`PLAIN_MARGIN` ahead of plain
-   (a plain step is what ``spec=none`` pays: the sure option near a tie), and also
-   :data:`DESYNC_STEPS` plain steps ahead over what is left when the batch's requests
-   would all end at one step under plain steps (equal lengths), and a plain
+   (a plain step is what ``spec=none`` pays: the sure option near a tie), and a plain
    step is not taken on a regime's acceptance before it rests on :data:`MIN_EVIDENCE`
    request-steps (:meth:`Speculation._unsure`). The seconds of each kind come from
    one model that keeps the machine's speed (common to both kinds, followed at every
@@ -89,9 +87,6 @@ GAP_DECAY = 0.9  # ... the gap as an EMA over the bucket's steps (one request's 
 RESCAN_EVERY = 8  # steps one scan's drafting option serves while the batch steps plain
 MIN_EVIDENCE = 64  # request-steps of a regime's acceptance before plain may win on it
 PLAIN_MARGIN = 0.03  # drafting is taken only when predicted this much ahead of plain
-# a batch whose requests all end together under plain steps: what drafting's break of
-# that costs, in plain steps of the batch (the refills' separate prefills, the tail)
-DESYNC_STEPS = 6.0
 YIELD_PRIOR_STEPS = 8.0  # YieldCheck: steps' worth of "the model is right", always
 
 
@@ -595,14 +590,10 @@ class Speculation:
         budgets: Sequence[int],
         *,
         regimes: Sequence[str] | None = None,
-        together: int | None = None,
     ) -> list[int]:
         """Drafts per request for this step, before drafting, from each request's
         sampling, its acceptance history and ``budgets`` (the drafts it can still use);
-        ``regimes``: each request's :func:`regime_of` label, when the caller keeps them;
-        ``together``: the tokens every request has left when they all end together
-        under plain steps (each can end only by length, all with as many left), else
-        None (:meth:`_checked`, :data:`DESYNC_STEPS`)."""
+        ``regimes``: each request's :func:`regime_of` label, when the caller keeps them."""
         started = time.perf_counter()
         caps = self.caps(len(params), budgets)
         if regimes is None:
@@ -632,12 +623,12 @@ class Speculation:
                 scanned = scan_depths(surv, caps, line)
                 drafts = scanned if any(scanned.depths) else scanned.swapped()
                 self._scanned = (key, drafts, 1)
-            choice = self._checked(scanned, R, together)
+            choice = self._checked(scanned, R)
             unsure = self._unsure(choice, regimes)
             if unsure is not None:  # plain, but on too little acceptance: those draft
                 depths, accepted = unsure, math.nan
             else:
-                if choice.other is not None and self._explore(R, choice, together):
+                if choice.other is not None and self._explore(R, choice):
                     choice = choice.swapped()
                 depths, accepted = choice.depths, choice.accepted
             if self.trim_enabled:  # the draft forward costs the same at any depth: a
@@ -653,7 +644,7 @@ class Speculation:
         self.last = StepRecord(regimes, depths, expected, started, accepted, line=line)
         return depths
 
-    def _checked(self, choice: Choice, requests: int, together: int | None = None) -> Choice:
+    def _checked(self, choice: Choice, requests: int) -> Choice:
         """``choice`` with the drafting option's value corrected by :class:`YieldCheck`
         (times its factor) and by :data:`PLAIN_MARGIN` (divided by ``1 + margin``), and
         the plain / drafting decision made on the corrected values; the depths of each
@@ -677,30 +668,10 @@ class Speculation:
         ``--switch-cost 0.08 0.05``), drafting truly 0.96-1.12x plain's value:
         0.990-1.019x the better fixed kind at 0.03 with these explorations,
         0.975-1.010x at 0.05, and 0.978-1.009x with the single-step explorations and
-        0.05.
-
-        A batch whose requests all end together under plain steps (``together``: the
-        tokens each has left; every request ends only by length) keeps doing so while
-        it steps plain: its requests end at one step, one batched prefill refills it (or
-        nothing runs at part occupancy). A drafting step gives each request its own
-        count, and from then on they end apart: a prefill iteration per newcomer, a tail
-        at part occupancy. That costs about :data:`DESYNC_STEPS` plain steps of the
-        batch (fewer for a small one: a newcomer admitted alone costs about a plain step,
-        a forward's fixed cost, so at most ``requests - 1``), so drafting must also save
-        that much over the ``together`` plain steps left: its value is divided by ``1 +
-        min(DESYNC_STEPS, requests - 1) / together`` as well. Measured with equal
-        output lengths (48 tokens, two waves; docs/adaptive.md, "Where an equal-length
-        workload's time goes"): fixed gamma's decode and prefill time beyond what
-        its per-step lead at full occupancy gives was 5.6-6.6 plain steps a wave at 8,
-        16 and 32 requests, greedy and T=0.8; at 16 requests and T=0.8, adaptive's
-        drafting led a plain step by up to 17 % and lost the workload by 6 %.
-        A batch of requests that end apart (mixed lengths, a stop id, a server's
-        arrivals) has nothing to keep."""
+        0.05."""
         if choice.other is None:
             return choice
         f = self.yield_check.factor(requests) / (1.0 + PLAIN_MARGIN)
-        if together:
-            f /= 1.0 + min(DESYNC_STEPS, requests - 1) / together
         drafts = any(choice.depths)
         checked = replace(
             choice,
@@ -742,7 +713,7 @@ class Speculation:
         ]
         return depths if any(depths) else None
 
-    def _explore(self, requests: int, choice: Choice, together: int | None = None) -> bool:
+    def _explore(self, requests: int, choice: Choice) -> bool:
         """Take the other kind of step (plain / drafting) instead of the best, to measure
         it, for :data:`EXPLORE_RUN` consecutive steps of the bucket (an exploration):
         the cost model counts no run's first step, which pays for the switch, so a
@@ -786,10 +757,7 @@ class Speculation:
         one request gets it a token or two ahead of the others, which then end and are
         replaced at different steps); there, in one process, runs without
         re-exploration made 1.02-1.03x those with it at 0.005 (1.75-2.8 re-explorations
-        per 94-step run), where the model counted 0.5 %. Hence 0.0025.
-
-        Not a drafting re-exploration in a batch whose requests end together
-        (``together``, :meth:`_checked`): its first step would break that for good."""
+        per 94-step run), where the model counted 0.5 %. Hence 0.0025."""
         kind = any(d > 0 for d in choice.other or [])
         known = choice.value > 0 and choice.seconds > 0
         gap = self._gap(requests, 1.0 - choice.other_value / choice.value) if known else 0.0
@@ -804,20 +772,14 @@ class Speculation:
             if held[2] > 1:
                 self._exploring = (bucket, kind, held[2] - 1)
             return True
-        if self._starts_exploring(requests, kind, gap, known, choice, together):
+        if self._starts_exploring(requests, kind, gap, known, choice):
             if EXPLORE_RUN > 1:
                 self._exploring = (bucket, kind, EXPLORE_RUN - 1)
             return True
         return False
 
     def _starts_exploring(
-        self,
-        requests: int,
-        kind: bool,
-        gap: float,
-        known: bool,
-        choice: Choice,
-        together: int | None = None,
+        self, requests: int, kind: bool, gap: float, known: bool, choice: Choice
     ) -> bool:
         """Whether an exploration of ``kind`` starts at this step (:meth:`_explore`)."""
         since = self.kinds.since(kind, requests)
@@ -827,7 +789,7 @@ class Speculation:
                 # never; else once the bucket has had EXPLORE_EVERY steps without it
                 return gap <= EXPLORE_WIDE and since >= EXPLORE_EVERY
             return since >= EXPLORE_RUN  # a steady figure of the best kind on each side
-        if not known or gap > EXPLORE_WIDE or (kind and together):
+        if not known or gap > EXPLORE_WIDE:
             return False
         return since >= max(EXPLORE_EVERY, self._exploration_loss(requests, kind, gap, choice))
 

@@ -46,7 +46,6 @@ class RunningSeq:
     params: SamplingParams
     generator: torch.Generator | None
     max_len: int  # prompt + max_new_tokens: the step never grows token_ids past this
-    ends_by_length: bool = False  # only max_len ends it (no stop id, no stop string)
     error: str | None = None  # set when its logits turned non-finite; the engine drops it
     # its realised acceptance per draft position (spec.adaptive's estimates), once stepped
     history: AcceptanceHistory | None = None
@@ -110,14 +109,6 @@ def _cat_rows(parts: list[torch.Tensor], index: torch.Tensor) -> torch.Tensor:
 def prefill_forwards(prompt_lens: list[int], chunk_tokens: int) -> int:
     """Target forwards ``prefill`` runs for prompts of these lengths (0 for none)."""
     return math.ceil(max(prompt_lens, default=0) / chunk_tokens)
-
-
-def ending_together(seqs: list[RunningSeq]) -> int | None:
-    """The tokens each of ``seqs`` has left when plain steps end them all at one step
-    (two or more, each ending only by length, all with as many left), else None."""
-    left = {s.remaining for s in seqs}
-    together = len(seqs) > 1 and len(left) == 1 and all(s.ends_by_length for s in seqs)
-    return left.pop() if together else None
 
 
 def step_gamma(drafter: Drafter, seqs: list[RunningSeq]) -> int:
@@ -271,9 +262,7 @@ def decode_step(
             if s.history is None:
                 s.history = speculation.new_history()
         histories = [s.history for s in seqs]
-        n = speculation.depths(  # before drafting
-            params, histories, n, regimes=regimes, together=ending_together(seqs)
-        )
+        n = speculation.depths(params, histories, n, regimes=regimes)  # before drafting
         gamma = max(n, default=0)
         drafting = [b for b, k in enumerate(n) if k > 0]
     decided = list(n)
