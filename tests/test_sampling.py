@@ -106,6 +106,19 @@ def test_mixed_rows_each_use_their_own_params() -> None:
     assert (sums - 1).abs().max().item() < 1e-6, sums
 
 
+def test_a_batch_without_greedy_rows_matches_each_row_alone() -> None:
+    """Every row random (the batch of a sampled workload) takes the path that keeps no
+    one-hot rows; each row is still what it is on its own, shared objects included."""
+    logits = torch.randn(6, 9, generator=torch.Generator().manual_seed(4))
+    shared = SamplingParams(temperature=0.8, top_k=4)
+    params = [shared, SamplingParams(temperature=1.3), shared, SamplingParams(0.5, top_p=0.6)]
+    params += [shared, SamplingParams(temperature=2.0, top_k=2, top_p=0.9)]
+    probs = logits_to_probs(logits, params)
+    for i, p in enumerate(params):
+        assert torch.equal(probs[i : i + 1], logits_to_probs(logits[i : i + 1], [p])), i
+        assert probs[i].tolist() == pytest.approx(_reference_probs(logits[i].tolist(), p), abs=1e-6)
+
+
 def test_problems_name_each_bad_key() -> None:
     assert SamplingParams().problems() == []
     assert SamplingParams(temperature=0.7, top_k=50, top_p=0.9, seed=3).problems() == []
@@ -116,6 +129,7 @@ def test_problems_name_each_bad_key() -> None:
         "sampling.top_p must be in (0, 1] (got 0.0); use 1.0 to disable top-p",
         "sampling.seed must be null or an integer in [0, 2**64) (got -5)",
     ]
+    assert SamplingParams(temperature=0.7).valid and not SamplingParams(top_k=-1).valid
     assert len(SamplingParams(temperature=math.nan, top_p=1.5).problems()) == 2
     assert len(SamplingParams(temperature=math.inf, top_k=2.5).problems()) == 2  # type: ignore[arg-type]
 
@@ -126,6 +140,10 @@ def test_logits_to_probs_rejects_invalid_params_with_row_numbers() -> None:
         logits_to_probs(logits, [GREEDY, SamplingParams(temperature=1.0, top_p=2.0)])
     with pytest.raises(ValueError, match="2 logits rows but 1"):
         logits_to_probs(logits, [GREEDY])
+    # one object on several rows (a verify block) is named on each of them
+    bad = SamplingParams(temperature=-1.0)
+    with pytest.raises(RequestError, match=r"row 0: .*\n.*row 2: sampling.temperature"):
+        logits_to_probs(torch.zeros(3, 4), [bad, GREEDY, bad])
 
 
 def test_greedy_property_and_generator() -> None:
@@ -198,6 +216,36 @@ def test_draw_uniforms_layout() -> None:
     assert u[1].abs().sum().item() == 0.0
     with pytest.raises(ValueError, match="no generator"):
         draw_uniforms([None], [1], torch.device("cpu"))
+
+
+def test_draw_uniforms_one_generator_a_row_and_given_uniforms() -> None:
+    """Each request its own generator (a served batch): row i holds its generator's next
+    ``counts[i]`` draws, wherever the rows are full or not; ``sample(uniforms=...)`` is
+    what ``sample`` draws itself."""
+    seeds = [3, 4, 5]
+    for counts in ([2, 2, 2], [2, 1, 0]):
+        gens = [torch.Generator().manual_seed(s) for s in seeds]
+        u = draw_uniforms(gens, counts, torch.device("cpu"))
+        assert u.shape == (3, 2)
+        for i, (s, n) in enumerate(zip(seeds, counts)):
+            ref = torch.Generator().manual_seed(s)
+            assert torch.equal(u[i, :n], torch.rand(n, generator=ref)), (counts, i)
+            assert not u[i, n:].any(), (counts, i)
+            # it consumed exactly its own count
+            assert torch.equal(torch.rand(3, generator=gens[i]), torch.rand(3, generator=ref))
+    probs = torch.softmax(torch.randn(3, 7, generator=torch.Generator().manual_seed(1)), -1)
+    probs[1] = torch.nn.functional.one_hot(torch.tensor(4), 7).float()
+    drawn = sample(
+        probs, [torch.Generator().manual_seed(8), None, torch.Generator().manual_seed(9)]
+    )
+    u = torch.tensor(
+        [torch.rand(1, generator=torch.Generator().manual_seed(s)).item() for s in (8, 0, 9)]
+    )
+    assert torch.equal(
+        sample(probs, [torch.Generator(), None, torch.Generator()], uniforms=u), drawn
+    )
+    with pytest.raises(ValueError, match="uniforms must be"):
+        sample(probs, [torch.Generator(), None, torch.Generator()], uniforms=u[:2])
 
 
 def _reference_probs(row: list[float], sp: SamplingParams) -> list[float]:

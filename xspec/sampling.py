@@ -17,6 +17,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
+from functools import cached_property
 
 import torch
 from torch import Tensor
@@ -66,6 +67,12 @@ class SamplingParams:
             out.append(f"sampling.seed must be null or an integer in [0, 2**64) (got {s!r})")
         return out
 
+    @cached_property
+    def valid(self) -> bool:
+        """No :meth:`problems`; computed once (the fields are frozen), since every
+        processing call checks each of its rows' parameters."""
+        return not self.problems()
+
     @property
     def greedy(self) -> bool:
         # Like vLLM, temperatures below 1e-5 are greedy: logits / 1e-30 overflows to inf
@@ -101,9 +108,10 @@ def _check_params(params: Sequence[SamplingParams], num_rows: int) -> None:
         raise ValueError(
             f"logits_to_probs: {num_rows} logits rows but {len(params)} SamplingParams"
         )
+    if all(sp.valid for sp in params):  # each object's check is done once and kept
+        return
     problems = [f"row {i}: {msg}" for i, sp in enumerate(params) for msg in sp.problems()]
-    if problems:
-        raise RequestError("invalid sampling parameters:", problems=problems)
+    raise RequestError("invalid sampling parameters:", problems=problems)
 
 
 def logits_to_probs(logits: Tensor, params: Sequence[SamplingParams]) -> Tensor:
@@ -123,19 +131,21 @@ def logits_to_probs(logits: Tensor, params: Sequence[SamplingParams]) -> Tensor:
     logits = logits.float()  # [N, V]
     device = logits.device
 
-    # Greedy rows: torch.argmax returns the first maximal index, i.e. ties -> lowest index.
-    # (Computed for every row; random rows are overwritten below.)
-    probs = torch.zeros_like(logits)  # [N, V]
-    probs.scatter_(1, logits.argmax(dim=-1, keepdim=True), 1.0)
-    if all(sp.greedy for sp in params):
-        return probs
+    rand_rows = [i for i, sp in enumerate(params) if not sp.greedy]
+    probs = None  # [N, V]: the greedy rows' one-hots, when there are greedy rows
+    if len(rand_rows) < num_rows:
+        # Greedy rows: torch.argmax returns the first maximal index, i.e. ties -> lowest
+        # index. (Computed for every row; random rows are overwritten below.)
+        probs = torch.zeros_like(logits)
+        probs.scatter_(1, logits.argmax(dim=-1, keepdim=True), 1.0)
+        if not rand_rows:
+            return probs
 
     # Random rows only: temperature, then top-k, then top-p, then softmax.
-    rand_rows = [i for i, sp in enumerate(params) if not sp.greedy]
     rand_params = [params[i] for i in rand_rows]
     idx = torch.tensor(rand_rows, device=device)  # [M]
     temps = torch.tensor([sp.temperature for sp in rand_params], device=device)  # [M]
-    scaled = logits[idx] / temps[:, None]  # [M, V]
+    scaled = (logits if probs is None else logits[idx]) / temps[:, None]  # [M, V]
 
     k_rows = [j for j, sp in enumerate(rand_params) if 0 < sp.top_k < vocab]
     if k_rows:
@@ -158,6 +168,8 @@ def logits_to_probs(logits: Tensor, params: Sequence[SamplingParams]) -> Tensor:
         keep = _top_p_mask(scaled[sub], top_p, cap)  # [Mp, V]
         scaled[sub] = scaled[sub].masked_fill(~keep, float("-inf"))
 
+    if probs is None:  # every row random (a sampled batch: no greedy row to keep)
+        return scaled.softmax(dim=-1)
     probs[idx] = scaled.softmax(dim=-1)
     return probs
 
@@ -217,24 +229,30 @@ def draw_uniforms(
     generator consumes exactly ``counts[i]`` values, whatever its batch mates do.
     """
     width = max(counts, default=0)
-    u = torch.zeros(len(counts), width, device=device)  # [N, W]
     groups: dict[int, tuple[torch.Generator, list[int]]] = {}
     for i, (gen, n) in enumerate(zip(generators, counts)):
         if gen is None:
             if n:
                 raise ValueError(f"row {i} has no generator (greedy) but needs {n} random draws")
             continue
-        groups.setdefault(id(gen), (gen, []))[1].append(i)
+        if n:
+            groups.setdefault(id(gen), (gen, []))[1].append(i)
+    # One draw per generator, then one copy into place: a batch of requests with their
+    # own generators is one small call each (until 2026-12-06 each group took seven
+    # tensor ops, and a 32-request sampled step drew about 3 ms of uniforms).
+    draws, slots = [], []  # draws[g]: group g's values; slots: their flat [N * W] indices
     for gen, rows in groups.values():
-        rows_t = torch.tensor(rows, device=device)  # [M]
-        n_host = [counts[i] for i in rows]
-        n_t = torch.tensor(n_host, device=device)  # [M]
-        flat = torch.rand(sum(n_host), generator=gen, device=gen.device).to(device)  # [sum n]
-        mask = torch.arange(width, device=device)[None, :] < n_t[:, None]  # [M, W]
-        block = torch.zeros(len(rows), width, device=device)
-        block[mask] = flat  # row-major fill: row r gets its n_r draws in order
-        u[rows_t] = block
-    return u
+        draws.append(torch.rand(sum(counts[i] for i in rows), generator=gen, device=gen.device))
+        slots += [i * width + j for i in rows for j in range(counts[i])]
+    size = len(counts) * width
+    if not draws:
+        return torch.zeros(len(counts), width, device=device)
+    flat = torch.cat([d.to(device) for d in draws])  # [sum n]
+    if len(slots) == size and slots == list(range(size)):  # every row full, in order
+        return flat.view(len(counts), width)
+    u = torch.zeros(size, device=device)  # [N * W]
+    u[torch.tensor(slots, device=device)] = flat
+    return u.view(len(counts), width)
 
 
 def inverse_cdf(probs: Tensor, u: Tensor) -> Tensor:
@@ -250,13 +268,19 @@ def inverse_cdf(probs: Tensor, u: Tensor) -> Tensor:
 
 
 def sample(
-    probs: Tensor, generators: Sequence[torch.Generator | None], *, check_greedy: bool = True
+    probs: Tensor,
+    generators: Sequence[torch.Generator | None],
+    *,
+    check_greedy: bool = True,
+    uniforms: Tensor | None = None,
 ) -> Tensor:
     """Draw one token per row: probs [N, V] -> tokens [N] int64.
 
     Rows whose generator is None are greedy: their probs must be one-hot (as
     :func:`logits_to_probs` makes them) and they take the argmax without consuming
-    randomness. Other rows draw one uniform from their own generator. ``check_greedy``
+    randomness. Other rows draw one uniform from their own generator, or take theirs
+    from ``uniforms [N]`` (drawn beforehand with :func:`draw_uniforms`: a block drafter
+    draws every position's at once; greedy rows' entries are ignored). ``check_greedy``
     verifies the one-hot rows (a device read); callers passing ``logits_to_probs``
     output skip it, so sampling never waits for the device.
     """
@@ -264,12 +288,19 @@ def sample(
         raise ValueError(
             f"sample expects probs [N, V] and N generators, got {tuple(probs.shape)} and {len(generators)}"
         )
-    is_greedy = torch.tensor([g is None for g in generators], dtype=torch.bool, device=probs.device)
+    greedy = [g is None for g in generators]
+    tokens = probs.argmax(dim=-1)  # [N]
+    if all(greedy) and not check_greedy:
+        return tokens
+    is_greedy = torch.tensor(greedy, dtype=torch.bool, device=probs.device)  # [N]
     if check_greedy and bool((is_greedy & (probs.amax(dim=-1) != 1.0)).any()):
         raise ValueError("sample: a row without generator (greedy) has probs that are not one-hot")
-    counts = [0 if g is None else 1 for g in generators]
-    u = draw_uniforms(generators, counts, probs.device)  # [N, 0 or 1]
-    tokens = probs.argmax(dim=-1)  # [N]
-    if u.shape[1]:
-        tokens = torch.where(is_greedy, tokens, inverse_cdf(probs, u[:, 0]))
-    return tokens
+    if all(greedy):
+        return tokens
+    if uniforms is None:
+        uniforms = draw_uniforms(generators, [0 if g else 1 for g in greedy], probs.device)[:, 0]
+    elif uniforms.shape != (probs.shape[0],):
+        raise ValueError(
+            f"sample: uniforms must be [{probs.shape[0]}], got {tuple(uniforms.shape)}"
+        )
+    return torch.where(is_greedy, tokens, inverse_cdf(probs, uniforms))

@@ -23,7 +23,7 @@ from xspec.models.draft_heads import MarkovHead
 from xspec.models.loading import Checkpoint, write_checkpoint
 from xspec.platforms.base import SasMode
 from xspec.platforms.npu.emulated import NpuPolicyCpuPlatform
-from xspec.sampling import SamplingParams, logits_to_probs
+from xspec.sampling import SamplingParams, logits_to_probs, sample
 from xspec.spec.block import sample_block
 from xspec.spec.verify import rejection_sample
 
@@ -215,6 +215,34 @@ def test_markov_loop_follows_the_sampled_drafts() -> None:
     for k in range(g):
         want = logits_to_probs(base[:, k] + head.bias(prev[:, k]), params)
         torch.testing.assert_close(probs[:, k], want)
+
+
+def test_block_draws_each_request_s_uniforms_in_position_order() -> None:
+    """sample_block takes every position's uniform in one draw a request: the drafts are
+    those of drawing position by position from each request's generator (greedy rows
+    consume nothing), and each generator gives exactly one value a position."""
+    gen = torch.Generator().manual_seed(2)
+    vocab, g = 7, 4
+    head = MarkovHead(vocab, 3, dtype=torch.float32, device="cpu")
+    torch.nn.init.normal_(head.markov_w1.weight, generator=gen)
+    torch.nn.init.normal_(head.markov_w2.weight, generator=gen)
+    base = torch.randn(3, g, vocab, generator=gen)
+    anchors = torch.tensor([1, 4, 6])
+    params = [SamplingParams(temperature=0.9, seed=11), SamplingParams(), SamplingParams(1.2)]
+
+    def generators() -> list[torch.Generator | None]:
+        return [torch.Generator().manual_seed(11), None, torch.Generator().manual_seed(12)]
+
+    gens = generators()
+    tokens, _, _ = sample_block(base, anchors, head, params, gens)
+    ref_gens, prev, want = generators(), anchors, []
+    for k in range(g):  # the reference: one sample (its own draw) per position
+        prev = sample(logits_to_probs(base[:, k] + head.bias(prev), params), ref_gens)
+        want.append(prev)
+    assert torch.equal(tokens, torch.stack(want, 1))
+    for used, ref in zip(gens, ref_gens):
+        if used is not None and ref is not None:
+            assert torch.equal(torch.rand(2, generator=used), torch.rand(2, generator=ref))
 
 
 def test_sampled_output_follows_the_target_through_the_markov_loop() -> None:

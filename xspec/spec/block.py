@@ -40,7 +40,7 @@ import torch
 from xspec.models.base import KvBytes
 from xspec.models.block_draft import BlockDraftModel, BlockLayout
 from xspec.models.draft_heads import MarkovHead
-from xspec.sampling import SamplingParams, logits_to_probs, sample
+from xspec.sampling import SamplingParams, draw_uniforms, logits_to_probs, sample
 from xspec.spec.calibration import ConfidenceCalibration
 from xspec.spec.drafter import CommittedRows, Drafter, DraftProposal, DraftRequest
 
@@ -77,12 +77,17 @@ def sample_block(
     from) and ``prev [B, G]`` (the token before each position: the anchor, then drafts).
     With ``markov`` each position's raw logits get ``bias(prev)`` before processing.
     """
+    positions = logits.shape[1]
+    # every position's uniform at once, position k in column k: what drawing them one
+    # position at a time takes from each request's own generator, in one call a request
+    counts = [0 if g is None else positions for g in generators]
+    u = draw_uniforms(generators, counts, logits.device)  # [B, G] (or [B, 0]: all greedy)
     prev, tokens, probs, prevs = anchors, [], [], []
-    for k in range(logits.shape[1]):
+    for k in range(positions):
         raw = logits[:, k] if markov is None else logits[:, k] + markov.bias(prev)  # [B, V]
         q = logits_to_probs(raw, params)  # [B, V]: the request's temperature/top-k/top-p
         prevs.append(prev)
-        prev = sample(q, generators)  # [B]
+        prev = sample(q, generators, check_greedy=False, uniforms=u[:, k] if u.shape[1] else None)
         tokens.append(prev)
         probs.append(q)
     return torch.stack(tokens, 1), torch.stack(probs, 1), torch.stack(prevs, 1)
