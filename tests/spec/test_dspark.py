@@ -187,6 +187,14 @@ def crafted_head(vocab: int, bias_row: list[float], prev: int) -> MarkovHead:
     return head
 
 
+def random_head(vocab: int, rank: int, gen: torch.Generator) -> MarkovHead:
+    """A head with standard normal weights drawn from ``gen``."""
+    head = MarkovHead(vocab, rank, dtype=torch.float32, device="cpu")
+    torch.nn.init.normal_(head.markov_w1.weight, generator=gen)
+    torch.nn.init.normal_(head.markov_w2.weight, generator=gen)
+    return head
+
+
 def test_markov_bias_goes_on_raw_logits_before_temperature() -> None:
     base = torch.tensor([[[2.0, 0.0, 0.0, 0.0]]])  # [1, 1, V]
     head = crafted_head(4, [0.0, 3.0, 0.0, 0.0], prev=2)
@@ -204,9 +212,7 @@ def test_markov_loop_follows_the_sampled_drafts() -> None:
     """prev_0 = anchor, then each position's own sampled token; q is what was sampled from."""
     gen = torch.Generator().manual_seed(1)
     vocab, g = 6, 4
-    head = MarkovHead(vocab, 3, dtype=torch.float32, device="cpu")
-    torch.nn.init.normal_(head.markov_w1.weight, generator=gen)
-    torch.nn.init.normal_(head.markov_w2.weight, generator=gen)
+    head = random_head(vocab, 3, gen)
     base = torch.randn(2, g, vocab, generator=gen)
     params = [SamplingParams(temperature=0.8, top_k=4, seed=s) for s in (1, 2)]
     gens = [torch.Generator().manual_seed(s) for s in (1, 2)]
@@ -223,9 +229,7 @@ def test_block_draws_each_request_s_uniforms_in_position_order() -> None:
     consume nothing), and each generator gives exactly one value a position."""
     gen = torch.Generator().manual_seed(2)
     vocab, g = 7, 4
-    head = MarkovHead(vocab, 3, dtype=torch.float32, device="cpu")
-    torch.nn.init.normal_(head.markov_w1.weight, generator=gen)
-    torch.nn.init.normal_(head.markov_w2.weight, generator=gen)
+    head = random_head(vocab, 3, gen)
     base = torch.randn(3, g, vocab, generator=gen)
     anchors = torch.tensor([1, 4, 6])
     params = [SamplingParams(temperature=0.9, seed=11), SamplingParams(), SamplingParams(1.2)]
