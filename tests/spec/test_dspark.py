@@ -249,6 +249,31 @@ def test_block_draws_each_request_s_uniforms_in_position_order() -> None:
             assert torch.equal(torch.rand(2, generator=used), torch.rand(2, generator=ref))
 
 
+def test_greedy_block_is_the_processed_argmax_with_one_hot_q() -> None:
+    """Every request greedy (no probabilities to draw from): the drafts, q and prev are
+    what processing each position's logits and sampling them give, ties included."""
+    gen = torch.Generator().manual_seed(3)
+    vocab, g = 5, 4
+    head = random_head(vocab, 2, gen)
+    base = torch.randint(-1, 2, (6, g, vocab), generator=gen).float()  # many exact ties
+    for markov in (None, head):
+        with torch.no_grad():  # integer bias too: ties after the bias as well
+            head.markov_w2.weight.copy_(torch.randint(-1, 2, (vocab, 2), generator=gen))
+            head.markov_w1.weight.copy_(torch.randint(0, 2, (vocab, 2), generator=gen))
+        params, gens = [SamplingParams()] * 6, [None] * 6
+        tokens, probs, prev = sample_block(base, torch.arange(6) % vocab, markov, params, gens)
+        last, want_q, want_t = torch.arange(6) % vocab, [], []
+        for k in range(g):
+            raw = base[:, k] if markov is None else base[:, k] + markov.bias(last)
+            q = logits_to_probs(raw, params)
+            assert torch.equal(prev[:, k], last)
+            last = sample(q, gens)
+            want_q.append(q)
+            want_t.append(last)
+        assert torch.equal(tokens, torch.stack(want_t, 1)), markov
+        assert torch.equal(probs, torch.stack(want_q, 1)), markov
+
+
 def test_sampled_output_follows_the_target_through_the_markov_loop() -> None:
     """Fixed target distributions p_0, p_1 (history-independent) and a Markov-biased draft:
     the committed tokens at positions 0 and 1 are distributed as p_0 and p_1 (chi-square,

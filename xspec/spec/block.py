@@ -78,6 +78,8 @@ def sample_block(
     With ``markov`` each position's raw logits get ``bias(prev)`` before processing.
     """
     positions = logits.shape[1]
+    if all(g is None for g in generators) and all(p.greedy and p.valid for p in params):
+        return _greedy_block(logits, anchors, markov)
     # every position's uniform at once, position k in column k: what drawing them one
     # position at a time takes from each request's own generator, in one call a request
     counts = [0 if g is None else positions for g in generators]
@@ -91,6 +93,24 @@ def sample_block(
         tokens.append(prev)
         probs.append(q)
     return torch.stack(tokens, 1), torch.stack(probs, 1), torch.stack(prevs, 1)
+
+
+def _greedy_block(
+    logits: torch.Tensor, anchors: torch.Tensor, markov: MarkovHead | None
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """:func:`sample_block` when every request is greedy: each draft is the argmax of its
+    biased logits (ties to the lowest index, as ``logits_to_probs``), q the one-hot
+    there, made once for the block (at 32 requests a step's five one-hot q and their
+    argmax took 0.6 ms)."""
+    prev, tokens, prevs = anchors, [], []
+    for k in range(logits.shape[1]):
+        raw = logits[:, k] if markov is None else logits[:, k] + markov.bias(prev)  # [B, V]
+        prevs.append(prev)
+        prev = raw.float().argmax(dim=-1)  # [B]
+        tokens.append(prev)
+    drafts = torch.stack(tokens, 1)  # [B, G]
+    probs = torch.zeros(logits.shape, dtype=torch.float32, device=logits.device)
+    return drafts, probs.scatter_(2, drafts[..., None], 1.0), torch.stack(prevs, 1)
 
 
 class BlockDrafter(Drafter):
