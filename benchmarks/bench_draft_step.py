@@ -1,7 +1,7 @@
 """Draft cost on dsv4_tiny: a DSpark block draft and an MTP draft vs one target decode step.
 
     python benchmarks/bench_draft_step.py [--context 512] [--batch 1 8] [--gamma 5] [--reps 30]
-                                          [--kernels auto|reference]
+                                          [--kernels auto|reference] [--temperature 0]
 
 For each batch size the sequences are prefilled to ``--context`` tokens through the real
 speculative step (so every cache is in its decode-time state), then these are timed
@@ -14,6 +14,9 @@ round-robin (median of ``--reps``; target steps are rolled back after each call,
 * ``dspark observe``: writing one committed position's context K/V into the 3 stages;
 * ``mtp observe`` / ``mtp propose``: the MTP's per-step work at gamma 1 (its one block
   forward happens in observe; propose only samples the kept logits).
+
+``--temperature T`` (> 0): every request samples at T with its own seeded generator, as a
+served sampled batch does (the drafts' q, the Markov loop's draws); 0 (default) is greedy.
 
 Ratios are measured side by side in one run; nothing is asserted.
 """
@@ -28,14 +31,19 @@ from bench_verify_step import interleaved
 
 import xspec
 from xspec.models.base import ForwardBatch
-from xspec.sampling import SamplingParams
+from xspec.sampling import SamplingParams, make_generator
 from xspec.spec.drafter import CommittedRows, DraftRequest
 from xspec.spec.step import RunningSeq as Running
 from xspec.spec.step import prefill
 
 
 def setup(
-    spec: str, gamma: int | None, context: int, batch: int, kernels: str = "auto"
+    spec: str,
+    gamma: int | None,
+    context: int,
+    batch: int,
+    kernels: str = "auto",
+    temperature: float = 0.0,
 ) -> tuple[xspec.LLM, list]:
     overrides: dict = {"platform.kernels": kernels}
     if gamma:
@@ -43,16 +51,17 @@ def setup(
     llm = xspec.LLM(model="dsv4_tiny", spec=spec, platform="cpu", overrides=overrides)
     b = llm._built
     gen = torch.Generator().manual_seed(0)
+    params = [SamplingParams(temperature=temperature, seed=i) for i in range(batch)]
     seqs = [
         Running(
             token_ids=torch.randint(2, 511, (context,), generator=gen).tolist(),
             target_state=b.target.new_state(),
             draft_state=b.drafter.new_state(),
-            params=SamplingParams(),
-            generator=None,
+            params=p,
+            generator=make_generator(p),
             max_len=context + 1_000_000,
         )
-        for _ in range(batch)
+        for p in params
     ]
     prefill(b.target, b.drafter, seqs, b.capture, 2048)
     return llm, seqs
@@ -62,7 +71,7 @@ def timers(llm: xspec.LLM, seqs: list, name: str) -> dict[str, Callable[[], None
     b = llm._built
     target, drafter = b.target, b.drafter
     gamma = drafter.gamma
-    requests = [DraftRequest(s.anchor, s.params, None, gamma) for s in seqs]
+    requests = [DraftRequest(s.anchor, s.params, s.generator, gamma) for s in seqs]
     anchors = torch.tensor([s.anchor for s in seqs])
     n0 = [s.target_state.num_tokens for s in seqs]
     out = target.forward(
@@ -95,19 +104,22 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=30)
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--kernels", default="auto", choices=["auto", "reference"])
+    ap.add_argument("--temperature", type=float, default=0.0, help="0: greedy")
     a = ap.parse_args()
     if a.threads:
         torch.set_num_threads(a.threads)
     torch.set_grad_enabled(False)
     print(
         f"dsv4_tiny float32 on cpu ({torch.get_num_threads()} threads), context {a.context}, "
-        f"median of {a.reps} interleaved reps; fractions of one target decode step"
+        f"median of {a.reps} interleaved reps, "
+        f"{'greedy' if a.temperature == 0 else f'T={a.temperature}'}; "
+        "fractions of one target decode step"
     )
     print(f"{'batch':>5} {'what':<16} {'ms':>8} {'x target':>9}")
     for batch in a.batch:
         fns: dict[str, Callable[[], None]] = {}
         for spec, gamma in (("dspark", a.gamma), ("mtp", None)):
-            llm, seqs = setup(spec, gamma, a.context, batch, a.kernels)
+            llm, seqs = setup(spec, gamma, a.context, batch, a.kernels, a.temperature)
             fns |= timers(llm, seqs, spec if spec == "mtp" else f"dspark g={a.gamma}")
         interleaved(fns, 3, lambda: None)  # warm-up
         med = interleaved(fns, a.reps, lambda: None)
