@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
+from pathlib import Path
 
 import pytest
 
-from xspec.engine.step_cost import line_fit, median_interleaved
+from xspec.engine import step_cost
+from xspec.engine.step_cost import line_fit, median_interleaved, tree_digest
 
 
 def test_line_through_the_drafting_points_keeps_the_plain_step() -> None:
@@ -44,3 +46,30 @@ def test_runs_are_interleaved_and_the_median_kept() -> None:
     best = median_interleaved([a, fn("b", [0.0] * 4)], 3, lambda: None)
     assert calls == ["a", "b"] + ["a", "b"] * 3  # warm-ups, then one of each per round
     assert 0.01 <= best[0] < 0.05 and best[1] < 0.01
+
+
+def test_a_cached_profile_is_named_by_the_source_that_measured_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An edit of any module, or a renamed one, names another cached profile (other files
+    do not); the same key and source always name the same one."""
+    pkg = tmp_path / "pkg"
+    (pkg / "sub").mkdir(parents=True)
+    (pkg / "a.py").write_text("x = 1\n")
+    (pkg / "sub" / "b.py").write_text("y = 2\n")
+    first = tree_digest(pkg)
+    (pkg / "notes.txt").write_text("not code")
+    assert tree_digest(pkg) == first
+    (pkg / "sub" / "b.py").write_text("y = 3\n")
+    edited = tree_digest(pkg)
+    (pkg / "sub" / "b.py").rename(pkg / "sub" / "c.py")
+    assert len({first, edited, tree_digest(pkg)}) == 3
+
+    monkeypatch.setenv("XSPEC_CACHE_DIR", str(tmp_path / "cache"))
+    key = {"gamma": 5}
+    monkeypatch.setattr(step_cost, "source_digest", lambda: first)
+    path = step_cost.cached_profile_path(key)
+    assert path == step_cost.cached_profile_path(dict(key))
+    assert path.parent == tmp_path / "cache" / "step_cost"
+    monkeypatch.setattr(step_cost, "source_digest", lambda: edited)
+    assert step_cost.cached_profile_path(key) != path
