@@ -1,17 +1,32 @@
 """Load: 300 streamed requests at concurrency 64 through the real ``openai`` async client,
 20% of them cancelled mid-stream by the client. Every other request completes with its
-exact greedy output, the reservation pool returns to empty, and the process's RSS after
-a second identical round is within 5% of after the first (nothing leaks per request).
-Bounded: 300 requests of at most 12 tokens per round, loopback only."""
+exact greedy output, the reservation pool returns to empty, and nothing is kept per
+request: after each round every request and generation the engine was given is freed,
+and from the first round to a second identical one the live instances of xspec's
+classes, the tensor storage and the malloc'd bytes stay put.
+
+Not the RSS: in a test worker that ran other tests first it moves by hundreds of MB with
+the allocator alone (CI once read +13% between two rounds that kept nothing), while the
+counts above do not move, or by some KB. Bounded: 300 requests of at most
+12 tokens per round, loopback only."""
 
 from __future__ import annotations
 
 import asyncio
+import ctypes
 import gc
 import random
+import sys
+import weakref
+from collections import Counter
 from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
 
 import pytest
+import torch
 
 import xspec
 from tests.serve.conftest import LiveServer, start_server
@@ -20,12 +35,47 @@ REQUESTS, CONCURRENCY, CANCEL_EVERY, MAX_TOKENS = 300, 64, 5, 12
 FP32 = {"model.dtype": "float32"}
 
 
-def rss_bytes() -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) * 1024
-    raise RuntimeError("no VmRSS")
+_MALLINFO2_FIELDS = ["arena", "ordblks", "smblks", "hblks", "hblkhd"]
+_MALLINFO2_FIELDS += ["usmblks", "fsmblks", "uordblks", "fordblks", "keepcost"]
+
+
+class _MallInfo2(ctypes.Structure):  # glibc's struct mallinfo2: ten size_t
+    _fields_ = [(name, ctypes.c_size_t) for name in _MALLINFO2_FIELDS]
+
+
+def malloc_in_use() -> int | None:
+    """Bytes malloc'd and not freed (glibc's ``mallinfo2``: in-use chunks plus mmapped
+    ones), which fragmentation and memory held for reuse do not move; None without glibc."""
+    try:
+        fn = ctypes.CDLL(None).mallinfo2
+    except (AttributeError, OSError):
+        return None
+    fn.restype = _MallInfo2
+    info = fn()
+    return int(info.uordblks + info.hblkhd)
+
+
+@dataclass(frozen=True)
+class Heap:
+    xspec_objects: Counter[str]  # live instances of xspec's classes, per class
+    tensor_bytes: int  # distinct tensor storages the process's objects hold
+    malloc: int | None
+
+    @staticmethod
+    def now() -> Heap:
+        gc.collect()
+        objects = gc.get_objects()
+        xs: Counter[str] = Counter()
+        storages = {}
+        for o in objects:
+            t = type(o)
+            if str(t.__module__).startswith("xspec."):
+                xs[t.__qualname__] += 1
+            elif issubclass(t, torch.Tensor):
+                s = o.untyped_storage()
+                storages[s.data_ptr()] = s.nbytes()
+        del objects  # the list would keep the next census's garbage alive
+        return Heap(xs, sum(storages.values()), malloc_in_use())
 
 
 @pytest.fixture(scope="module")
@@ -87,31 +137,106 @@ async def settle(live: LiveServer) -> None:
 
 # A client that leaves mid-stream leaves the openai/httpx client's inner async generators
 # (Response.aiter_raw, ...) suspended; the GC finalizes them later, sometimes with "async
-# generator already executing" inside the *client* library. That is not the server under
-# test, so that one client-side report is not an error here; nothing else is ignored.
-@pytest.mark.filterwarnings(
-    r"ignore:Exception ignored in. <async_generator object \w+\.(aiter_\w+|__stream__|"
-    r"_iter_events|__aiter__)\b:pytest.PytestUnraisableExceptionWarning"
-)
+# generator already executing" inside the *client* library, reported as unraisable. That
+# is not the server under test. The report is dropped here rather than left to pytest:
+# pytest keeps each report's traceback until the test ends, and the GC that raised it may
+# have run on the server's thread, whose frames (a handler and its request) the traceback
+# then holds: requests seemingly leaked. Any other unraisable report goes on to pytest.
+CLIENT_LIBRARIES = frozenset({"openai", "httpx", "httpx2", "httpcore"})  # their packages
+
+
+@contextmanager
+def client_finalizer_reports_dropped() -> Iterator[None]:
+    """Within: the client library's "async generator already executing" reports are
+    dropped; on leaving, a last collection finalizes what the rounds left, under the
+    same rule."""
+    previous = sys.unraisablehook
+
+    def hook(report: Any) -> None:
+        code = getattr(report.object, "ag_code", None)
+        client = code is not None and not CLIENT_LIBRARIES.isdisjoint(Path(code.co_filename).parts)
+        if (
+            client
+            and report.exc_type is ValueError
+            and "already executing" in str(report.exc_value)
+        ):
+            return
+        previous(report)
+
+    sys.unraisablehook = hook
+    try:
+        yield
+        gc.collect()
+    finally:
+        sys.unraisablehook = previous
+
+
+def held(given: list[tuple[weakref.ref, weakref.ref]]) -> list[int]:
+    """The indices of ``given`` whose request or generation is still alive."""
+    gc.collect()
+    return [i for i, (r, g) in enumerate(given) if r() is not None or g() is not None]
+
+
 def test_load_with_cancellations(live: LiveServer) -> None:
+    with client_finalizer_reports_dropped():
+        load_rounds(live)
+
+
+def load_rounds(live: LiveServer) -> None:
     ps = prompts(live)
     # the served engine belongs to its loop thread: the reference is a second engine
     # (spec=none: greedy speculative output equals it)
     ref = xspec.LLM(model="dsv4_tiny", spec="none", platform="cpu", overrides=FP32)
     want = [g.text for g in ref.generate(ps, max_new_tokens=MAX_TOKENS, ignore_eos=True)]
     del ref
-    rss = []
-    for _ in range(2):
-        texts, cancelled = asyncio.run(one_round(live, ps))
-        asyncio.run(settle(live))
-        engine = live.llm._built.engine
-        assert live.ctx.loop.in_flight == 0, f"{live.ctx.loop.in_flight} requests still open"
-        assert engine.pool.reserved == 0, f"{engine.pool.reserved} bytes still reserved"
-        assert not engine.busy
-        assert len(cancelled) == REQUESTS // CANCEL_EVERY, sorted(cancelled)
-        assert set(texts) == set(range(REQUESTS)) - cancelled
-        bad = [i for i, t in texts.items() if t != want[i % len(ps)]]
-        assert not bad, f"{len(bad)} requests differ from their greedy output, e.g. {bad[:5]}"
-        gc.collect()
-        rss.append(rss_bytes())
-    assert rss[1] <= rss[0] * 1.05, f"RSS grew from {rss[0]} to {rss[1]} bytes"
+    engine = live.llm._built.engine
+    given: list[tuple[weakref.ref, weakref.ref]] = []  # every request and generation added
+    add = engine.add
+
+    def spy(rid: Any, req: Any, *args: Any, **kwargs: Any) -> Any:
+        gen = add(rid, req, *args, **kwargs)
+        given.append((weakref.ref(req), weakref.ref(gen)))
+        return gen
+
+    engine.add = spy  # type: ignore[method-assign]
+    try:
+        heaps = [one_measured_round(live, ps, want, given) for _ in range(2)]
+    finally:
+        engine.add = add  # type: ignore[method-assign]
+    first, second = heaps
+    # the xspec objects the second round left beyond the first's (the server's and the
+    # engine's, not the client library's nor what lazy imports add): none
+    grown = second.xspec_objects - first.xspec_objects
+    assert not grown, f"instances of xspec classes grew by {dict(grown)}"
+    assert second.tensor_bytes <= first.tensor_bytes, (
+        f"tensor storage grew from {first.tensor_bytes} to {second.tensor_bytes} bytes"
+    )
+    if first.malloc is not None and second.malloc is not None:
+        # 1 MiB: 3.5 KiB kept natively per request, 17 KiB per cancelled one (measured:
+        # 13-24 KiB a round, what the client library and lazy imports add)
+        grew = second.malloc - first.malloc
+        assert grew < 1 << 20, f"malloc'd bytes grew by {grew} from one round to the next"
+
+
+def one_measured_round(live: LiveServer, ps: list[list[int]], want: list[str], given: list) -> Heap:
+    """A round, checked; then the heap once every request the round added is freed."""
+    given.clear()
+    texts, cancelled = asyncio.run(one_round(live, ps))
+    asyncio.run(settle(live))
+    engine = live.llm._built.engine
+    assert live.ctx.loop.in_flight == 0, f"{live.ctx.loop.in_flight} requests still open"
+    assert engine.pool.reserved == 0, f"{engine.pool.reserved} bytes still reserved"
+    assert not engine.busy
+    assert len(given) == REQUESTS
+    assert len(cancelled) == REQUESTS // CANCEL_EVERY, sorted(cancelled)
+    assert set(texts) == set(range(REQUESTS)) - cancelled
+    bad = [i for i, t in texts.items() if t != want[i % len(ps)]]
+    assert not bad, f"{len(bad)} requests differ from their greedy output, e.g. {bad[:5]}"
+    # one more request, so that the loop thread's locals (its last inbox and step) hold
+    # that one rather than a varying share of the round's last step
+    round_given = list(given)
+    live.openai().completions.create(model=live.name, prompt=[5, 6], max_tokens=1)
+    asyncio.run(settle(live))
+    kept = held(round_given)
+    assert not kept, f"{len(kept)} requests still held after they ended, e.g. {kept[:5]}"
+    return Heap.now()
