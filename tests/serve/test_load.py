@@ -7,8 +7,8 @@ classes, the tensor storage and the malloc'd bytes stay put.
 
 Not the RSS: in a test worker that ran other tests first it moves by hundreds of MB with
 the allocator alone (CI once read +13% between two rounds that kept nothing), while the
-counts above do not move, or by some KB. Bounded: 300 requests of at most
-12 tokens per round, loopback only."""
+counts above do not move, or by some KB. Bounded: 300 requests of at most 12 tokens per
+round, loopback only."""
 
 from __future__ import annotations
 
@@ -235,7 +235,8 @@ def one_measured_round(live: LiveServer, ps: list[list[int]], want: list[str], g
     # one more request, so that the loop thread's locals (its last inbox and step) hold
     # that one rather than a varying share of the round's last step
     round_given = list(given)
-    live.openai().completions.create(model=live.name, prompt=[5, 6], max_tokens=1)
+    with live.openai() as client:
+        client.completions.create(model=live.name, prompt=[5, 6], max_tokens=1)
     asyncio.run(settle(live))
     kept = held(round_given)
     assert not kept, f"{len(kept)} requests still held after they ended, e.g. {kept[:5]}"
