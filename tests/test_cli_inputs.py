@@ -96,6 +96,13 @@ def test_cli_exits_2_before_the_run(
     assert "workload.prompts[0] is 150 tokens long" in err
 
 
+def test_max_prefill_tokens_below_one_exits_2(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture
+) -> None:
+    err = cli(monkeypatch, capsys, *QWEN, "engine.max_prefill_tokens=0")
+    assert "engine.max_prefill_tokens must be >= 1" in err and "(got 0)" in err
+
+
 def test_a_run_where_every_request_failed_reports_na() -> None:
     """No token, zero wall time: no ZeroDivisionError, the figures are n/a."""
     failed = [

@@ -292,6 +292,7 @@ def build(cfg: RunConfig) -> Built:
         stop_ids=stop_ids,
         synchronize=platform.synchronize,
         plan=plan,
+        max_prefill_tokens=cfg.engine.max_prefill_tokens,
         decode=tokenizer.decode,
         check_sampling=_regime_check(drafter),
     )

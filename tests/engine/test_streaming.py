@@ -101,6 +101,32 @@ def test_the_clock_splits_prefill_from_decode(llm: xspec.LLM) -> None:
     assert engine.prefills == 0 and engine.prefill_s == 0.0 == engine.step_s
 
 
+def test_max_prefill_tokens_splits_the_admission_and_keeps_the_outputs(llm: xspec.LLM) -> None:
+    """``engine.max_prefill_tokens``: the four prompts (5, 40, 3, 6 tokens) at a budget of
+    12 are prefilled in three iterations ([5], [40]: a prompt beyond the budget goes
+    alone, [3, 6]), one after the other before the first decode step, and every output
+    equals the run without a budget."""
+    engine: Engine = llm._built.engine
+    want = [g.token_ids for g in engine.run([greedy(i) for i in range(4)], concurrency=4)]
+    engine.max_prefill_tokens = 12
+    try:
+        engine.reset_clock()
+        engine.concurrency = 4
+        for i in range(4):
+            engine.add(i, greedy(i))
+        admitted = []  # per iteration: the requests it prefilled (0: a decode step)
+        for _ in range(4):
+            before, running = engine.prefills, engine.num_running
+            engine.step()
+            admitted.append(engine.num_running - running if engine.prefills > before else 0)
+        assert admitted == [1, 1, 2, 0]  # three prefills, then the batch decodes together
+        got = {d.rid: d.generation.token_ids for d in engine.drain() if d.finished}
+        assert engine.prefills == 3
+        assert [got[i] for i in range(4)] == want
+    finally:
+        engine.max_prefill_tokens = None
+
+
 def test_abort_returns_the_reservation_at_once() -> None:
     """With a memory plan each running request holds its worst case: an abort releases
     it before the next step, so a waiting request is admitted on that step."""
