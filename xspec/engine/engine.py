@@ -424,17 +424,13 @@ class Engine:
         waiting, slots = self._waiting, self.concurrency - len(self._running)
         admitted: list[Hashable] = []
         budget, tokens = self.max_prefill_tokens, 0
-        while (
-            waiting
-            and len(admitted) < slots
-            and (
-                budget is None
-                or not admitted
-                or tokens + len(self._requests[waiting[0]].prompt_ids) <= budget
-            )
-            and self.pool.try_reserve(waiting[0], self._reservation(self._requests[waiting[0]]))
-        ):
-            tokens += len(self._requests[waiting[0]].prompt_ids)
+        while waiting and len(admitted) < slots:
+            req = self._requests[waiting[0]]
+            if budget is not None and admitted and tokens + len(req.prompt_ids) > budget:
+                break
+            if not self.pool.try_reserve(waiting[0], self._reservation(req)):
+                break
+            tokens += len(req.prompt_ids)
             admitted.append(waiting.popleft())
         if waiting and not admitted and not self._running:  # an empty pool holds any checked one
             raise RuntimeError(
