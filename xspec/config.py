@@ -195,9 +195,8 @@ class EngineConfig:
     # (python -m xspec.plan) or to pin the budget of a shared host
     device_memory_gib: float | None = None
     # prompt tokens one prefill iteration takes in (its first request always, however
-    # long); null = every waiting request a slot and the memory plan allow. On this CPU
-    # 32 prompts (4464 tokens) prefilled 11 % faster in iterations of <= 2048 tokens
-    # than in one (docs/architecture.md, the engine)
+    # long); null = every waiting request a slot and the memory plan allow (why 2048:
+    # docs/architecture.md, the engine)
     max_prefill_tokens: int | None = 2048
 
 

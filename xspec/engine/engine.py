@@ -418,9 +418,8 @@ class Engine:
         (``max_prefill_tokens``) while their prompts fit this iteration's token budget,
         which never holds back an iteration's first request. The rest wait for the next
         iteration, which admits again before any decode step while slots are free, so a
-        batch that arrives together starts decoding together, as without a budget (on
-        this CPU 32 prompts of 4464 tokens took 2.0 s as one prefill forward, 1.75 s as
-        three: docs/architecture.md)."""
+        batch that arrives together starts decoding together, as without a budget (what
+        the split costs and saves: docs/architecture.md)."""
         waiting, slots = self._waiting, self.concurrency - len(self._running)
         admitted: list[Hashable] = []
         budget, tokens = self.max_prefill_tokens, 0
