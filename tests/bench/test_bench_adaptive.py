@@ -139,29 +139,42 @@ def test_a_child_in_turns_exits_only_when_its_stdin_closes(
 
 
 @pytest.mark.parametrize(
-    ("per_slot", "c", "want"), [(None, 4, 8), (2, 8, 16), (8, 4, 32), (8, 1, 8)]
+    ("per_slot", "least", "c", "want"),
+    [
+        (None, None, 4, 8),
+        (2, None, 8, 16),
+        (8, None, 4, 32),
+        (8, None, 1, 8),
+        (2, 32, 4, 32),
+        (2, 32, 8, 32),
+        (2, 32, 32, 64),
+        (None, 1, 1, 2),
+    ],
 )
 def test_a_run_has_requests_per_slot_times_the_concurrency(
-    per_slot: int | None, c: int, want: int
+    per_slot: int | None, least: int | None, c: int, want: int
 ) -> None:
-    """``max(--requests-per-slot * c, 8)`` requests (2 per slot when a caller's namespace
-    has no such field)."""
+    """``max(--requests-per-slot * c, --min-requests)`` requests (2 per slot and at least
+    8 when a caller's namespace has no such fields)."""
     a = argparse.Namespace(
         overrides=[], prompts=bench_adaptive.PROMPTS, max_new=48, gamma=5, concurrency=[c]
     )
     if per_slot is not None:
         a.requests_per_slot = per_slot
+    if least is not None:
+        a.min_requests = least
     o = bench_adaptive.overrides_for("fixed", a, 0.8, c, 3)
     assert o["workload.num_requests"] == str(want) and o["workload.concurrency"] == str(c)
 
 
-def test_fewer_than_one_request_per_slot_is_refused(
-    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+@pytest.mark.parametrize("flag", ["--requests-per-slot", "--min-requests"])
+def test_fewer_than_one_request_is_refused(
+    flag: str, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    monkeypatch.setattr(sys, "argv", ["bench_adaptive.py", "--requests-per-slot", "0"])
+    monkeypatch.setattr(sys, "argv", ["bench_adaptive.py", flag, "0"])
     with pytest.raises(SystemExit) as e:
         bench_adaptive.main()
-    assert e.value.code == 2 and "--requests-per-slot must be at least 1" in capsys.readouterr().err
+    assert e.value.code == 2 and f"{flag} must be at least 1" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("n", [2, 8, 9, 16, 24, 32, 64])
