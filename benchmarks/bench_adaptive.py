@@ -34,11 +34,11 @@ concurrency, give more (``--min-requests 32``): a run of 8 requests at 4 is two 
 about 34 steps, 30-42 over seeds with the paths the samples took, and adaptive and fixed
 gamma never share a path (the trim changes which draws a request makes): over 24 seeds
 in one process adaptive took 34.0 steps and fixed gamma 33.6, at the same batch
-occupancy, and in the four repeats of a sweep 9-12 % more. ``--max-new-spread S`` gives
-the requests ``--max-new - S .. --max-new + S`` new tokens instead, evenly spaced, dealt out of order
-(the same tokens in all): without it, every request of a wave ends at the same step
-under ``spec=none`` (one batched prefill refills the batch, nothing runs at part
-occupancy), while a drafting run's requests end where their acceptance took them (a
+occupancy, where four repeats of a sweep had it 9-12 % ahead. ``--max-new-spread S`` gives
+the requests ``--max-new - S .. --max-new + S`` new tokens instead, evenly spaced, dealt
+out of order (the same tokens in all): without it, every request of a wave ends at the
+same step under ``spec=none`` (one batched prefill refills the batch, nothing runs at
+part occupancy), while a drafting run's requests end where their acceptance took them (a
 prefill iteration per newcomer, a tail of the last few). At 16 requests, T=0.8, in one
 process, a spread of 8 took ``spec=none`` from 484 to 459 tok/s and fixed gamma from 479
 to 479 (seeds 700-703): how much of ``spec=none``'s lead there is the lockstep of equal
