@@ -233,3 +233,47 @@ def test_nonfinite_logits_fail_one_request_only(
     assert [o.error for o in (outs[0], outs[2])] == [None, None]
     assert [outs[0].token_ids, outs[2].token_ids] == [ref[0].token_ids, ref[2].token_ids]
     assert len(outs[1].token_ids) < 8
+
+
+@pytest.mark.parametrize("when", ["prefill", "decode"])
+def test_generate_after_an_interrupt_mid_run(
+    base: xspec.LLM, monkeypatch: pytest.MonkeyPatch, when: str
+) -> None:
+    """A KeyboardInterrupt inside ``generate`` (here from the target's forward, in the
+    first prefill or the third decode step) leaves nothing in flight: the next calls,
+    streamed or not, run and give the same outputs as before."""
+    ref = base.generate(PROMPTS, max_new_tokens=8, ignore_eos=True)
+    target = base._built.target
+    forward, calls = target.forward, [0]
+
+    def interrupted(batch):
+        calls[0] += 1
+        if calls[0] == (1 if when == "prefill" else 4):
+            raise KeyboardInterrupt
+        return forward(batch)
+
+    monkeypatch.setattr(target, "forward", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        base.generate(PROMPTS, max_new_tokens=8, ignore_eos=True)
+    monkeypatch.undo()
+    assert not base._built.engine.busy and base._built.engine.pool.reserved == 0
+    again = base.generate(PROMPTS, max_new_tokens=8, ignore_eos=True)
+    assert [o.token_ids for o in again] == [o.token_ids for o in ref]
+    streamed = list(base.generate(PROMPTS, max_new_tokens=8, ignore_eos=True, stream=True))
+    assert sum(len(d.token_ids) for d in streamed) == 3 * 8
+
+
+def test_generate_after_a_stream_left_by_an_exception(base: xspec.LLM) -> None:
+    """An exception in the loop that reads a stream leaves its generator suspended (the
+    traceback holds it); the next call ends that stream and runs, and reading on from
+    the old stream says why it ended."""
+    ref = base.generate(PROMPTS, max_new_tokens=8, ignore_eos=True)
+    stream = base.generate(PROMPTS, max_new_tokens=8, ignore_eos=True, stream=True)
+    with pytest.raises(KeyboardInterrupt):
+        for _ in stream:
+            raise KeyboardInterrupt
+    again = base.generate(PROMPTS, max_new_tokens=8, ignore_eos=True)
+    assert [o.token_ids for o in again] == [o.token_ids for o in ref]
+    with pytest.raises(RequestError, match="ended by a later generate"):
+        next(stream)
+    assert not base._built.engine.busy

@@ -13,6 +13,10 @@ A prompt is a ``str`` (encoded with the model's tokenizer) or a sequence of int 
 (used exactly as given, no BOS added); ``generate`` takes one prompt or a list of prompts.
 Every bad argument raises a :class:`~xspec.errors.UserError` subclass (RequestError for
 generation arguments, ConfigError for the configuration), never a bare TypeError.
+
+An exception out of ``generate`` (a KeyboardInterrupt mid-run) aborts what was in flight:
+the next call runs as usual. A new call also ends a stream still open (one left by an
+exception in the loop that read it); reading on from that stream raises RequestError.
 """
 
 from __future__ import annotations
@@ -47,6 +51,7 @@ class LLM:
     ) -> None:
         self.config: RunConfig = compose_run(overrides_from(model, spec, platform, overrides))
         self._built: Built = build(self.config)
+        self._open_stream: object | None = None  # the token of the stream in flight
 
     @property
     def tokenizer(self) -> Any:
@@ -118,7 +123,8 @@ class LLM:
         the engine commits tokens (``delta.rid`` is the prompt's index; the last delta
         of each prompt has ``finished`` set and its final ``generation``, text
         included). The arguments are checked before the first delta; leaving the loop
-        early aborts what is still running."""
+        early aborts what is still running, and so does the next ``generate`` call (the
+        stream then raises RequestError if read on)."""
         requests = self._requests(
             prompts, max_new_tokens, temperature, top_k, top_p, seed, ignore_eos, stop
         )
@@ -131,6 +137,7 @@ class LLM:
             for i, r in enumerate(requests):
                 engine.check(r, f"request {i}")
             return self._stream(requests, concurrency or len(requests))
+        self._end_open_stream()
         outs = engine.run(requests, concurrency or len(requests))
         for g, r in zip(outs, requests):
             self._set_text(r, g)
@@ -138,8 +145,10 @@ class LLM:
 
     def _stream(self, requests: list[Request], concurrency: int) -> Iterator[Delta]:
         engine = self._built.engine
+        self._end_open_stream()
         engine.reset_clock()
         engine.concurrency = concurrency
+        self._open_stream = token = object()
         try:
             for i, r in enumerate(requests):
                 engine.add(i, r, arrived_at=0.0)
@@ -147,10 +156,22 @@ class LLM:
                 if delta.finished:
                     self._set_text(requests[int(cast(int, delta.rid))], delta.generation)
                 yield delta
+                if self._open_stream is not token:
+                    raise RequestError(
+                        "this stream was ended by a later generate() call on the same LLM "
+                        "(one call at a time: finish or close a stream before the next)"
+                    )
         finally:  # the caller left early (or a step raised): nothing stays in flight
-            engine.abort_all()
-            for _ in engine.drain():
-                pass
+            if self._open_stream is token:  # else a later call owns the engine now
+                self._open_stream = None
+                engine.discard()
+
+    def _end_open_stream(self) -> None:
+        """End the stream still open, if any (an exception in the loop that read it left
+        its generator suspended): its requests are aborted, so this call can run."""
+        if self._open_stream is not None:
+            self._open_stream = None
+            self._built.engine.discard()
 
     def _set_text(self, req: Request, gen: Generation) -> None:
         if not req.stop:  # with stop strings the engine already cut the text

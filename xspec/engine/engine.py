@@ -251,7 +251,10 @@ class Engine:
         if rid in self._running:
             self._finish(rid)
         else:
-            self._waiting.remove(rid)
+            if rid in self._waiting:
+                self._waiting.remove(rid)
+            else:  # admitted, but an exception (KeyboardInterrupt) cut its prefill short
+                self.pool.release(rid)
             self._requests.pop(rid)
         gen.finish_reason = "abort"
         gen.finished_at = time.perf_counter() - self._t0
@@ -262,6 +265,15 @@ class Engine:
         """:meth:`abort` every request in flight."""
         for rid in [r for r, g in self._gens.items() if not g.finished]:
             self.abort(rid)
+
+    def discard(self) -> None:
+        """:meth:`abort_all`, and drop the deltas that would report it: the engine is
+        idle at once (after a caller's exception, e.g. a KeyboardInterrupt mid-run,
+        when nobody reads those requests any more)."""
+        self.abort_all()
+        for d in self._ended:
+            self._forget(d.rid)
+        self._ended = []
 
     def step(self) -> list[Delta]:
         """One iteration: admit what fits, then prefill the newcomers or run one decode
@@ -356,9 +368,13 @@ class Engine:
             self.check(r, f"request {i}")
         self.reset_clock()
         self.concurrency = concurrency
-        gens = [self.add(i, r, arrived_at=0.0) for i, r in enumerate(requests)]
-        for _ in self.drain():
-            pass
+        try:
+            gens = [self.add(i, r, arrived_at=0.0) for i, r in enumerate(requests)]
+            for _ in self.drain():
+                pass
+        except BaseException:  # a KeyboardInterrupt mid-step: the engine idle again
+            self.discard()
+            raise
         self.run_s = time.perf_counter() - self._t0
         return gens
 
