@@ -10,7 +10,8 @@ drive this one core.
 
 A malformed request raises (the caller's input is wrong); a request that can never fit
 (its length beyond the model context or the memory plan) ends alone with
-``Generation.error``. The others are admitted in arrival order while ``concurrency`` and
+``Generation.error``, and so do the requests of a step that raises (:meth:`Engine.step`).
+The others are admitted in arrival order while ``concurrency`` and
 the memory pool allow: each admission reserves the request's worst case
 (:mod:`xspec.engine.memory`), each completion or abort frees it, and waiting requests are
 admitted between two decode steps as others finish. It runs
@@ -27,6 +28,7 @@ rank has any (:mod:`xspec.parallel.lockstep`).
 
 from __future__ import annotations
 
+import logging
 import math
 import time
 from collections import deque
@@ -41,7 +43,14 @@ from xspec.models.base import CapturePoint, TargetModel
 from xspec.sampling import SamplingParams, make_generator
 from xspec.spec.adaptive import Speculation
 from xspec.spec.drafter import Drafter
-from xspec.spec.step import RunningSeq, decode_step, prefill, prefill_forwards, step_gamma
+from xspec.spec.step import (
+    RunningSeq,
+    StepResult,
+    decode_step,
+    prefill,
+    prefill_forwards,
+    step_gamma,
+)
 
 if TYPE_CHECKING:
     from xspec.parallel.lockstep import Lockstep
@@ -49,6 +58,16 @@ if TYPE_CHECKING:
 # tokens decoded beyond the longest stop string when checking for one (covers tokens that
 # decode to nothing and a tokenizer's special handling of the first token of a slice)
 STOP_WINDOW_SLACK = 8
+
+log = logging.getLogger(__name__)
+
+# the canary after a failed step (Engine._canary): the server's warm-up prompt
+CANARY_PROMPT = (1, 2, 3, 4)
+
+
+class EngineUnusable(RuntimeError):
+    """A step raised and a fresh four-token generation raised too: the fault is the
+    engine's (its device, its weights), not one request's."""
 
 
 @dataclass
@@ -279,24 +298,56 @@ class Engine:
         """One iteration: admit what fits, then prefill the newcomers or run one decode
         step of the running requests; the requests that moved or ended. Under lockstep
         every rank calls it in turn (also without work: it serves the others' MoE rows)
-        until ``done``."""
+        until ``done``.
+
+        A step that raises fails the requests in it (their states may be half-updated:
+        they are dropped), each with ``error`` set; the requests not in it are untouched
+        and later steps go on. A fresh four-token generation then tells whether the
+        fault was those requests' or the engine's: if it fails too, :class:`EngineUnusable`
+        is raised. Under lockstep the exception is raised as it is (the other ranks are
+        inside this iteration's collectives)."""
         deltas, self._ended = self._ended, []
         for d in deltas:
             self._forget(d.rid)
-        running = self._running
         admitted = self._admit()
         admitted_at = time.perf_counter() - self._t0  # the last iteration synchronized
         lock = self.lockstep
-        if lock is not None:  # every rank: the same MoE forwards this iteration
-            if self._agree(lock, admitted):
-                self.done = True
-                return deltas
-            if not admitted and not running:  # it only served the others' MoE rows
-                return deltas
-        elif not admitted and not running:
+        if lock is not None and self._agree(lock, admitted):  # every rank: the same MoE forwards
+            self.done = True
             return deltas
+        if not admitted and not self._running:  # (under lockstep: it served the others' rows)
+            return deltas
+        stepped = admitted or list(self._running)
         t_step = time.perf_counter()
-        if admitted:  # prefill the newcomers; the others wait one iteration
+        try:
+            result, now = self._forward(admitted, admitted_at, stepped)
+        except Exception as e:
+            if lock is not None:
+                raise
+            return deltas + self._failed(stepped, e)
+        took = self._t0 + now - t_step  # the step itself, up to its synchronize
+        self.step_s += took
+        self.iterations += 1
+        if admitted:
+            self.prefill_s += took
+            self.prefills += 1
+        if self.measure_memory:
+            self.peak_allocated = max(self.peak_allocated, self._allocated())
+        for j, i in enumerate(stepped):  # only these committed tokens in this iteration
+            deltas.append(self._commit(i, result.new_tokens[j], now))
+        for d in deltas:
+            if d.finished:
+                self._forget(d.rid)
+        return deltas
+
+    def _forward(
+        self, admitted: list[Hashable], admitted_at: float, stepped: list[Hashable]
+    ) -> tuple[StepResult, float]:
+        """Prefill the newcomers (the running requests wait one iteration) or run one
+        decode step of ``stepped``: its result and the engine time it ended. The
+        requests' records change only once it has run."""
+        lock, running = self.lockstep, self._running
+        if admitted:
             seqs = [self._start(self._requests[i]) for i in admitted]
             result = prefill(
                 self.target, self.drafter, seqs, self.capture, self.prefill_chunk, lock
@@ -308,51 +359,64 @@ class Engine:
                 gen = self._gens[i]
                 gen.admitted_at, gen.first_token_at, gen.finished_at = admitted_at, now, now
                 running[i] = s
-            stepped = admitted
-        else:
-            stepped = list(running)
-            result = decode_step(
-                self.target,
-                self.drafter,
-                [running[i] for i in stepped],
-                self.capture,
-                self.metrics,
-                lockstep=lock,
-                schedule=self.schedule,
-                speculation=self.speculation,
-            )
-            now = self.now()
-            for j, i in enumerate(stepped):
-                gen = self._gens[i]
-                gen.num_steps += 1
-                gen.drafted += result.num_drafts[j]
-                gen.accepted += result.num_accepted[j]
-        took = self._t0 + now - t_step  # the step itself, up to its synchronize
-        self.step_s += took
-        self.iterations += 1
-        if admitted:
-            self.prefill_s += took
-            self.prefills += 1
-        if self.measure_memory:
-            self.peak_allocated = max(self.peak_allocated, self._allocated())
-        for j, i in enumerate(stepped):  # only these committed tokens in this iteration
+            return result, now
+        result = decode_step(
+            self.target,
+            self.drafter,
+            [running[i] for i in stepped],
+            self.capture,
+            self.metrics,
+            lockstep=lock,
+            schedule=self.schedule,
+            speculation=self.speculation,
+        )
+        now = self.now()
+        for j, i in enumerate(stepped):
             gen = self._gens[i]
-            before = len(gen.token_ids)
-            if (error := running[i].error) is not None:  # fails alone, the rest go on
-                gen.error, gen.finished_at, gen.finish_reason = (
-                    f"{self._where(i)}: {error}",
-                    now,
-                    "error",
-                )
-                self._final_text(self._requests[i], gen)
-                self._finish(i)
-            elif self._take(self._requests[i], result.new_tokens[j], gen, now):
-                self._finish(i)
-            deltas.append(Delta(i, gen.token_ids[before:], gen))
-        for d in deltas:
-            if d.finished:
-                self._forget(d.rid)
-        return deltas
+            gen.num_steps += 1
+            gen.drafted += result.num_drafts[j]
+            gen.accepted += result.num_accepted[j]
+        return result, now
+
+    def _commit(self, rid: Hashable, new_tokens: list[int], now: float) -> Delta:
+        """Take one request's tokens of a step that ran; the delta it makes."""
+        gen = self._gens[rid]
+        before = len(gen.token_ids)
+        if (error := self._running[rid].error) is not None:  # fails alone, the rest go on
+            self._end_with_error(rid, error, now)
+        elif self._take(self._requests[rid], new_tokens, gen, now):
+            self._finish(rid)
+        return Delta(rid, gen.token_ids[before:], gen)
+
+    def _failed(self, rids: list[Hashable], e: Exception) -> list[Delta]:
+        """End the requests of a step that raised ``e`` with ``error`` set, their states
+        dropped; then the canary (:meth:`_canary`). Their final deltas."""
+        n = len(rids)
+        log.error("an engine step of %d request(s) raised; they end with an error", n, exc_info=e)
+        now = time.perf_counter() - self._t0  # not now(): a device that failed may fail again
+        out = []
+        for rid in rids:
+            self._end_with_error(rid, f"the engine step it was in raised {e!r}", now)
+            out.append(Delta(rid, [], self._gens[rid]))
+            self._forget(rid)
+        self._canary(e)
+        return out
+
+    def _canary(self, cause: Exception) -> None:
+        """Raise :class:`EngineUnusable` unless a fresh generation of
+        :data:`CANARY_PROMPT` (its prefill and one decode step, outside the batch and the
+        metrics) runs."""
+        req = Request(list(CANARY_PROMPT), self.drafter.gamma + 2, SamplingParams(), True)
+        try:
+            seq = self._new_seq(req)
+            prefill(self.target, self.drafter, [seq], self.capture, self.prefill_chunk)
+            decode_step(self.target, self.drafter, [seq], self.capture, SpecDecodeMetrics())
+            self.synchronize()
+        except Exception as e:
+            raise EngineUnusable(
+                f"the engine is unusable: a step raised {cause!r}, and a fresh "
+                f"{len(CANARY_PROMPT)}-token generation raised {e!r}"
+            ) from e
 
     def drain(self) -> Iterator[Delta]:
         """Step until every request added so far has ended (under lockstep: until no
@@ -372,7 +436,7 @@ class Engine:
             gens = [self.add(i, r, arrived_at=0.0) for i, r in enumerate(requests)]
             for _ in self.drain():
                 pass
-        except BaseException:  # a KeyboardInterrupt mid-step: the engine idle again
+        except BaseException:  # a KeyboardInterrupt mid-step, an unusable engine: idle again
             self.discard()
             raise
         self.run_s = time.perf_counter() - self._t0
@@ -467,6 +531,16 @@ class Engine:
         del self._running[rid]  # its states go with it
         self.pool.release(rid)
 
+    def _end_with_error(self, rid: Hashable, error: str, now: float) -> None:
+        """End ``rid`` (running, or admitted by a step that failed) with ``error``."""
+        gen = self._gens[rid]
+        gen.error, gen.finished_at, gen.finish_reason = f"{self._where(rid)}: {error}", now, "error"
+        self._final_text(self._requests[rid], gen)
+        if rid in self._running:
+            self._finish(rid)
+        else:
+            self.pool.release(rid)
+
     def _forget(self, rid: Hashable) -> None:
         """An ended request leaves the engine (its id may be used again)."""
         self._gens.pop(rid, None)
@@ -485,6 +559,9 @@ class Engine:
     def _start(self, req: Request) -> RunningSeq:
         if self.check_sampling is not None:
             self.check_sampling([req.params])
+        return self._new_seq(req)
+
+    def _new_seq(self, req: Request) -> RunningSeq:
         # the states may grow up to the reserved length, no further
         tokens = len(req.prompt_ids) + req.max_new_tokens + self.drafter.gamma
         return RunningSeq(

@@ -19,6 +19,13 @@ ran 2.2x slower here (dsv4_tiny, dspark, concurrency 32: 174 vs 380 tok/s). :met
 Backpressure: at most ``concurrency`` requests run; at most ``max_queue`` more wait;
 beyond that :meth:`submit` raises :class:`QueueFull` (the server answers 503).
 
+**Faults.** A step that raises fails its own requests and the loop goes on
+(:meth:`Engine.step <xspec.engine.engine.Engine.step>`). When the engine itself is
+unusable (a fresh four-token generation fails too:
+:class:`~xspec.engine.engine.EngineUnusable`), or anything else in the loop raises, the
+loop stops: every open request ends with an error and :attr:`EngineLoop.failure` says why
+(the server's ``/health`` answers 503, and ``python -m xspec.serve`` exits 1).
+
 **Data x expert parallel** (torchrun): every rank runs the same loop; rank 0 (the one with
 the HTTP server) collects each iteration's new and aborted requests and broadcasts them
 (:class:`Inbox`) to all ranks, which apply them in the same order, so the EP groups stay in
@@ -194,6 +201,7 @@ class EngineLoop:
             self.failure = f"{type(e).__name__}: {e}"
             log.error("the engine loop stopped: %s", self.failure)
             self._end_open("error", self.failure)
+            self.engine.discard()  # nothing steps it any more: it holds no request
         except BaseException:  # KeyboardInterrupt / SystemExit in run(): end, re-raise
             self._end_open("abort", "the server is shutting down")
             raise
