@@ -9,6 +9,7 @@ import pytest
 
 import xspec
 from xspec.engine.engine import Engine, Request
+from xspec.engine.stop import MAX_STOP_CHARS, MAX_STOP_STRINGS, StopMatcher
 from xspec.errors import RequestError
 from xspec.sampling import SamplingParams
 
@@ -134,3 +135,50 @@ def test_workload_stop_composes() -> None:
 
     cfg = compose_run(["workload.stop=[ab,cd]"])
     assert cfg.workload.stop == ["ab", "cd"]
+
+
+def test_stop_limits_are_request_errors() -> None:
+    """At most MAX_STOP_STRINGS stop strings of at most MAX_STOP_CHARS characters each;
+    more is refused before the request runs (the server's 400), the limits themselves
+    are taken."""
+    eng = engine("none")
+    many = [f"<{i}>" for i in range(MAX_STOP_STRINGS + 1)]
+    with pytest.raises(RequestError, match=rf"stop: {len(many)} stop strings; at most"):
+        eng.check(Request(PROMPTS[0], 4, SamplingParams(), stop=many), "request")
+    long = ["x" * (MAX_STOP_CHARS + 1)]
+    with pytest.raises(RequestError, match=rf"stop: a stop string of {MAX_STOP_CHARS + 1} char"):
+        eng.check(Request(PROMPTS[0], 4, SamplingParams(), stop=long), "request")
+    limits = ["y" * MAX_STOP_CHARS] * MAX_STOP_STRINGS
+    eng.check(Request(PROMPTS[0], 4, SamplingParams(), stop=limits), "request")
+
+
+def test_stop_check_decodes_each_token_once() -> None:
+    """Stop strings are looked for in each token's new text only: the ids decoded per
+    token stay the same for a 4x longer output (the whole output was decoded per token
+    up to the longest stop's length: O(n) per token), and the output is exact."""
+    per_token = []
+    for n in (16, 64):
+        decoded = [0]
+
+        def counting(ids: list[int], decoded: list[int] = decoded) -> str:
+            decoded[0] += len(ids)
+            return tagged(ids)
+
+        b = llm("none")._built
+        eng = Engine(b.target, b.drafter, b.capture, stop_ids=frozenset(), decode=counting)
+        stop = ["never" * 40]  # 200 characters, never found
+        gen = eng.run([Request(PROMPTS[0], n, SamplingParams(), ignore_eos=True, stop=stop)], 1)[0]
+        assert len(gen.token_ids) == n and gen.text == tagged(gen.token_ids)
+        per_token.append((decoded[0] - n) / n)  # less the final text's one decode
+    assert per_token[1] <= per_token[0] * 1.25, per_token
+
+
+def test_matcher_waits_for_whole_characters() -> None:
+    """With a byte-level decoder a character's first bytes decode to U+FFFD; the stop
+    ``'é!'`` (bytes c3 a9 21) is found once its last byte arrives, and the text before
+    it is exact."""
+    out = "ab cé!d".encode()
+    matcher = StopMatcher(["é!", "zz"], lambda ids: bytes(ids).decode("utf-8", "replace"))
+    found = [matcher.push(t) for t in out]
+    end = out.index(b"!")
+    assert found[:end] == [None] * end and found[end] == "ab c"

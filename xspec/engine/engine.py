@@ -16,7 +16,8 @@ the memory pool allow: each admission reserves the request's worst case
 (:mod:`xspec.engine.memory`), each completion or abort frees it, and waiting requests are
 admitted between two decode steps as others finish. It runs
 :func:`xspec.spec.step.prefill` / ``decode_step`` and ends a request at a stop id, at
-a stop string, or at ``max_new_tokens``, whichever comes first; nothing after it is kept.
+a stop string (:mod:`xspec.engine.stop`), or at ``max_new_tokens``, whichever comes first;
+nothing after it is kept.
 Times are seconds on the engine's clock (:meth:`Engine.reset_clock`; a batch run starts
 it, and every request of a batch arrives at 0); TTFT and latency count from admission,
 the wait before it is the queue time (:class:`Generation`).
@@ -37,6 +38,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal
 
 from xspec.engine.memory import MemoryPlan, ReservationPool, allocated_bytes, context_problem
+from xspec.engine.stop import StopMatcher, stop_problem
 from xspec.errors import RequestError
 from xspec.metrics import SpecDecodeMetrics
 from xspec.models.base import CapturePoint, TargetModel
@@ -54,10 +56,6 @@ from xspec.spec.step import (
 
 if TYPE_CHECKING:
     from xspec.parallel.lockstep import Lockstep
-
-# tokens decoded beyond the longest stop string when checking for one (covers tokens that
-# decode to nothing and a tokenizer's special handling of the first token of a slice)
-STOP_WINDOW_SLACK = 8
 
 log = logging.getLogger(__name__)
 
@@ -203,6 +201,7 @@ class Engine:
         self._gens: dict[Hashable, Generation] = {}
         self._waiting: deque[Hashable] = deque()
         self._running: dict[Hashable, RunningSeq] = {}
+        self._stops: dict[Hashable, StopMatcher] = {}  # the requests with stop strings
         self._ended: list[Delta] = []  # ended outside a step (rejected, aborted): next step's
         self._t0 = time.perf_counter()
 
@@ -258,6 +257,9 @@ class Engine:
             self._ended.append(Delta(rid, [], gen))
             return gen
         self._requests[rid] = req
+        if req.stop:
+            assert self.decode is not None  # check() refuses stop strings without a decoder
+            self._stops[rid] = StopMatcher(req.stop, self.decode)
         self._waiting.append(rid)  # admitted in this order
         return gen
 
@@ -384,7 +386,7 @@ class Engine:
         before = len(gen.token_ids)
         if (error := self._running[rid].error) is not None:  # fails alone, the rest go on
             self._end_with_error(rid, error, now)
-        elif self._take(self._requests[rid], new_tokens, gen, now):
+        elif self._take(rid, new_tokens, gen, now):
             self._finish(rid)
         return Delta(rid, gen.token_ids[before:], gen)
 
@@ -454,10 +456,8 @@ class Engine:
             raise RequestError(f"{where}: token ids outside the vocabulary [0, {vocab}): {bad[:8]}")
         if req.max_new_tokens < 1:
             raise RequestError(f"{where}: max_new_tokens must be >= 1 (got {req.max_new_tokens})")
-        if not isinstance(req.stop, list) or not all(isinstance(x, str) and x for x in req.stop):
-            raise RequestError(
-                f"{where}: stop must be a list of non-empty strings (got {req.stop!r})"
-            )
+        if (problem := stop_problem(req.stop)) is not None:
+            raise RequestError(f"{where}: {problem}")
         if req.stop and self.decode is None:
             raise RequestError(f"{where}: stop strings need a tokenizer; this engine has none")
         if problems := req.params.problems():
@@ -545,6 +545,7 @@ class Engine:
         """An ended request leaves the engine (its id may be used again)."""
         self._gens.pop(rid, None)
         self._requests.pop(rid, None)
+        self._stops.pop(rid, None)
 
     @staticmethod
     def _where(rid: Hashable) -> str:
@@ -573,17 +574,18 @@ class Engine:
             max_len=len(req.prompt_ids) + req.max_new_tokens,
         )
 
-    def _take(self, req: Request, new_tokens: list[int], gen: Generation, now: float) -> bool:
+    def _take(self, rid: Hashable, new_tokens: list[int], gen: Generation, now: float) -> bool:
         """Append one step's committed tokens, one at a time; True when the request is
         finished (a stop string, max_new_tokens or a stop id; ``gen.finish_reason`` set):
         the tokens after the one that finished it are dropped, also those of the same
         verify step. With stop strings the engine sets ``gen.text`` (cut before a
         matched stop string)."""
+        req, stops = self._requests[rid], self._stops.get(rid)
         for t in new_tokens:
             gen.token_ids.append(t)
             gen.finished_at = now
-            if req.stop and self._reached_stop(req.stop, gen):
-                gen.finish_reason = "stop"
+            if stops is not None and (text := stops.push(t)) is not None:
+                gen.text, gen.finish_reason = text, "stop"
                 return True
             stop_id = t in self.stop_ids and not req.ignore_eos
             if len(gen.token_ids) >= req.max_new_tokens or stop_id:
@@ -596,24 +598,6 @@ class Engine:
         """The text of an output with stop strings that ended another way."""
         if req.stop and self.decode is not None:
             gen.text = self.decode(gen.token_ids)
-
-    def _reached_stop(self, stop: list[str], gen: Generation) -> bool:
-        """Whether the newest token completes a stop string; on a match ``gen.text`` is
-        the output before it.
-
-        Incremental: only the last ``longest stop + STOP_WINDOW_SLACK`` tokens are
-        decoded per token (a stop string that the newest token completes lies inside
-        them, since a token decodes to at least one character); the whole output is
-        decoded once, on a match, to cut the text. Earlier tokens were already checked."""
-        assert self.decode is not None  # check() refuses stop strings without a decoder
-        window = max(len(x) for x in stop) + STOP_WINDOW_SLACK
-        if not any(x in self.decode(gen.token_ids[-window:]) for x in stop):
-            return False
-        text = self.decode(gen.token_ids)
-        found = [k for k in (text.find(x) for x in stop) if k >= 0]
-        if found:
-            gen.text = text[: min(found)]
-        return bool(found)
 
 
 def seeded(params: SamplingParams, index: int) -> SamplingParams:
