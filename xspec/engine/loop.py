@@ -174,13 +174,17 @@ class EngineLoop:
         if self._state != "new":
             self._done.wait(timeout)
 
-    def stop(self) -> None:
+    def stop(self, *, end_open: bool = False) -> None:
         """Ask the loop to stop at its next iteration (every rank leaves at the same
         one; open requests end as aborted). Does not wait: safe from a signal handler
-        on the loop's own thread."""
+        on the loop's own thread. ``end_open``: end the open requests now, without
+        waiting for a step in progress (their callbacks run on the calling thread, so
+        not from such a signal handler); that step's results are then dropped."""
         with self._cond:
             self._inbox.stop = True
             self._cond.notify()
+        if end_open and self.parallel.topology.is_main:
+            self._end_open("abort", "the server is shutting down")
 
     def close(self, timeout: float = 30.0) -> None:
         """:meth:`stop`, then wait (up to ``timeout``) until the loop has ended."""

@@ -94,12 +94,14 @@ def serve(cfg: Any, built: Any, sock: socket.socket | None, model_option: str) -
 
     def on_signal(sig: int, frame: Any) -> None:
         """Stop taking requests; those in flight get ``shutdown_grace_s`` to finish, then
-        end as aborted (each stream with its last chunk and ``[DONE]``). A second
-        Ctrl-C cuts the open connections at once (uvicorn's force exit)."""
+        end as aborted (each stream with its last chunk and ``[DONE]``), also while the
+        engine is inside a long step: the timer's thread ends them, the step's results
+        are dropped, and the loop leaves once that step returns. A second Ctrl-C cuts
+        the open connections at once (uvicorn's force exit)."""
         server.handle_exit(sig, frame)
         if not stopping.is_set():
             stopping.set()
-            timer = threading.Timer(grace, loop.stop)
+            timer = threading.Timer(grace, lambda: loop.stop(end_open=True))
             timer.daemon = True
             timer.start()
 
