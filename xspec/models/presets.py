@@ -1,15 +1,19 @@
 """Resolving a ``model`` config section to a checkpoint directory and a dtype (torch-free).
 
 Every model package resolves ``model.path`` / ``model.preset`` / ``model.dtype`` the same
-way: an explicit path wins; otherwise a built-in preset is generated on first use.
+way: an explicit path wins; otherwise a built-in preset: shipped in the package, or
+generated on first use into ``$XSPEC_CACHE_DIR/presets`` (:func:`cached`, which refuses
+a cache entry someone else could have written).
 """
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
+from xspec.cache import cache_dir, cache_root, private, tree_problem
 from xspec.errors import CheckpointError, ConfigError
 
 DTYPES = ("float32", "bfloat16", "float16")
@@ -26,6 +30,46 @@ def shipped_dir(name: str) -> Path:
             f"a random preset (model=dsv4_tiny_random)"
         )
     return path
+
+
+def cached(make: Callable[[], Path]) -> Callable[[], Path]:
+    """``make`` (a generator of a preset under ``$XSPEC_CACHE_DIR/presets``, which returns
+    its directory) with the cache's trust checks (:mod:`xspec.cache`), as the native
+    kernels' cache applies them: before generating, the preset cache and the cache root
+    must be this user's (or root's) and writable by nobody else (made 0700 when missing);
+    after, every file of the preset must be a regular file owned by this user or root
+    (and writable by nobody else, unless the preset cache is private). A preset that
+    fails is a CheckpointError naming the path and the fix, never read."""
+
+    @functools.wraps(make)
+    def checked() -> Path:
+        presets = cache_root() / "presets"
+        try:
+            real, why = cache_dir(presets)
+        except OSError as e:
+            raise CheckpointError(
+                f"cannot create the preset cache {presets} ({e.strerror or e}); set "
+                "XSPEC_CACHE_DIR to a writable directory (default ~/.cache/xspec)"
+            ) from None
+        if real is None:
+            raise CheckpointError(
+                f"the preset cache {presets} cannot be trusted: {why}; make it yours and "
+                "writable by you only (chmod go-w), or set XSPEC_CACHE_DIR to a directory "
+                "of your own"
+            )
+        path = make()
+        try:
+            problem = tree_problem(path, inside_private=private(real))
+        except OSError as e:
+            problem = f"cannot inspect {path} ({e.strerror or e})"
+        if problem:
+            raise CheckpointError(
+                f"the cached preset {path} cannot be trusted: {problem}; delete {path} (the "
+                "next run regenerates it), or set XSPEC_CACHE_DIR to a directory of your own"
+            )
+        return path
+
+    return checked
 
 
 def checkpoint_dir(

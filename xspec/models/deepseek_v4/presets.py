@@ -7,7 +7,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from xspec.models.presets import checkpoint_dir, shipped_dir
+from xspec.models.presets import cached, checkpoint_dir, shipped_dir
 
 
 def _tiny() -> Path:
@@ -18,18 +18,21 @@ def _tiny_dspark() -> Path:
     return shipped_dir("dsv4_tiny_dspark")
 
 
+@cached
 def _tiny_random() -> Path:
     from xspec.models.deepseek_v4.tiny import tiny_dir
 
     return tiny_dir()
 
 
+@cached
 def _tiny_random_dspark() -> Path:
     from xspec.models.deepseek_v4.tiny import tiny_dspark_dir
 
     return tiny_dspark_dir()
 
 
+@cached
 def _tiny_random_dspark_quarot() -> Path:
     from xspec.models.deepseek_v4.tiny import tiny_dspark_dir
 

@@ -10,7 +10,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from xspec.models.presets import checkpoint_dir, draft_checkpoint_dir
+from xspec.models.presets import cached, checkpoint_dir, draft_checkpoint_dir
 
 PRESETS = {"tiny": False, "moe_tiny": True}  # model.preset -> is MoE
 EXAMPLE_DIR = "/dir/of/qwen3/draft (config.json with target_layer_ids, mask_token_id)"
@@ -20,6 +20,7 @@ def checkpoint_path(cfg: Any) -> Path:
     """``cfg.path``, else the tiny preset's directory (generated on first use)."""
 
     def preset(moe: bool) -> Callable[[], Path]:
+        @cached
         def make() -> Path:
             from xspec.models.qwen3.tiny import tiny_dir
 
@@ -38,6 +39,7 @@ def draft_dir(spec_cfg: Any, model_cfg: Any) -> Path:
     from xspec.models.block_draft import BlockLayout  # imports torch: not at package import
 
     def preset(moe: bool, method: str) -> Any:
+        @cached
         def make() -> Path:
             from xspec.models.qwen3.tiny import tiny_draft_dir
 

@@ -15,7 +15,8 @@ bytes this user can vouch for:
   the check and ``dlopen``. A truncated library fails the hash, so it is never mapped
   (mapping one raises SIGBUS).
 
-A cache that fails these checks is not used at all: the build goes to a private
+The ownership and mode checks are :mod:`xspec.cache`'s (the preset cache applies them
+too). A cache that fails these checks is not used at all: the build goes to a private
 directory and the run says why. A rejected entry in a trusted cache is deleted and
 rebuilt once. Root is trusted because it can change this process anyway.
 """
@@ -36,6 +37,8 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from xspec import atomic
+from xspec.cache import cache_dir as cache_dir  # the directory checks, shared with presets
+from xspec.cache import trust_problem
 from xspec.errors import OutputError
 
 # A build takes about a second; a compiler still running after this is stuck (a lock on
@@ -45,44 +48,6 @@ BUILD_TIMEOUT_S = 60.0
 
 class Untrusted(Exception):
     """A path someone other than this user (or root) could have written."""
-
-
-def trust_problem(st: os.stat_result, path: Path, *, sticky_ok: bool = False) -> str | None:
-    """Why the file or directory ``path`` (its ``stat``) could hold someone else's bytes,
-    or None. ``sticky_ok``: a sticky directory may be writable by others."""
-    if st.st_uid not in (os.getuid(), 0):
-        return f"{path} is owned by uid {st.st_uid}, not by you"
-    if st.st_mode & 0o022 and not (sticky_ok and st.st_mode & stat.S_ISVTX):
-        return f"{path} is writable by group or others (mode {stat.S_IMODE(st.st_mode):o})"
-    return None
-
-
-def cache_dir(path: Path) -> tuple[Path | None, str]:
-    """``path`` (created if missing) resolved, or None and why it is not to be trusted.
-    OSError if it cannot be created (a file on the way, no permission)."""
-    _make_private_dirs(path)
-    real = Path(os.path.realpath(path))
-    if not real.is_dir():
-        raise NotADirectoryError(errno.ENOTDIR, os.strerror(errno.ENOTDIR), str(path))
-    # the cache and its root strictly; above them a sticky directory may be shared
-    for depth, d in enumerate((real, *real.parents)):
-        why = trust_problem(os.stat(d), d, sticky_ok=depth >= 2)
-        if why is not None:
-            return None, why
-    return real, ""
-
-
-def _make_private_dirs(path: Path) -> None:
-    """``mkdir -p`` whose new directories are 0700 (``makedirs`` gives the intermediate
-    ones the umask's mode, which may let the group write)."""
-    missing: list[Path] = []
-    p = path.absolute()
-    while not p.is_dir() and p != p.parent:
-        missing.append(p)
-        p = p.parent
-    for d in reversed(missing):
-        with contextlib.suppress(FileExistsError):  # a concurrent loader made it
-            d.mkdir(mode=0o700)
 
 
 def verified(directory: Path, name: str) -> tuple[bytes | None, str]:
