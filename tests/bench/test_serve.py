@@ -3,7 +3,10 @@ counts, token totals, timing relations, concurrency cap, failures, datasets, com
 
 from __future__ import annotations
 
+import errno
 import json
+import os
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -170,3 +173,93 @@ def test_compare_table(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
     )
     (tmp_path / "bad.json").write_text("{}")
     assert main(["compare", str(paths[0]), str(tmp_path / "bad.json")]) == 2
+
+
+# a directory, a path under a file, /proc (no new file there, for root too), a device
+@pytest.mark.parametrize(
+    ("target", "needle"),
+    [
+        ("{tmp}", "--result-file {tmp} is a directory; name a file, e.g. {tmp}/result.json"),
+        ("{tmp}/f/r.json", "--result-file {tmp}/f/r.json is under the file {tmp}/f"),
+        ("/proc/xspec/r.json", "--result-file /proc/xspec/r.json: no file can be written in /proc ("),
+        ("/dev/null", "--result-file /dev/null is not a regular file"),
+    ],
+)  # fmt: skip
+def test_an_unwritable_result_file_is_refused_before_any_request(
+    tmp_path: Path, capsys: pytest.CaptureFixture, target: str, needle: str
+) -> None:
+    (tmp_path / "f").write_text("a file")
+    target, needle = target.format(tmp=tmp_path), needle.format(tmp=tmp_path)
+    b = Behaviour()
+    with FakeServer(b) as s:
+        argv = ["serve", "--base-url", s.base_url, "--num-prompts", "2", "--result-file", target]
+        assert main(argv) == 2
+    assert b.bodies == []  # refused before the benchmark, not after it
+    assert needle in capsys.readouterr().err
+
+
+def test_a_result_file_that_cannot_be_written_at_the_end_exits_1(
+    tmp_path: Path, capsys: pytest.CaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A disk that fills during the run: the report is printed, the previous result file
+    is left whole (atomic write), exit 1."""
+    out = tmp_path / "r.json"
+    out.write_text('{"previous": true}\n')
+    real_replace = os.replace
+
+    def full(src: str, dst: str) -> None:
+        if Path(dst) == out:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        real_replace(src, dst)
+
+    monkeypatch.setattr(os, "replace", full)
+    with FakeServer(Behaviour()) as s:
+        argv = ["serve", "--base-url", s.base_url, "--num-prompts", "2", "--result-file", str(out)]
+        assert main(argv) == 1
+    captured = capsys.readouterr()
+    assert "Successful requests:" in captured.out
+    assert f"error: cannot write {out}: No space left on device" in captured.err
+    assert out.read_text() == '{"previous": true}\n' and os.listdir(tmp_path) == ["r.json"]
+
+
+@pytest.mark.parametrize(
+    ("content", "needle"),
+    [
+        (b'{"prompt": "\xff"}\n', "--dataset {path}: not UTF-8 text (invalid start byte at byte 12)"),
+        (b"[" * 100_000 + b"]" * 100_000 + b"\n", "{path}:1: not JSON this client reads (nested too deep)"),
+        (None, "--dataset {path}: not a regular file"),  # a FIFO: reading it would block forever
+    ],
+)  # fmt: skip
+def test_a_dataset_that_is_not_jsonl_exits_2(
+    tmp_path: Path, capsys: pytest.CaptureFixture, content: bytes | None, needle: str
+) -> None:
+    data = tmp_path / "p.jsonl"
+    if content is not None:
+        data.write_bytes(content)
+        assert main(["serve", "--base-url", "http://127.0.0.1:9", "--dataset", str(data)]) == 2
+        assert needle.format(path=data) in capsys.readouterr().err
+        return
+    os.mkfifo(data)
+    # a writer that opens and closes it: a client that reads the FIFO gets EOF (and fails
+    # the assertion below) instead of blocking this test forever
+    writer = threading.Thread(target=lambda: os.close(os.open(data, os.O_WRONLY)))
+    writer.start()
+    try:
+        assert main(["serve", "--base-url", "http://127.0.0.1:9", "--dataset", str(data)]) == 2
+        assert needle.format(path=data) in capsys.readouterr().err
+    finally:  # the client never opened it: open it here so the writer's open returns
+        fd = os.open(data, os.O_RDONLY | os.O_NONBLOCK)
+        writer.join()
+        os.close(fd)
+
+
+def test_compare_refuses_a_result_that_is_not_json(
+    tmp_path: Path, capsys: pytest.CaptureFixture
+) -> None:
+    bad = tmp_path / "bad.json"
+    bad.write_bytes(b"\xff\xfe")
+    assert main(["compare", str(bad)]) == 2
+    assert f"result file {bad}: not UTF-8 text" in capsys.readouterr().err
+    bad.write_text("[" * 100_000)
+    assert main(["compare", str(bad)]) == 2
+    assert f"{bad}: not JSON this client reads (nested too deep)" in capsys.readouterr().err

@@ -6,7 +6,9 @@ server (docs/performance.md, "Serving benchmark").
         --output-len 128 --goodput ttft:500 tpot:50 --label mtp --result-file mtp.json
     python -m xspec.bench compare none.json mtp.json dspark.json
 
-Exit codes: 0 done, 1 no request succeeded, 2 a usage error (bad option or dataset).
+Exit codes: 0 done, 1 no request succeeded or the result file could not be written
+(the report is printed first), 2 a usage error (bad option, dataset, or a --result-file
+that cannot be written, found before any request is sent).
 """
 
 from __future__ import annotations
@@ -14,13 +16,16 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import sys
+import tempfile
 from pathlib import Path
 
+from xspec import atomic
 from xspec.bench import compare, dataset
 from xspec.bench.serve import ENDPOINTS, ServeConfig, run_benchmark
 from xspec.bench.stats import SLO_METRICS, format_report
-from xspec.errors import UserError
+from xspec.errors import OutputError, UserError
 
 
 def _rate(text: str) -> float:
@@ -97,7 +102,36 @@ def _percentiles(text: str) -> tuple[float, ...]:
     return qs
 
 
+def check_result_file(path: Path) -> None:
+    """A UserError, before any request is sent, when ``--result-file`` cannot be written:
+    a directory or another non-regular file, a path under a file, a directory in which no
+    file can be made (a read-only or full file system, no permission: tried with a file
+    made and removed at once)."""
+    if path.is_dir():
+        raise UserError(
+            f"--result-file {path} is a directory; name a file, e.g. {path}/result.json"
+        )
+    if path.exists() and not path.is_file():  # a device or FIFO would be replaced
+        raise UserError(f"--result-file {path} is not a regular file; name a file to write")
+    where = next((p for p in path.parents if p.exists()), Path("."))  # the nearest that is
+    if not where.is_dir():
+        raise UserError(
+            f"--result-file {path} is under the file {where}; name a file in a directory"
+        )
+    try:
+        fd, probe = tempfile.mkstemp(prefix=".xspec-probe-", dir=where)
+        os.close(fd)
+        os.unlink(probe)
+    except OSError as e:
+        raise UserError(
+            f"--result-file {path}: no file can be written in {where} ({e.strerror or e}); "
+            "name a file in a directory you can write"
+        ) from None
+
+
 async def serve(args: argparse.Namespace) -> int:
+    if args.result_file is not None:  # before a request is sent: the results must land
+        check_result_file(args.result_file)
     if args.dataset == "synthetic":
         n = args.num_prompts or 100
         requests = dataset.synthetic(n, args.input_len, args.output_len, args.seed)
@@ -122,9 +156,8 @@ async def serve(args: argparse.Namespace) -> int:
     )
     result = await run_benchmark(cfg, requests)
     print(format_report(result, cfg.percentiles))
-    if args.result_file:
-        args.result_file.parent.mkdir(parents=True, exist_ok=True)
-        args.result_file.write_text(json.dumps(result, indent=2) + "\n", encoding="utf-8")
+    if args.result_file:  # atomic: a disk that fills now keeps any previous file whole
+        atomic.write_text(args.result_file, json.dumps(result, indent=2) + "\n")
         print(f"result: {args.result_file}")
     return 0 if result["completed"] else 1
 
@@ -136,7 +169,7 @@ def main(argv: list[str] | None = None) -> int:
             print(compare.table(args.results))
             return 0
         return asyncio.run(serve(args))
-    except UserError as e:
+    except (UserError, OutputError) as e:  # OutputError: the report is printed above
         print(f"error: {e}", file=sys.stderr)
         return e.exit_code
 

@@ -4,10 +4,10 @@ ratios read as the speed-up of each speculative method)."""
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any
 
+from xspec.bench.dataset import parse_json, read_text
 from xspec.errors import UserError
 
 # (header, key, format); None prints as "-"
@@ -30,12 +30,7 @@ RATIOS: list[tuple[str, str]] = [
 
 
 def load(path: Path) -> dict[str, Any]:
-    try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except OSError as e:
-        raise UserError(f"{path}: {e.strerror or e}") from None
-    except json.JSONDecodeError as e:
-        raise UserError(f"{path}: not JSON ({e.msg})") from None
+    data = parse_json(read_text(path, "result file"), str(path))
     if not isinstance(data, dict) or "output_throughput" not in data:
         raise UserError(f"{path}: not a serving benchmark result (no output_throughput)")
     return data

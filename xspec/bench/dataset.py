@@ -11,6 +11,7 @@ import json
 import random
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from xspec.errors import UserError
 
@@ -43,23 +44,41 @@ def synthetic(num_prompts: int, input_len: int, output_len: int, seed: int) -> l
     ]
 
 
+def read_text(path: Path, what: str) -> str:
+    """The UTF-8 text of the file ``path`` the user named (``what``: how, e.g.
+    ``--dataset``); a UserError naming it when it is not a regular file (a FIFO would
+    block forever), cannot be read, or is not UTF-8."""
+    try:
+        if path.exists() and not path.is_file():
+            raise UserError(f"{what} {path}: not a regular file")
+        return path.read_text(encoding="utf-8")
+    except OSError as e:
+        raise UserError(f"{what} {path}: {e.strerror or e}") from None
+    except UnicodeDecodeError as e:
+        raise UserError(f"{what} {path}: not UTF-8 text ({e.reason} at byte {e.start})") from None
+
+
+def parse_json(text: str, where: str) -> Any:
+    """``text`` as JSON; a UserError naming ``where`` when it is not (or nests too deep)."""
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as e:
+        raise UserError(f"{where}: not JSON ({e.msg})") from None
+    except RecursionError:
+        raise UserError(f"{where}: not JSON this client reads (nested too deep)") from None
+
+
 def from_jsonl(path: Path, num_prompts: int | None, output_len: int) -> list[BenchRequest]:
     """One JSON object a line: ``prompt`` (a string), optionally ``max_tokens`` or
     ``output_len`` (a positive int, else ``output_len``). Blank lines are skipped. With
     ``num_prompts`` above the line count the prompts repeat in order."""
-    try:
-        lines = path.read_text(encoding="utf-8").splitlines()
-    except OSError as e:
-        raise UserError(f"--dataset {path}: {e.strerror or e}") from None
+    lines = read_text(path, "--dataset").splitlines()
     requests = []
     for i, line in enumerate(lines, 1):
         if not line.strip():
             continue
         where = f"{path}:{i}"
-        try:
-            row = json.loads(line)
-        except json.JSONDecodeError as e:
-            raise UserError(f"{where}: not JSON ({e.msg})") from None
+        row = parse_json(line, where)
         if not isinstance(row, dict) or not isinstance(row.get("prompt"), str):
             raise UserError(f'{where}: expected an object with a string "prompt"')
         n = row.get("max_tokens", row.get("output_len", output_len))
