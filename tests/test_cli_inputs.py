@@ -1,5 +1,7 @@
 """Bad CLI inputs found before any job runs, in-process: requests the model context
-cannot hold, NaN / infinite floats, an output directory that is a file; and a run whose
+cannot hold, NaN / infinite floats and memory beyond any device, an output directory
+that is a file or on a file system that takes none, a --config-dir file that is not
+plain YAML, model.max_context beyond the checkpoint's trained context; and a run whose
 every request failed reports n/a instead of dividing by zero."""
 
 from __future__ import annotations
@@ -161,3 +163,45 @@ def test_output_dir_that_is_a_file(
     err = cli(monkeypatch, capsys, "-m", *QWEN, "spec=none,oracle", f"hydra.sweep.dir={file}/sweep")
     assert f"hydra.sweep.dir={file}/sweep: {file}/sweep is under the file {file}" in err
     check_jobs([[*QWEN, f"hydra.run.dir={tmp_path}/new/run"]])  # a new directory is fine
+
+
+# -- issue 53, 17: YAML and JSON a user points at --------------------------------------
+
+MODEL_YAML = "defaults:\n  - /schema/model@_here_\narch: qwen3\npreset: tiny\n"
+
+
+@pytest.mark.parametrize(
+    ("content", "needle"),
+    [
+        (MODEL_YAML + "x: !!python/object:os.system\n  a: 1\n",
+         "model/evil.yaml:5:4: not a valid config file: could not determine a constructor for the tag 'tag:yaml.org,2002:python/object:os.system'; config files hold plain values only (no Python tags)"),
+        (MODEL_YAML + "x: !!python/name:os.system ''\n", "model/evil.yaml:5:4: not a valid config file: could not determine a constructor for the tag 'tag:yaml.org,2002:python/name:os.system'"),
+        (MODEL_YAML + "x: [1\n", "model/evil.yaml:6:1: not a valid config file: expected ',' or ']'"),
+        (b"\xff\xfe" + MODEL_YAML.encode(), "model/evil.yaml: not a valid config file: not UTF-8 text (invalid start byte at byte 0)"),
+        (MODEL_YAML + "x: " + "[" * 300 + "]" * 300 + "\n", "model/evil.yaml: not a valid config file: nested 301 levels deep, too deep"),
+    ],
+)  # fmt: skip
+def test_config_dir_file_that_is_not_plain_yaml(
+    content: str | bytes,
+    needle: str,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture,
+) -> None:
+    """One problem naming the file (and line), exit 2; never a ConstructorError traceback."""
+    (tmp_path / "model").mkdir()
+    file = tmp_path / "model" / "evil.yaml"
+    if isinstance(content, bytes):
+        file.write_bytes(content)
+    else:
+        file.write_text(content)
+    err = cli(monkeypatch, capsys, "--config-dir", str(tmp_path), "model=evil", "spec=none")
+    assert err.startswith("xspec: error: this run cannot be built:\n  - "), err
+    assert len(err.strip().splitlines()) == 2 and f"{tmp_path}/{needle}" in err, err
+
+
+def test_prompts_file_line_nested_too_deep(tmp_path: Path) -> None:
+    file = tmp_path / "p.jsonl"
+    file.write_text('{"prompt": "ok"}\n' + "[" * 100_000 + "]" * 100_000 + "\n")
+    (p,) = problems_of(f"workload.prompts_file={file}")
+    assert p == f"{file}:2: not a prompt line (JSON nested too deep)"

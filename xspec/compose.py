@@ -11,6 +11,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+import yaml
 from hydra import compose, initialize_config_dir
 from hydra.errors import HydraException
 from omegaconf import DictConfig, OmegaConf
@@ -113,8 +114,67 @@ def compose_raw(overrides: list[str], search: Sequence[str] = ()) -> DictConfig:
     try:
         with initialize_config_dir(config_dir=str(config_dir()), version_base="1.3"):
             return compose(config_name="config", overrides=overrides)
+    except yaml.YAMLError as e:  # a user's YAML: a Python tag, a syntax error
+        raise ConfigError(yaml_message(e)) from None
+    except (UnicodeDecodeError, RecursionError) as e:  # Hydra does not say which file
+        raise ConfigError(unreadable_yaml(search, e)) from None
     except (HydraException, OmegaConfBaseException, ValueError) as e:
         raise ConfigError(user_message(e)) from None
+
+
+def yaml_message(e: yaml.YAMLError) -> str:
+    """One line: the file, line and column, and what is wrong there."""
+    mark = getattr(e, "problem_mark", None) or getattr(e, "context_mark", None)
+    where = "a config file" if mark is None else f"{mark.name}:{mark.line + 1}:{mark.column + 1}"
+    problem = getattr(e, "problem", None) or str(e).splitlines()[0]
+    advice = (
+        "config files hold plain values only (no Python tags); remove the tag"
+        if isinstance(e, yaml.constructor.ConstructorError)
+        else "fix the YAML there"
+    )
+    return f"{where}: not a valid config file: {problem}; {advice}"
+
+
+# Nesting a config file may have before a failed composition blames it: xspec's own
+# nest three or four levels; Hydra and OmegaConf recurse per level and give up at a few
+# hundred, the YAML parser near a thousand.
+DEEP_YAML = 64
+
+
+def unreadable_yaml(search: Sequence[str], e: Exception) -> str:
+    """Which ``*.yaml`` under the user's config directories (``search``) cannot be read
+    (not UTF-8, or nested too deep), found again by reading each; else a message naming
+    the directories."""
+    for d in search:
+        for file in sorted(Path(d).rglob("*.yaml")):
+            try:
+                depth = _depth(yaml.safe_load(file.read_bytes().decode("utf-8")))
+            except UnicodeDecodeError as bad:
+                where = f"{file}: not a valid config file"
+                return f"{where}: not UTF-8 text ({bad.reason} at byte {bad.start})"
+            except RecursionError:
+                return f"{file}: not a valid config file: nested too deep to read"
+            except (OSError, yaml.YAMLError):
+                continue  # not the failure at hand (or a file this run does not read)
+            if isinstance(e, RecursionError) and depth > DEEP_YAML:
+                return f"{file}: not a valid config file: nested {depth} levels deep, too deep"
+    where = ", ".join(search) or str(config_dir())
+    kind = "not UTF-8 text" if isinstance(e, UnicodeDecodeError) else "nested too deep to read"
+    return f"a config file under {where} is {kind}; fix or remove it"
+
+
+def _depth(node: Any) -> int:
+    """How deep lists and mappings nest in ``node`` (0: a scalar), without recursion; a
+    container that YAML aliases share is walked once (an alias bomb stays cheap)."""
+    deepest, stack, seen = 0, [(node, 1)], set()
+    while stack:
+        item, level = stack.pop()
+        if isinstance(item, dict | list) and id(item) not in seen:
+            seen.add(id(item))
+            deepest = max(deepest, level)
+            children = item.values() if isinstance(item, dict) else item
+            stack += [(child, level + 1) for child in children]
+    return deepest
 
 
 def compose_run(overrides: list[str], search: Sequence[str] = ()) -> RunConfig:

@@ -115,6 +115,9 @@ def read_prompts_file(path: str) -> list[FilePrompt]:
         except json.JSONDecodeError as e:
             problems.append(f"{file}:{number}: not valid JSON ({e.msg}, column {e.colno})")
             continue
+        except RecursionError:  # json's own limit: no prompt line nests this deep
+            problems.append(f"{file}:{number}: not a prompt line (JSON nested too deep)")
+            continue
         if (problem := _line_problem(obj)) is not None:
             problems.append(f"{file}:{number}: {problem}")
             continue
