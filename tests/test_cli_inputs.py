@@ -147,6 +147,14 @@ def test_a_nan_job_stops_the_sweep_before_its_first_job() -> None:
     assert "engine.memory_budget must be a finite number (got nan)" in str(e.value)
 
 
+def test_memory_beyond_any_device_exits_2(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture
+) -> None:
+    """1e300 GiB is not even a finite number of bytes: one message, not an OverflowError."""
+    err = cli(monkeypatch, capsys, *QWEN, "engine.device_memory_gib=1e300")
+    assert "engine.device_memory_gib must be > 0 and at most 1048576 GiB (1 PiB)" in err
+
+
 # -- 11: Hydra's output directory ------------------------------------------------------
 
 

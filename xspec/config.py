@@ -26,6 +26,8 @@ from omegaconf import MISSING, DictConfig, OmegaConf
 
 from xspec.errors import ConfigError
 
+GIB = 1 << 30
+
 
 class DType(str, enum.Enum):
     float32 = "float32"
@@ -359,6 +361,41 @@ def to_typed(cfg: DictConfig) -> RunConfig:
     return typed
 
 
+# The most memory one device (or host) may be said to have: 1 PiB, thousands of times the
+# largest accelerator's and far above any host's RAM; a budget beyond it is a typo, and
+# 1e300 GiB in bytes is not even a finite float.
+MAX_MEMORY_GIB = 1 << 20
+
+
+def engine_problems(e: EngineConfig) -> list[str]:
+    """The ``engine`` section's ranges: memory in (0, 1 PiB], prefill tokens >= 1."""
+    out = []
+    budget, device = e.memory_budget, e.device_memory_gib
+    if budget is not None and budget <= 0:
+        out.append(
+            f"engine.memory_budget must be > 0: bytes, or a fraction of free memory in (0, 1] "
+            f"(got {budget})"
+        )
+    elif budget is not None and budget > MAX_MEMORY_GIB * GIB:
+        out.append(
+            f"engine.memory_budget must be at most {MAX_MEMORY_GIB * GIB} bytes (1 PiB, far "
+            f"beyond any device; got {budget:g}); give one device's budget in bytes (e.g. "
+            "6.4e10) or a fraction of its memory in (0, 1]"
+        )
+    if device is not None and not 0 < device <= MAX_MEMORY_GIB:
+        out.append(
+            f"engine.device_memory_gib must be > 0 and at most {MAX_MEMORY_GIB} GiB (1 PiB), "
+            f"or null (got {device:g}); give one device's memory in GiB, e.g. 80"
+        )
+    tokens = e.max_prefill_tokens
+    if tokens is not None and tokens < 1:
+        out.append(
+            f"engine.max_prefill_tokens must be >= 1 prompt tokens per prefill iteration, or "
+            f"null for no limit (got {tokens})"
+        )
+    return out
+
+
 def parallel_problems(p: ParallelConfig, world: int | None = None) -> list[str]:
     """The ``parallel`` section against itself and the world size (None: the launch's,
     torchrun's; ``python -m xspec.plan`` names the world it plans for)."""
@@ -511,21 +548,7 @@ def validate(cfg: RunConfig, *, world: int | None = None) -> None:
     for i, stop in enumerate(w.stop):
         if not stop:
             problems.append(f"workload.stop[{i}] is an empty string; remove it")
-    budget = cfg.engine.memory_budget
-    if budget is not None and budget <= 0:
-        problems.append(
-            f"engine.memory_budget must be > 0: bytes, or a fraction of free memory in (0, 1] "
-            f"(got {budget})"
-        )
-    device = cfg.engine.device_memory_gib
-    if device is not None and device <= 0:
-        problems.append(f"engine.device_memory_gib must be > 0 GiB or null (got {device})")
-    tokens = cfg.engine.max_prefill_tokens
-    if tokens is not None and tokens < 1:
-        problems.append(
-            f"engine.max_prefill_tokens must be >= 1 prompt tokens per prefill iteration, or "
-            f"null for no limit (got {tokens})"
-        )
+    problems += engine_problems(cfg.engine)
     if w.warmup_requests < 0:
         problems.append(f"workload.warmup_requests must be >= 0 (got {w.warmup_requests})")
     port = cfg.metrics.port

@@ -13,10 +13,12 @@ It prints, for every EP rank, the weights by storage format (``w8a8``, ``fp8``,
 concurrency at ``--context`` tokens per sequence (see
 :class:`xspec.engine.memory.LayoutPlan`). Options:
 
-* ``--world N``: ranks in the layout (default: the least multiple of ``parallel.dp`` and
-  ``parallel.ep``);
-* ``--context L``: tokens per sequence, prompt + generated (default:
-  ``workload.input_len + workload.output_len``); each is charged ``L + gamma``;
+* ``--world N``: ranks in the layout, 1 to :data:`MAX_WORLD` (default: the least
+  multiple of ``parallel.dp`` and ``parallel.ep``);
+* ``--context L``: tokens per sequence, prompt + generated, 1 to the model's context
+  (``model.max_context``, else the checkpoint's ``max_position_embeddings``; default:
+  ``workload.input_len + workload.output_len``, at most the model's context); each is
+  charged ``L + gamma``;
 * ``--json FILE``: also write the plan as JSON (``-``: to stdout instead of the text).
 
 The per-rank budget is ``engine.memory_budget`` in bytes, or its fraction (null: the
@@ -33,8 +35,20 @@ import json
 import math
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from xspec.errors import ConfigError, MemoryBudgetError, OutputError, UserError
+
+if TYPE_CHECKING:
+    from xspec.config import ParallelConfig, RunConfig
+
+# The most ranks a plan describes: 2**20, ten times the largest accelerator clusters
+# built so far (~10^5); the plan lists the world ranks of every EP rank, so an
+# unbounded --world would allocate without end.
+MAX_WORLD = 1 << 20
+# The longest --context when the model's family does not report its context: 2**30
+# tokens, a hundred times the longest context of any model so far.
+MAX_CONTEXT = 1 << 30
 
 
 def _arguments(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
@@ -52,6 +66,17 @@ def _arguments(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
             f"unknown argument {bad[0]!r}; give --world N, --context L, --json FILE and "
             "key=value overrides (python -m xspec.plan --help)"
         )
+    if args.world is not None and not 1 <= args.world <= MAX_WORLD:
+        raise ConfigError(
+            f"--world must be between 1 and {MAX_WORLD} ranks (got {args.world}); give the "
+            "number of ranks of the layout, or leave it out for the least multiple of "
+            "parallel.dp and parallel.ep"
+        )
+    if args.context is not None and args.context < 1:
+        raise ConfigError(
+            f"--context must be >= 1 token (got {args.context}); give the tokens per "
+            "sequence, or leave it out for workload.input_len + workload.output_len"
+        )
     return args, overrides
 
 
@@ -64,12 +89,7 @@ def plan_text(argv: list[str]) -> tuple[str, dict, str | None, str | None]:
 
     args, overrides = _arguments(argv)
     cfg = compose_run(overrides)
-    world = args.world or math.lcm(cfg.parallel.dp, cfg.parallel.ep)
-    if world < 1:
-        raise ConfigError(f"--world must be >= 1 (got {world})")
-    context = args.context or cfg.workload.input_len + cfg.workload.output_len
-    if context < 1:
-        raise ConfigError(f"--context must be >= 1 token (got {context})")
+    world = args.world if args.world is not None else _default_world(cfg.parallel)
     validate(cfg, world=world)
     family = models.get(cfg.model.arch)
     drafter_cls = spec_methods.get(cfg.spec.method)
@@ -91,12 +111,46 @@ def plan_text(argv: list[str]) -> tuple[str, dict, str | None, str | None]:
             f"model.arch={cfg.model.arch}: its family cannot count its weights from the "
             "checkpoint headers (ModelFamily.footprint), so there is nothing to plan"
         )
+    context = _context(args.context, cfg, plan.target.max_context)
     return (
         plan.describe(context),
         plan.to_json(context),
         plan.problem(cfg.model.dtype.value),
         (args.json_path),
     )
+
+
+def _default_world(p: ParallelConfig) -> int:
+    """The least multiple of ``parallel.dp`` and ``parallel.ep`` (1 when either is below 1:
+    ``validate`` names that), refused beyond :data:`MAX_WORLD`."""
+    world = math.lcm(p.dp, p.ep) if p.dp >= 1 and p.ep >= 1 else 1
+    if world > MAX_WORLD:
+        raise ConfigError(
+            f"parallel.dp={p.dp} and parallel.ep={p.ep} need a world of {world} ranks (their "
+            f"least common multiple), more than the {MAX_WORLD} a plan describes; lower them "
+            "or give --world N"
+        )
+    return world
+
+
+def _context(given: int | None, cfg: RunConfig, model_context: int) -> int:
+    """``--context`` (checked against the model's context, ``model_context``; 0: unknown,
+    then :data:`MAX_CONTEXT`), else the workload's input + output lengths, capped to it."""
+    limit = model_context if model_context > 0 else MAX_CONTEXT
+    if given is None:
+        return min(cfg.workload.input_len + cfg.workload.output_len, limit)
+    if given > limit:
+        if model_context <= 0:
+            source = "the most a plan describes: this model's family does not say its own"
+        elif cfg.model.max_context is not None:
+            source = f"model.max_context={cfg.model.max_context}"
+        else:
+            source = "the checkpoint's max_position_embeddings"
+        raise ConfigError(
+            f"--context {given} is longer than the model's context of {limit} tokens "
+            f"({source}), so no sequence can have it; give --context <= {limit}"
+        )
+    return given
 
 
 def main(argv: list[str] | None = None) -> int:

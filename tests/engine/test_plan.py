@@ -285,3 +285,58 @@ def test_plan_needs_the_device_memory(tmp_path: Path, capsys: pytest.CaptureFixt
     )
     data = json.loads(capsys.readouterr().out)
     assert code == 0 and data["budget"] == 4_000_000_000 and data["layout"]["world"] == 1
+
+
+# dsv4_tiny_random: max_position_embeddings 4096, 8 routed experts
+TINY = ["model=dsv4_tiny_random", "spec=none", "engine.device_memory_gib=64"]
+
+
+@pytest.mark.parametrize(
+    ("args", "needle"),
+    [
+        (["--world", "0"], "--world must be between 1 and 1048576 ranks (got 0)"),
+        (["--world", "-3"], "--world must be between 1 and 1048576 ranks (got -3)"),
+        (["--world", str((1 << 20) + 1)], "--world must be between 1 and 1048576 ranks"),
+        (["--context", "0"], "--context must be >= 1 token (got 0)"),
+        (["--context", "4097"], "--context 4097 is longer than the model's context of 4096 tokens (the checkpoint's max_position_embeddings)"),
+        (["--context", str(10**400)], "give --context <= 4096"),
+        (["model.max_context=100", "--context", "101"], "context of 100 tokens (model.max_context=100)"),
+        (["engine.device_memory_gib=1e300"], "engine.device_memory_gib must be > 0 and at most 1048576 GiB (1 PiB)"),
+        (["engine.memory_budget=1e300"], "engine.memory_budget must be at most 1125899906842624 bytes (1 PiB"),
+        (["parallel.dp=999999937", "parallel.ep=8"], "need a world of 7999999496 ranks (their least common multiple), more than the 1048576 a plan describes"),
+    ],
+)  # fmt: skip
+def test_plan_bounds_every_number(
+    args: list[str], needle: str, capsys: pytest.CaptureFixture
+) -> None:
+    """0 is an error, not the default; a world, a context or a memory size beyond any real
+    one is refused with its limit (exit 2, one message), never an OverflowError."""
+    assert plan_main([*TINY, *args]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("xspec: error:") and needle in err, err
+
+
+def test_plan_context_defaults_within_the_model_context(capsys: pytest.CaptureFixture) -> None:
+    """The default context (workload.input_len + output_len, 256) is capped to a shorter
+    model.max_context instead of refused (the user gave no --context)."""
+    assert plan_main([*TINY, "model.max_context=100", "--json", "-"]) == 0
+    assert json.loads(capsys.readouterr().out)["context"] == 100
+
+
+def _limit_memory() -> None:
+    """In the child: 4 GiB of address space, so a plan that allocates per rank without
+    bound fails with MemoryError instead of waking the OOM killer."""
+    resource.setrlimit(resource.RLIMIT_AS, (4 * GIB, 4 * GIB))
+
+
+def test_a_world_of_a_billion_is_refused_before_allocating(tmp_path: Path) -> None:
+    """The issue's case, through the real entry point: exit 2 and the limit, at once."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    proc = subprocess.run(
+        [sys.executable, "-m", "xspec.plan", *TINY, "--world", "1000000000"],
+        capture_output=True, text=True, cwd=tmp_path, env=env, timeout=300,
+        preexec_fn=_limit_memory,
+    )  # fmt: skip
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert "--world must be between 1 and 1048576 ranks (got 1000000000)" in proc.stderr
+    assert "Traceback" not in proc.stderr
