@@ -7,6 +7,7 @@ every request failed reports n/a instead of dividing by zero."""
 from __future__ import annotations
 
 import json
+import shutil
 import sys
 from pathlib import Path
 
@@ -213,3 +214,47 @@ def test_prompts_file_line_nested_too_deep(tmp_path: Path) -> None:
     file.write_text('{"prompt": "ok"}\n' + "[" * 100_000 + "]" * 100_000 + "\n")
     (p,) = problems_of(f"workload.prompts_file={file}")
     assert p == f"{file}:2: not a prompt line (JSON nested too deep)"
+
+
+# -- issue 53, 18: model.max_context above what the checkpoint was trained for ---------
+
+
+def test_max_context_above_the_trained_context(tmp_path: Path) -> None:
+    """Refused before anything loads; a checkpoint whose YaRN rope_scaling reaches further
+    is told how to declare it (its config.json's max_position_embeddings)."""
+    from xspec.models.qwen3.tiny import tiny_dir
+
+    (p,) = problems_of("model.max_context=4096")  # qwen3_tiny: trained for 2048
+    assert p == (
+        "model.max_context=4096 is above the checkpoint's trained context of 2048 tokens "
+        "(config.json max_position_embeddings): positions past it were never trained and the "
+        "output degrades without an error; set model.max_context <= 2048 or leave it null"
+    )
+    yarn = tmp_path / "yarn"
+    shutil.copytree(tiny_dir(False), yarn)
+    config = json.loads((yarn / "config.json").read_text())
+    config["rope_scaling"] = {
+        "rope_type": "yarn",
+        "factor": 4.0,
+        "original_max_position_embeddings": 2048,
+    }
+    (yarn / "config.json").write_text(json.dumps(config))
+    run = ["model=qwen3", f"model.path={yarn}", "model.tokenizer=byte", "spec=none", "platform=cpu"]
+    with pytest.raises(ConfigError) as e:
+        check_jobs([[*run, "model.max_context=8192"]])
+    assert "Its rope_scaling (YaRN, factor 4 over 2048 tokens) reaches 8192 tokens: to use " in str(
+        e.value
+    )
+    assert "set max_position_embeddings to 8192 in its config.json" in str(e.value)
+    config["max_position_embeddings"] = 8192  # the opt-in
+    (yarn / "config.json").write_text(json.dumps(config))
+    check_jobs([[*run, "model.max_context=8192"]])
+
+
+def test_dsv4_max_context_above_the_trained_context_exits_2(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture
+) -> None:
+    """DeepSeek-V4 accepted it and ran (Qwen3 refused it only once loading)."""
+    err = cli(monkeypatch, capsys, "model=dsv4_tiny_random", "spec=none", "platform=cpu",
+              "model.max_context=8192", "workload.num_requests=1", "workload.max_new_tokens=1")  # fmt: skip
+    assert "model.max_context=8192 is above the checkpoint's trained context of 4096" in err

@@ -26,6 +26,7 @@ The platform's step options are computed once and handed to both constructors.
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterable
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -98,6 +99,8 @@ def _checks(cfg: RunConfig) -> list[tuple[type[UserError], str]]:
     problems: list[tuple[type[UserError], str]] = [
         (CheckpointError, p) for p in family.preflight(cfg.model)
     ]
+    if not problems:  # its config.json reads: model.max_context against what it says
+        problems += [(ConfigError, p) for p in max_context_problems(cfg, family)]
     try:
         platform = get_platform(cfg.platform)
         drafter_cls = spec_methods.get(cfg.spec.method)
@@ -195,6 +198,59 @@ def layout_plan(
         ep=cfg.parallel.ep,
         world=world if world is not None else launch().world,
     )
+
+
+def checkpoint_config(family: ModelFamily, model_cfg: Any) -> tuple[Path | None, dict[str, Any]]:
+    """The target checkpoint's directory and config.json, when the family names its
+    directory (``checkpoint_path``) and the file reads as a JSON object; else (None, {})."""
+    try:
+        path = family.checkpoint_path(model_cfg)
+        if path is None:
+            return None, {}
+        path = Path(path)
+        config = json.loads((path / "config.json").read_text(encoding="utf-8"))
+    except (UserError, OSError, ValueError, RecursionError):  # preflight reports the file
+        return None, {}
+    return (path, config) if isinstance(config, dict) else (None, {})
+
+
+def trained_context(config: dict[str, Any]) -> int | None:
+    """The context a checkpoint was trained for: config.json's ``max_position_embeddings``
+    (which a YaRN-extended release such as DeepSeek-V4 sets to the extended length), or
+    None when it does not say."""
+    limit = config.get("max_position_embeddings")
+    return limit if isinstance(limit, int) and not isinstance(limit, bool) and limit > 0 else None
+
+
+def max_context_problems(cfg: RunConfig, family: ModelFamily) -> list[str]:
+    """``model.max_context`` above the checkpoint's trained context is refused: positions
+    past it were never trained, and the output degrades without any error. A checkpoint
+    whose YaRN ``rope_scaling`` reaches further says so in config.json (the opt-in)."""
+    wanted = cfg.model.max_context
+    if wanted is None:
+        return []
+    _, config = checkpoint_config(family, cfg.model)
+    limit = trained_context(config)
+    if limit is None or wanted <= limit:
+        return []
+    hint = ""
+    scaling = config.get("rope_scaling") or config.get("rope_parameters")
+    if isinstance(scaling, dict) and scaling.get("rope_type", scaling.get("type")) == "yarn":
+        factor, original = scaling.get("factor"), scaling.get("original_max_position_embeddings")
+        if isinstance(factor, int | float) and isinstance(original, int | float):
+            reach = int(factor * original)
+            if reach > limit:
+                hint = (
+                    f". Its rope_scaling (YaRN, factor {factor:g} over {original:g} tokens) "
+                    f"reaches {reach} tokens: to use them, set max_position_embeddings to "
+                    f"{reach} in its config.json"
+                )
+    return [
+        f"model.max_context={wanted} is above the checkpoint's trained context of {limit} "
+        f"tokens (config.json max_position_embeddings): positions past it were never "
+        f"trained and the output degrades without an error; set model.max_context <= "
+        f"{limit} or leave it null{hint}"
+    ]
 
 
 def expert_parallel_problems(

@@ -82,7 +82,7 @@ def _arguments(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
 
 def plan_text(argv: list[str]) -> tuple[str, dict, str | None, str | None]:
     """(printed plan, JSON plan, the problem when it does not fit, ``--json`` target)."""
-    from xspec.build import expert_parallel_problems, layout_plan
+    from xspec.build import expert_parallel_problems, layout_plan, max_context_problems
     from xspec.compose import compose_run
     from xspec.config import validate
     from xspec.registry import models, platforms, spec_methods
@@ -93,7 +93,8 @@ def plan_text(argv: list[str]) -> tuple[str, dict, str | None, str | None]:
     validate(cfg, world=world)
     family = models.get(cfg.model.arch)
     drafter_cls = spec_methods.get(cfg.spec.method)
-    problems = family.preflight(cfg.model) + drafter_cls.preflight(cfg.spec, cfg.model)
+    problems = family.preflight(cfg.model) or max_context_problems(cfg, family)
+    problems += drafter_cls.preflight(cfg.spec, cfg.model)
     if cfg.parallel.ep > 1:
         problems += expert_parallel_problems(cfg, family, drafter_cls)
     budget = cfg.engine.memory_budget

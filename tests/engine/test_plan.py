@@ -301,6 +301,7 @@ TINY = ["model=dsv4_tiny_random", "spec=none", "engine.device_memory_gib=64"]
         (["--context", "4097"], "--context 4097 is longer than the model's context of 4096 tokens (the checkpoint's max_position_embeddings)"),
         (["--context", str(10**400)], "give --context <= 4096"),
         (["model.max_context=100", "--context", "101"], "context of 100 tokens (model.max_context=100)"),
+        (["model.max_context=8192"], "model.max_context=8192 is above the checkpoint's trained context of 4096 tokens"),
         (["engine.device_memory_gib=1e300"], "engine.device_memory_gib must be > 0 and at most 1048576 GiB (1 PiB)"),
         (["engine.memory_budget=1e300"], "engine.memory_budget must be at most 1125899906842624 bytes (1 PiB"),
         (["parallel.dp=999999937", "parallel.ep=8"], "need a world of 7999999496 ranks (their least common multiple), more than the 1048576 a plan describes"),

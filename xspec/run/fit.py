@@ -8,12 +8,9 @@ import functools
 import json
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
 
-from xspec.build import Built, effective_gamma
+from xspec.build import Built, checkpoint_config, effective_gamma, trained_context
 from xspec.config import RunConfig
-from xspec.errors import UserError
-from xspec.models.family import ModelFamily
 from xspec.registry import models, spec_methods
 from xspec.run.workloads import ContextFit
 from xspec.tokenizer import Tokenizer, load_tokenizer
@@ -26,10 +23,8 @@ def context_fit(cfg: RunConfig) -> ContextFit | None:
     checkpoint's tokenizer to count text prompts (loaded on first use). None when the
     limit is unknown (a plugin family that names no directory): :func:`loaded_fit`
     checks after the build. Call it on a config :func:`check` passed."""
-    ckpt_dir, config = _checkpoint_config(models.get(cfg.model.arch), cfg.model)
-    checkpoint_limit = config.get("max_position_embeddings")
-    if not (isinstance(checkpoint_limit, int) and checkpoint_limit > 0):
-        checkpoint_limit = None
+    ckpt_dir, config = checkpoint_config(models.get(cfg.model.arch), cfg.model)
+    checkpoint_limit = trained_context(config)
     limit = cfg.model.max_context or checkpoint_limit
     if limit is None:
         return None
@@ -59,20 +54,6 @@ def loaded_fit(built: Built) -> ContextFit:
     memory = plan.problem if plan is not None else None
     target, gamma = built.target, built.drafter.gamma
     return ContextFit(target.max_context, gamma, built.tokenizer.encode, source, memory=memory)
-
-
-def _checkpoint_config(family: ModelFamily, model_cfg: Any) -> tuple[Path | None, dict[str, Any]]:
-    """The target checkpoint's directory and config.json, when the family names its
-    directory (``checkpoint_path``) and the file reads as a JSON object."""
-    try:
-        path = family.checkpoint_path(model_cfg)
-        if path is None:
-            return None, {}
-        path = Path(path)
-        config = json.loads((path / "config.json").read_text(encoding="utf-8"))
-    except (UserError, OSError, ValueError):  # preflight reports an unreadable checkpoint
-        return None, {}
-    return (path, config) if isinstance(config, dict) else (None, {})
 
 
 def _lazy_encode(
