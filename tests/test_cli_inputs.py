@@ -174,6 +174,29 @@ def test_output_dir_that_is_a_file(
     check_jobs([[*QWEN, f"hydra.run.dir={tmp_path}/new/run"]])  # a new directory is fine
 
 
+# -- issue 53, 16: an output directory on a file system that takes none ----------------
+
+# /proc takes no new entry, for root too (the tests run as root, which a directory
+# without write permission would not stop)
+NO_DIRS = Path("/proc/xspec-out")
+
+
+@pytest.mark.skipif(not Path("/proc/self").is_dir(), reason="needs Linux /proc")
+def test_output_dir_where_no_directory_can_be_made(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture
+) -> None:
+    err = cli(monkeypatch, capsys, *QWEN, f"hydra.run.dir={NO_DIRS}/run")
+    assert f"hydra.run.dir={NO_DIRS}/run: no directory can be made in /proc (" in err
+    assert "pick a directory you can write" in err
+    err = cli(monkeypatch, capsys, "-m", *QWEN, "spec=none,oracle", f"hydra.sweep.dir={NO_DIRS}")
+    assert f"hydra.sweep.dir={NO_DIRS}: no directory can be made in /proc" in err
+    # a writable place passes, and the check leaves nothing behind (nor makes the dir)
+    check_jobs([[*QWEN, f"hydra.run.dir={tmp_path}/new/run"]], multirun=False)
+    assert list(tmp_path.iterdir()) == []
+    # the directory a run does not use is not tried: a single run's sweep dir
+    check_jobs([[*QWEN, f"hydra.run.dir={tmp_path}/run", f"hydra.sweep.dir={NO_DIRS}"]])
+
+
 # -- issue 53, 17: YAML and JSON a user points at --------------------------------------
 
 MODEL_YAML = "defaults:\n  - /schema/model@_here_\narch: qwen3\npreset: tiny\n"

@@ -21,6 +21,7 @@ from __future__ import annotations
 import itertools
 import os
 import sys
+import tempfile
 import traceback
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -82,6 +83,11 @@ def overrides_of(args: list[str]) -> list[str]:
     return out
 
 
+def is_multirun(args: list[str]) -> bool:
+    """Whether Hydra runs these arguments as a sweep (``-m``, ``--multirun``)."""
+    return any(a in ("-m", "--multirun") for a in args) or "hydra.mode=MULTIRUN" in args
+
+
 def config_dirs_of(args: list[str]) -> list[str]:
     """The user's ``--config-dir DIR`` / ``-cd DIR`` / ``--config-dir=DIR`` arguments."""
     out = [a.split("=", 1)[1] for a in args if a.startswith("--config-dir=")]
@@ -90,19 +96,25 @@ def config_dirs_of(args: list[str]) -> list[str]:
 
 
 def check_jobs(
-    override_sets: list[list[str]], *, full: bool = True, search: list[str] | None = None
+    override_sets: list[list[str]],
+    *,
+    full: bool = True,
+    search: list[str] | None = None,
+    multirun: bool | None = None,
 ) -> list[RunConfig]:
     """Compose and check every job (config, names, checkpoints, platform limits, drafter
     fit) before the first one runs; one ConfigError lists the problems of every job.
     ``full=False`` (``--cfg``: only printing the config) checks the values alone;
-    ``search``: the user's ``--config-dir`` directories. Returns every job's config."""
+    ``search``: the user's ``--config-dir`` directories; ``multirun``: whether Hydra
+    writes into ``hydra.sweep.dir`` or ``hydra.run.dir``, which must then take a new
+    directory (None: not tried). Returns every job's config."""
     from xspec.build import check
     from xspec.run.fit import context_fit
     from xspec.run.workloads import workload_problems
 
     if missing := [d for d in search or [] if not Path(d).is_dir()]:
         raise ConfigError(f"--config-dir {missing[0]}: not a directory")
-    if full and override_sets and (bad := output_dir_problems(override_sets[0])):
+    if full and override_sets and (bad := output_dir_problems(override_sets[0], multirun=multirun)):
         raise ConfigError("the output directory cannot be created:", problems=bad)
     failures: list[tuple[list[str], list[str]]] = []
     configs: list[RunConfig] = []
@@ -140,11 +152,13 @@ def check_jobs(
 _OUTPUT_DIRS = {"hydra.run.dir": "outputs/my_run", "hydra.sweep.dir": "multirun/my_sweep"}
 
 
-def output_dir_problems(overrides: list[str]) -> list[str]:
+def output_dir_problems(overrides: list[str], *, multirun: bool | None = None) -> list[str]:
     """``hydra.run.dir`` / ``hydra.sweep.dir`` (given, or conf/config.yaml's defaults)
-    naming an existing file, or a path under one: Hydra could not create the directory.
-    Only the part before the first ``${...}`` interpolation (e.g. ``${now:...}``) is
-    checked."""
+    naming an existing file, or a path under one; and, for the one this invocation uses
+    (``multirun``; None: neither), a directory in which no directory can be created (a
+    read-only or full file system, no permission), tried with a directory made and
+    removed at once. Hydra could not create the output directory in either case. Only
+    the part before the first ``${...}`` interpolation (e.g. ``${now:...}``) is checked."""
     from hydra.core.override_parser.overrides_parser import OverridesParser
     from omegaconf import OmegaConf
 
@@ -156,22 +170,41 @@ def output_dir_problems(overrides: list[str]) -> list[str]:
         o.key_or_group: str(o.value()) for o in OverridesParser.create().parse_overrides(given)
     }
     values.update(parsed)
+    used = None if multirun is None else ("hydra.sweep.dir" if multirun else "hydra.run.dir")
     problems = []
     for key, value in values.items():
-        static = value.split("${", 1)[0]
-        if "${" in value:  # the directory part before the interpolation
-            static = static.rpartition("/")[0]
-        path = Path(static or ".")
-        blocker = next((p for p in [path, *path.parents] if p.exists()), None)
-        if blocker is None or blocker.is_dir():
-            continue
-        what = "is an existing file" if blocker == path else f"is under the file {blocker}"
-        source = "" if key in parsed else " (the default)"
-        problems.append(
-            f"{key}={value}{source}: {path} {what}, so the output directory cannot be created; "
-            f"pick a directory (created if missing), e.g. {key}={_OUTPUT_DIRS[key]}"
-        )
+        if why := _output_dir_problem(value, probe=key == used):
+            source = "" if key in parsed else " (the default)"
+            problems.append(
+                f"{key}={value}{source}: {why}, so the output directory cannot be created; "
+                f"pick a directory you can write (created if missing), e.g. "
+                f"{key}={_OUTPUT_DIRS[key]}"
+            )
     return problems
+
+
+def _output_dir_problem(value: str, *, probe: bool) -> str | None:
+    """Why Hydra could not make the directory ``value`` (its static part), or None."""
+    static = value.split("${", 1)[0]
+    if "${" in value:  # the directory part before the interpolation
+        static = static.rpartition("/")[0]
+    path = Path(static or ".")
+    blocker = next((p for p in [path, *path.parents] if p.exists()), None)
+    if blocker is None:
+        return None
+    if not blocker.is_dir():
+        return (
+            f"{path} is an existing file"
+            if blocker == path
+            else f"{path} is under the file {blocker}"
+        )
+    if not probe:
+        return None
+    try:  # what Hydra will do first: make a directory there
+        os.rmdir(tempfile.mkdtemp(prefix=".xspec-probe-", dir=blocker))
+    except OSError as e:
+        return f"no directory can be made in {blocker} ({e.strerror or e})"
+    return None
 
 
 def _indent(text: str, prefix: str) -> str:
@@ -291,7 +324,10 @@ def main() -> None:
     if not info_only:
         try:
             configs = check_jobs(
-                _override_sets(args), full=not print_config, search=config_dirs_of(args)
+                _override_sets(args),
+                full=not print_config,
+                search=config_dirs_of(args),
+                multirun=is_multirun(args),
             )
             if not print_config and launch().rank == 0:  # one exporter per launch
                 _start_exporter(configs[0])
