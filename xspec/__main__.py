@@ -8,7 +8,9 @@ with code 2 before any job runs, never a Python traceback.
 
 Each job writes ``results.json`` into its Hydra directory (``outputs/<date>/<time>/``,
 a multirun ``multirun/<date>/<time>/<job_num>/``); the invocation ends with
-``summary.{md,json,png}`` beside them (xspec/run/results.py). ``metrics.port``
+``summary.{md,json,png}`` beside them (xspec/run/results.py). A job in which every
+request failed (NaN logits) still writes them, and the invocation exits with code 1
+(:data:`NOTHING_SERVED_EXIT`); one where some failed says how many under its figures. ``metrics.port``
 serves Prometheus text for the whole invocation (xspec/run/exporter.py).
 
 Under ``torchrun`` (docs/parallel.md) every rank runs this entry point; rank 0 alone
@@ -212,6 +214,11 @@ def _indent(text: str, prefix: str) -> str:
     return "\n".join([first, *(prefix + line for line in rest)])
 
 
+# A job ran but every request of it failed (NaN logits, a failed step): nothing was
+# measured. 1, as a crash or an output file that could not be written (2 stays the
+# user's input, found before the run), and as ``xspec.bench serve`` with no success.
+NOTHING_SERVED_EXIT = 1
+
 _RESULTS: list[dict] = []  # one results.json content per job of this process (multirun)
 _SUMMARY_DIR: list[Path] = []  # where the summary goes: the sweep dir, or the run dir
 _EXPORTER: list = []  # the MetricsExporter of this process, when metrics.port is set
@@ -223,7 +230,7 @@ def run(cfg: RunConfig, choices: dict[str, str] | None = None, out_dir: Path | N
     and write ``results.json`` into ``out_dir`` (Hydra's job directory)."""
     from xspec import atomic
     from xspec.build import build
-    from xspec.run.report import plan_summary, run_workload
+    from xspec.run.report import failed_requests, plan_summary, run_workload
     from xspec.run.results import RESULTS_FILE, job_results
 
     built = build(cfg)
@@ -247,6 +254,8 @@ def run(cfg: RunConfig, choices: dict[str, str] | None = None, out_dir: Path | N
     if out_dir is not None:
         atomic.write_json(out_dir / RESULTS_FILE, result)
         print(f"xspec: results in {out_dir / RESULTS_FILE}")
+    if (line := failed_requests(runs)) is not None:  # last: under the figures it qualifies
+        print(line, file=sys.stderr, flush=True)
 
 
 @hydra.main(config_path=str(config_dir()), config_name="config", version_base="1.3")
@@ -348,14 +357,29 @@ def main() -> None:
             _summarize(_SUMMARY_DIR[0])
         except OutputError as e:
             sys.exit(_fail(e))
+    if code := _exit_code():
+        sys.exit(code)
+
+
+def _exit_code() -> int:
+    """0, or the invocation's failure: a job that failed (its exit code), a job in which
+    every request failed (:data:`NOTHING_SERVED_EXIT`); a sweep says which."""
+    jobs = len(_FAILED) + len(_RESULTS)
     if _FAILED:
         done = f"; the summary of the {len(_RESULTS)} that finished" if _RESULTS else ""
         print(
-            f"xspec: error: {len(_FAILED)} of {len(_FAILED) + len(_RESULTS)} jobs failed "
+            f"xspec: error: {len(_FAILED)} of {jobs} jobs failed "
             f"(job {', '.join(str(f['job']) for f in _FAILED)}){done} is in {_SUMMARY_DIR[0]}",
             file=sys.stderr,
         )
-        sys.exit(max(f["exit_code"] for f in _FAILED))
+    empty = [r for r in _RESULTS if all(q["error"] is not None for q in r["requests"])]
+    if empty and jobs > 1:  # a single run has said so under its figures
+        print(
+            f"xspec: error: in {len(empty)} of {jobs} jobs every request failed (their "
+            f"results.json hold the errors; the summary is in {_SUMMARY_DIR[0]})",
+            file=sys.stderr,
+        )
+    return max([f["exit_code"] for f in _FAILED] + [NOTHING_SERVED_EXIT] * len(empty), default=0)
 
 
 def _start_exporter(cfg: RunConfig) -> None:

@@ -192,6 +192,25 @@ def warmup(built: Built, requests: list[Request], w: WorkloadConfig) -> None:
     built.engine.metrics = SpecDecodeMetrics()
 
 
+def failed_requests(runs: list[list[Generation]]) -> str | None:
+    """One line when requests of the measured runs failed (None when none did): how
+    many, and that the figures cover only the others, or that every request failed and
+    the run measured nothing (the CLI then exits 1)."""
+    gens = [g for run in runs for g in run]
+    failed = sum(g.error is not None for g in gens)
+    if not failed:
+        return None
+    if failed == len(gens):
+        return (
+            f"xspec: error: every one of the {failed} requests failed (the errors are above and "
+            "in results.json), so this run measured nothing; exit code 1"
+        )
+    return (
+        f"xspec: warning: {failed} of {len(gens)} requests failed (the errors are above and in "
+        f"results.json); the timings are over the {len(gens) - failed} that did not"
+    )
+
+
 def format_timings(gens: list[Generation]) -> str:
     if all(g.error is not None for g in gens):  # nothing was served: no latency to average
         return (
