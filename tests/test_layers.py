@@ -12,7 +12,7 @@ XSPEC = Path(__file__).resolve().parents[1] / "xspec"
 # Bottom to top; a module belongs to the longest prefix listed. The same table is drawn
 # in docs/architecture.md.
 LAYERS: list[tuple[str, ...]] = [
-    ("xspec", "xspec.errors", "xspec.atomic", "xspec.cache", "xspec.capture"),  # xspec: the package root (__version__)
+    ("xspec", "xspec.errors", "xspec.atomic", "xspec.cache", "xspec.capture", "xspec.paths"),  # xspec: the package root (__version__)
     ("xspec.config", "xspec.compose", "xspec.registry", "xspec.sampling", "xspec.tokenizer",
      "xspec.chat", "xspec.metrics"),
     ("xspec.parallel",),

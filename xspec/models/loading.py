@@ -42,6 +42,7 @@ import torch
 
 from xspec.cache import cache_root
 from xspec.errors import CheckpointError
+from xspec.paths import escapes
 
 CONFIG_NAME = "config.json"
 INDEX_NAME = "model.safetensors.index.json"  # the name write_checkpoint uses
@@ -145,13 +146,6 @@ def _refetch_hint(file: Path) -> str:
     return f"it belongs to a cached preset: delete {preset} and the next run regenerates it"
 
 
-def _hf_blobs(snapshot: Path) -> list[Path]:
-    """The blob store of a Hugging Face hub cache snapshot (``<repo>/snapshots/<rev>``,
-    whose files are symlinks into ``<repo>/blobs``), where shards may legitimately point."""
-    blobs = snapshot.parent.parent / "blobs"
-    return [blobs] if snapshot.parent.name == "snapshots" and blobs.is_dir() else []
-
-
 class Checkpoint:
     """A local directory with config.json and safetensors (single file or sharded with
     ``*.safetensors.index.json``). Never pickle."""
@@ -244,7 +238,6 @@ class Checkpoint:
         ``..``, no symlink resolving elsewhere (a crafted index must not make xspec read,
         or probe, files the checkpoint does not hold). One error lists every bad entry."""
         root = self.path.resolve()
-        allowed = [root, *_hf_blobs(root)]
         problems: list[str] = []
         seen: set[str] = set()
         for name, shard in weight_map.items():
@@ -260,10 +253,8 @@ class Checkpoint:
                 problems.append(f"{entry}: the shard path is absolute")
             elif ".." in rel.parts or not rel.parts:
                 problems.append(f"{entry}: the shard path is not a file inside the directory")
-            elif not any((root / rel).resolve().is_relative_to(a) for a in allowed):
-                problems.append(
-                    f"{entry}: the shard is a symlink resolving to {(root / rel).resolve()}"
-                )
+            elif (target := escapes(root, rel)) is not None:
+                problems.append(f"{entry}: the shard is a symlink resolving to {target}")
         if problems:
             raise CheckpointError(
                 f"{index_file} names shards outside the checkpoint directory {root}; every "
