@@ -9,16 +9,23 @@ that avoids the model's special (bos / stop) ids.
 Stop ids: ``eos_token_id`` of ``config.json`` and of ``generation_config.json``, each an
 int or a list of ints (Qwen3 instruct checkpoints list several), merged into one set,
 :attr:`Tokenizer.stop_ids`. ``eos_id`` is the first of them (config.json's first).
+
+Text that is not Unicode (a lone surrogate, which a JSON ``"\\ud800"`` escape without its
+pair produces) cannot be encoded: :meth:`Tokenizer.encode` raises
+:class:`~xspec.errors.RequestError` naming the character. :attr:`Tokenizer.max_token_bytes`
+bounds how much text one token can stand for, so a server can refuse a prompt too long for
+the context from its byte length, before tokenizing it.
 """
 
 from __future__ import annotations
 
+import functools
 import json
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Any, Protocol
 
-from xspec.errors import CheckpointError
+from xspec.errors import CheckpointError, RequestError
 
 TOKENIZER_FILE = "tokenizer.json"
 GENERATION_CONFIG = "generation_config.json"
@@ -33,6 +40,30 @@ class Tokenizer(Protocol):
     def encode(self, text: str) -> list[int]: ...
 
     def decode(self, ids: list[int]) -> str: ...
+
+    @property
+    def max_token_bytes(self) -> int | None:
+        """The most UTF-8 bytes of text one token can stand for (None: no bound, the
+        tokenizer may drop text), so ``len(text) / max_token_bytes`` ids at least."""
+        ...
+
+
+def lone_surrogate(text: str) -> int | None:
+    """The index of the first lone surrogate in ``text`` (None: it is Unicode text)."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        return e.start
+    return None
+
+
+def _not_unicode(text: str) -> RequestError:
+    at = lone_surrogate(text) or 0
+    return RequestError(
+        f"the text holds a lone surrogate U+{ord(text[at]):04X} at character {at}, which is "
+        "not Unicode and cannot be tokenized; send valid UTF-8 (a JSON \\ud800-style "
+        "escape needs its pair)"
+    )
 
 
 class ByteTokenizer:
@@ -52,9 +83,14 @@ class ByteTokenizer:
         self.offset, self.bos_id = offset, bos_id
         self.stop_ids = frozenset(ordered)
         self.eos_id = ordered[0] if ordered else None
+        self.max_token_bytes = 1
 
     def encode(self, text: str) -> list[int]:
-        return [b + self.offset for b in text.encode("utf-8")]
+        try:
+            data = text.encode("utf-8")
+        except UnicodeEncodeError:
+            raise _not_unicode(text) from None
+        return [b + self.offset for b in data]
 
     def decode(self, ids: list[int]) -> str:
         data = bytes(i - self.offset for i in ids if self.offset <= i < self.offset + 256)
@@ -71,17 +107,63 @@ class HFTokenizer:
             self._tok = _Tok.from_file(str(path))
         except Exception as e:  # the library raises bare Exceptions on malformed files
             raise CheckpointError(f"cannot read tokenizer {path}: {e}") from e
+        self.path = path
         ordered = list(dict.fromkeys(stop_ids))
         self.bos_id = bos_id
         self.stop_ids = frozenset(ordered)
         self.eos_id = ordered[0] if ordered else None
 
     def encode(self, text: str) -> list[int]:
-        ids = self._tok.encode(text, add_special_tokens=False).ids
+        try:
+            # encode_batch, not encode: it releases the GIL while it works (encode holds
+            # it throughout, seconds for a megabyte), so other threads run meanwhile
+            ids = self._tok.encode_batch([text], add_special_tokens=False)[0].ids
+        except TypeError:  # the library's answer to a lone surrogate
+            if lone_surrogate(text) is not None:
+                raise _not_unicode(text) from None
+            raise
         return ([self.bos_id] if self.bos_id is not None else []) + ids
+
+    @functools.cached_property
+    def max_token_bytes(self) -> int | None:
+        """The longest token's text in UTF-8 bytes (an upper bound of what it covers: a
+        byte-level or metaspace token spells each byte with one character of 1-3 bytes),
+        times 4 after a normalizer (NFKC maps a 4-byte character to 1 byte); None for a
+        model or step that can drop text or fold any run of it into one token."""
+        spec = json.loads(self.path.read_text(encoding="utf-8"))
+        model = spec.get("model") or {}
+        if model.get("type") != "BPE" or (model.get("unk_token") and model.get("fuse_unk")):
+            return None
+        steps = _steps(spec.get("normalizer")) + _steps(spec.get("pre_tokenizer"))
+        if any(_drops_text(s) for s in steps) or any(
+            t.get("lstrip") or t.get("rstrip") for t in spec.get("added_tokens") or []
+        ):
+            return None
+        vocab = self._tok.get_vocab(with_added_tokens=True)
+        longest = max((len(t.encode("utf-8", "surrogatepass")) for t in vocab), default=1)
+        return longest * (4 if spec.get("normalizer") else 1)
 
     def decode(self, ids: list[int]) -> str:
         return self._tok.decode(ids, skip_special_tokens=True)
+
+
+# normalizer / pre-tokenizer steps that remove text (whitespace, accents, replacements)
+_DROPS_TEXT = frozenset({"Strip", "StripAccents", "Replace", "BertNormalizer", "Precompiled",
+                         "Whitespace", "WhitespaceSplit", "BertPreTokenizer"})  # fmt: skip
+
+
+def _steps(step: Any) -> list[dict]:
+    """A tokenizer.json normalizer or pre-tokenizer as its list of steps (Sequence opened)."""
+    if not isinstance(step, dict):
+        return []
+    inner = step.get("normalizers") or step.get("pretokenizers")
+    return [s for x in inner for s in _steps(x)] if isinstance(inner, list) else [step]
+
+
+def _drops_text(step: dict) -> bool:
+    return step.get("type") in _DROPS_TEXT or (
+        step.get("type") == "Split" and step.get("behavior") == "Removed"
+    )
 
 
 def missing_tokenizer(checkpoint_dir: Path) -> str | None:
