@@ -20,6 +20,7 @@ from xspec.chat import (
     chat_prompt_ids,
     load_chat_template,
 )
+from xspec.chat.renderer import RenderLimits, TemplateRenderer
 from xspec.errors import CheckpointError, RequestError
 from xspec.tokenizer import ByteTokenizer, HFTokenizer, load_tokenizer
 
@@ -201,6 +202,120 @@ def test_special_tokens_tojson_and_loop_controls(tmp_path: Path) -> None:
 def test_templates_are_sandboxed_and_their_errors_are_request_errors(text: str, match: str) -> None:
     with pytest.raises(RequestError, match=match):
         chat_prompt([{"role": "user", "content": "x"}], template=jinja(text))
+
+
+def test_compiling_evaluates_nothing() -> None:
+    """jinja2 folds constant expressions while compiling: a template's
+    ``'a' * 200000000`` allocated 200 MB at start-up, before any request."""
+    import tracemalloc
+
+    from xspec.chat.jinja import compile_template
+
+    tracemalloc.start()
+    try:
+        for text in ("{% set s = 'a' * 200000000 %}", "{{ 'a' * 200000000 }}",
+                     "{{ 'a' | center(200000000) }}", "{{ '%200000000d' % 1 }}"):  # fmt: skip
+            compile_template(text)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert peak < 20 << 20, f"compiling allocated {peak >> 20} MiB"
+
+
+@pytest.mark.parametrize(
+    ("text", "match"),
+    [
+        ("{% set s = 'ab' * 100000000 %}", r"'\*' would build a value of 200000000 items"),
+        ("{{ [0] * 100000000 }}", "would build a value of 100000000 items"),
+        ("{% set s = 'a' * 10000000 %}{{ s + s }}", r"'\+' would build a value of 20000000"),
+        ("{{ '%200000000d' % 1 }}", r"'%' would build"),
+        ("{{ '%*d' % (5, 1) }}", r"'\*' width"),
+        ("{{ 9 ** 99999 }}", "an integer of"),
+    ],
+)
+def test_operators_cannot_build_huge_values(text: str, match: str) -> None:
+    with pytest.raises(RequestError, match=match):
+        chat_prompt([{"role": "user", "content": "x"}], template=jinja(text))
+
+
+def test_the_output_stops_at_max_chars() -> None:
+    text = "{% for i in range(100000) %}{{ messages[0].content }}{% endfor %}"
+    with pytest.raises(RequestError, match="wrote more than 1000 characters"):
+        chat_prompt([{"role": "user", "content": "xy"}], template=jinja(text), max_chars=1000)
+    small = "{{ messages[0].content * 3 }}"
+    assert chat_prompt([{"role": "user", "content": "xy"}], template=jinja(small)) == "xyxyxy"
+
+
+# a template that is slow, or grows a string, only for certain messages
+HOSTILE = (
+    "{%- if messages[0].content == 'loop' -%}{% for i in range(100000) %}"
+    "{% for j in range(100000) %}{% endfor %}{% endfor %}{%- endif -%}"
+    "{%- if messages[0].content == 'grow' -%}{% set ns = namespace(s='ab' * 1000000) %}"
+    "{% for i in range(40) %}{% set ns.s = ns.s ~ ns.s %}{% endfor %}{%- endif -%}"
+    "{%- for m in messages %}[{{ m.content }}]{% endfor -%}"
+)
+
+
+def test_the_renderer_process_bounds_time_and_memory() -> None:
+    """A render past the time limit is killed with its process; one past the memory
+    limit fails in the process; either is that request's RequestError, and the next
+    render works (a fresh process)."""
+
+    def render(renderer: TemplateRenderer, content: str) -> str:
+        return chat_prompt([{"role": "user", "content": content}], template=jinja(HOSTILE),
+                           renderer=renderer, max_chars=100)  # fmt: skip
+
+    for timeout_s, memory_mib, bad, match in [
+        (0.5, 0, "loop", r"time limit of 0\.5 s \(server\.template_timeout_s\)"),
+        (30, 128, "grow", r"out of memory.*template_memory_mib=128"),
+    ]:
+        renderer = TemplateRenderer(jinja(HOSTILE), RenderLimits(timeout_s, memory_mib))
+        try:
+            assert render(renderer, "hi") == "[hi]"
+            with pytest.raises(RequestError, match=match):
+                render(renderer, bad)
+            assert render(renderer, "hi") == "[hi]"
+        finally:
+            renderer.close()
+    renderer = TemplateRenderer(jinja(HOSTILE), RenderLimits())
+    with pytest.raises(RequestError, match="wrote more than 100 characters"):
+        render(renderer, "x" * 200)
+    renderer.close()
+    with pytest.raises(CheckpointError, match="cannot be used: TemplateSyntaxError"):
+        TemplateRenderer(jinja("{% for %}"), RenderLimits())
+
+
+@pytest.mark.parametrize(
+    ("messages", "options", "match"),
+    [
+        ([{"role": "user", "content": "a\ud800b"}], None, r"messages\[0\] holds a lone surrogate U\+D800"),
+        ([{"role": "user", "content": [{"type": "text", "text": "\udfff"}]}], None, "messages.0. holds a lone"),
+        ([{"role": "user", "content": "ok"}], {"x": "\ud800"}, "chat_template_kwargs holds a lone"),
+    ],
+)  # fmt: skip
+def test_text_that_is_not_unicode_is_a_request_error(
+    messages: list, options: dict | None, match: str
+) -> None:
+    with pytest.raises(RequestError, match=match):
+        chat_prompt(messages, template=PLAIN, options=options)
+
+
+def test_a_template_file_linking_out_of_the_checkpoint_is_refused(tmp_path: Path) -> None:
+    outside = tmp_path / "elsewhere.jinja"
+    outside.write_text("{{ messages }}")
+    ckpt = tmp_path / "ckpt"
+    ckpt.mkdir()
+    (ckpt / "chat_template.jinja").symlink_to(outside)
+    with pytest.raises(CheckpointError, match=r"chat_template\.jinja is a link to .*elsewhere"):
+        load_chat_template(model(ckpt), ckpt)
+    # a Hugging Face cache snapshot links its files into the repository's blobs: allowed
+    repo = tmp_path / "models--org--name"
+    (repo / "blobs").mkdir(parents=True)
+    (repo / "blobs" / "abc123").write_text("{{ messages[0].content }}")
+    snapshot = repo / "snapshots" / "rev"
+    snapshot.mkdir(parents=True)
+    (snapshot / "chat_template.jinja").symlink_to(repo / "blobs" / "abc123")
+    assert load_chat_template(model(snapshot), snapshot).format is ChatFormat.jinja
 
 
 def test_generation_tag_renders_its_body() -> None:

@@ -8,7 +8,9 @@ as transformers' ``apply_chat_template`` tokenizes them). Four formats:
   ``tokenizer_config.json``'s ``chat_template`` (Qwen3); the file wins, as in transformers.
   A template is a stranger's code: it runs in a sandbox (:mod:`xspec.chat.jinja`) with what
   Hugging Face templates expect, the tokenizer's special tokens (``bos_token``,
-  ``eos_token``, ...) among its variables;
+  ``eos_token``, ...) among its variables; the server renders it in a process of its own
+  under a time and a memory limit (:mod:`xspec.chat.renderer`). A ``chat_template.jinja``
+  that is a link leading out of the checkpoint directory is refused;
 * ``deepseek_v4``: DeepSeek-V4's encoding, written in Python from its documentation
   (:mod:`xspec.chat.deepseek_v4`) for ``deepseek_v4`` checkpoints without a Jinja template; the
   ``encoding/`` Python folder such checkpoints ship is never imported or run;
@@ -25,8 +27,8 @@ Messages follow OpenAI's shape: a list of ``{"role", "content"}`` with role ``sy
 ``{"type": "text", "text": ...}`` (joined with ``"\\n"``, as vLLM does for string-content
 templates). An assistant message may carry ``tool_calls`` instead of content; other keys
 (``name``, ``tool_call_id``, ``reasoning_content``) pass through to the template. Anything
-else is a :class:`~xspec.errors.RequestError` that names the message and the key (the
-server answers 400). ``options`` are the request's ``chat_template_kwargs``
+else (a lone surrogate too: it is not Unicode) is a :class:`~xspec.errors.RequestError` that
+names the message and the key (the server answers 400). ``options`` are the request's ``chat_template_kwargs``
 (``enable_thinking`` for Qwen3; ``thinking`` / ``reasoning_effort`` for DeepSeek-V4).
 """
 
@@ -42,8 +44,11 @@ from typing import TYPE_CHECKING, Any
 from xspec.chat import jinja
 from xspec.chat.deepseek_v4 import render as render_deepseek_v4
 from xspec.errors import CheckpointError, RequestError
+from xspec.paths import escapes
+from xspec.tokenizer import lone_surrogate
 
 if TYPE_CHECKING:
+    from xspec.chat.renderer import TemplateRenderer
     from xspec.config import ModelConfig
     from xspec.tokenizer import Tokenizer
 
@@ -53,6 +58,7 @@ __all__ = [
     "chat_prompt",
     "chat_prompt_ids",
     "check_messages",
+    "encode_chat_prompt",
     "load_chat_template",
     "render_deepseek_v4",
 ]
@@ -140,10 +146,22 @@ def _message(m: Any, i: int) -> dict[str, Any]:
         if not isinstance(reasoning, str):
             raise RequestError(f"{where}.reasoning_content must be a string")
         out = {"thinking": reasoning, **out, "reasoning_content": reasoning}  # as transformers
-    try:  # plain JSON types only: a template sees data, never a Python object's methods
-        plain: dict[str, Any] = json.loads(json.dumps(out))
+    return _json_data(out, where)
+
+
+def _json_data(value: dict[str, Any], where: str) -> dict[str, Any]:
+    """``value`` copied through JSON: plain data only (a template sees data, never a
+    Python object's methods), and Unicode text only (no lone surrogate)."""
+    try:
+        text = json.dumps(value, ensure_ascii=False)
     except (TypeError, ValueError) as e:
         raise RequestError(f"{where} holds a value that is not JSON data ({e})") from None
+    if (at := lone_surrogate(text)) is not None:
+        raise RequestError(
+            f"{where} holds a lone surrogate U+{ord(text[at]):04X}, which is not Unicode (a "
+            "JSON \\ud800-style escape without its pair); send valid UTF-8 text"
+        )
+    plain: dict[str, Any] = json.loads(text)
     return plain
 
 
@@ -165,12 +183,7 @@ def _options(options: Mapping[str, Any] | None) -> dict[str, Any]:
     reserved = sorted({"messages", "add_generation_prompt"} & set(options))
     if reserved:
         raise RequestError(f"chat_template_kwargs cannot set {', '.join(reserved)}")
-    try:
-        return dict(json.loads(json.dumps(dict(options))))
-    except (TypeError, ValueError) as e:
-        raise RequestError(
-            f"chat_template_kwargs holds a value that is not JSON data ({e})"
-        ) from None
+    return _json_data(dict(options), "chat_template_kwargs")
 
 
 # -- rendering -------------------------------------------------------------------------
@@ -182,15 +195,21 @@ def chat_prompt(
     template: ChatTemplate,
     add_generation_prompt: bool = True,
     options: Mapping[str, Any] | None = None,
+    renderer: TemplateRenderer | None = None,
+    max_chars: int = jinja.MAX_ITEMS,
 ) -> str:
     """The prompt text for ``messages``, ending with the assistant's turn header when
     ``add_generation_prompt``. Bad messages or a template that refuses them raise
-    :class:`~xspec.errors.RequestError`."""
+    :class:`~xspec.errors.RequestError`. A Jinja template renders through ``renderer``
+    (its own process, bounded) when given, else in this process with the sandbox's caps;
+    either way its output stops at ``max_chars`` characters."""
     msgs, opts = check_messages(messages), _options(options)
     if template.format is ChatFormat.jinja:
+        if renderer is not None:
+            return renderer.render(msgs, add_generation_prompt, opts, max_chars)
         return jinja.render(
             template.text, template.source, template.special_tokens, msgs,
-            add_generation_prompt, opts,
+            add_generation_prompt, opts, max_chars,
         )  # fmt: skip
     if template.format is ChatFormat.deepseek_v4:
         return render_deepseek_v4(msgs, add_generation_prompt=add_generation_prompt, options=opts)
@@ -218,6 +237,11 @@ def chat_prompt_ids(
     text = chat_prompt(
         messages, template=template, add_generation_prompt=add_generation_prompt, options=options
     )
+    return encode_chat_prompt(text, template=template, tokenizer=tokenizer)
+
+
+def encode_chat_prompt(text: str, *, template: ChatTemplate, tokenizer: Tokenizer) -> list[int]:
+    """:func:`chat_prompt`'s text as token ids (:func:`chat_prompt_ids`' second half)."""
     ids = tokenizer.encode(text)
     adds_bos = tokenizer.bos_id is not None and tokenizer.encode("")[:1] == [tokenizer.bos_id]
     if template.format is not ChatFormat.plain and adds_bos:
@@ -281,6 +305,11 @@ def load_chat_template(model_cfg: ModelConfig, checkpoint_dir: Path | None) -> C
     config = _read_tokenizer_config(directory)
     file = directory / CHAT_TEMPLATE_FILE
     if file.is_file():
+        if (target := escapes(directory, Path(CHAT_TEMPLATE_FILE))) is not None:
+            raise CheckpointError(
+                f"{file} is a link to {target}, outside the checkpoint directory; copy the "
+                "template into the directory (refused: a checkpoint names only its own files)"
+            )
         try:
             text, source = file.read_text(encoding="utf-8"), str(file)
         except (OSError, UnicodeDecodeError) as e:

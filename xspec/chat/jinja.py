@@ -7,12 +7,21 @@ are written against (transformers' ``utils/chat_template_utils.py``, reimplement
 ``trim_blocks`` / ``lstrip_blocks``, the ``loopcontrols`` extension, ``raise_exception``, a
 ``tojson`` filter that does not escape HTML, ``strftime_now``, ``namespace`` (refusing
 underscore attributes), ``dict`` and the ``{% generation %}`` tag.
+
+Nothing is evaluated at compile time (jinja2 folds constant expressions while compiling:
+``{% set s = 'a' * 2000000000 %}`` would allocate 2 GB before any request). At render
+time ``*``, ``+``, ``**`` and ``%`` refuse to build a value past :data:`MAX_ITEMS` items
+(:data:`MAX_INT_BITS` bits for integers) and the output is cut at ``max_chars``. Those are
+cheap guards, not a bound: a template can still loop for long or grow a string by other
+means, so the server renders in a separate process under a time and memory limit
+(:mod:`xspec.chat.renderer`).
 """
 
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping
+import re
+from collections.abc import Iterator, Mapping
 from datetime import datetime
 from functools import lru_cache
 from typing import TYPE_CHECKING, Any
@@ -21,6 +30,11 @@ from xspec.errors import RequestError
 
 if TYPE_CHECKING:
     import jinja2
+
+MAX_ITEMS = 1 << 24  # the longest string / list an operator may build (16 Mi)
+MAX_INT_BITS = 1 << 14  # the largest integer an operator may build
+# one printf-style field of ``fmt % args``: its width and precision pad the output
+_PRINTF_FIELD = re.compile(r"%(?:\([^)]*\))?[#0 +-]*(\*|\d*)(?:\.(\*|\d*))?")
 
 
 def _raise_exception(message: str) -> None:
@@ -44,6 +58,35 @@ def _tojson(
 
 def _strftime_now(fmt: str) -> str:
     return datetime.now().strftime(fmt)
+
+
+def _oversize(op: str, a: Any, b: Any) -> str | None:
+    """What ``a <op> b`` would build past the caps (None: it stays small), known from
+    the operands' sizes before the operation runs."""
+    sized = (str, list, tuple)
+    if op == "*" and isinstance(b, sized) and isinstance(a, int):
+        a, b = b, a
+    if op == "*" and isinstance(a, sized) and isinstance(b, int):
+        items = len(a) * max(b, 0)
+    elif op == "+" and isinstance(a, sized) and isinstance(b, sized):
+        items = len(a) + len(b)
+    elif op == "%" and isinstance(a, str):
+        fields = _PRINTF_FIELD.findall(a)
+        if any("*" in f for f in fields):
+            return "a '*' width or precision in a % format"
+        items = len(a) + sum(int(w or 0) + int(p or 0) for w, p in fields)
+    elif op in ("*", "**") and isinstance(a, int) and isinstance(b, int):
+        bits = a.bit_length() + b.bit_length() if op == "*" else a.bit_length() * max(b, 0)
+        return f"an integer of {bits} bits" if bits > MAX_INT_BITS else None
+    else:
+        return None
+    return f"a value of {items} items" if items > MAX_ITEMS else None
+
+
+def _keep(context: Any, value: Any) -> Any:
+    """The identity, as ``finalize``: a finalize that takes the context makes jinja2
+    evaluate every output expression at render time, none while compiling."""
+    return value
 
 
 @lru_cache(maxsize=1)
@@ -100,10 +143,25 @@ def _environment() -> jinja2.Environment:
         def fromkeys(self, *args: Any) -> dict[Any, Any]:
             return dict.fromkeys(*args)
 
-    env = ImmutableSandboxedEnvironment(
+    class Sandbox(ImmutableSandboxedEnvironment):
+        """The sandbox with size caps on the operators that can build large values."""
+
+        intercepted_binops = frozenset({"*", "+", "**", "%"})
+
+        def call_binop(self, context: Any, operator: str, left: Any, right: Any) -> Any:
+            if (what := _oversize(operator, left, right)) is not None:
+                raise jinja2.exceptions.SecurityError(
+                    f"'{operator}' would build {what}; a chat template may build at most "
+                    f"{MAX_ITEMS} items ({MAX_INT_BITS}-bit integers)"
+                )
+            return super().call_binop(context, operator, left, right)
+
+    env = Sandbox(
         trim_blocks=True,
         lstrip_blocks=True,
         extensions=[GenerationTag, "jinja2.ext.loopcontrols"],
+        optimized=False,  # no constant folding of {% set %} / expressions while compiling
+        finalize=jinja2.pass_context(_keep),  # nor of output expressions
     )
     env.filters["tojson"] = _tojson
     env.globals.update(
@@ -120,6 +178,25 @@ def compile_template(text: str) -> jinja2.Template:
     return _environment().from_string(text)
 
 
+class OutOfMemory(RequestError):
+    """A render that ran out of memory (the process that ran it may stay fragmented)."""
+
+
+class _TooLong(Exception):
+    pass
+
+
+def _joined(pieces: Iterator[str], max_chars: int) -> str:
+    """The pieces joined; :class:`_TooLong` as soon as they pass ``max_chars``."""
+    out, size = [], 0
+    for piece in pieces:
+        size += len(piece)
+        if size > max_chars:
+            raise _TooLong
+        out.append(piece)
+    return "".join(out)
+
+
 def render(
     text: str,
     source: str,
@@ -127,9 +204,11 @@ def render(
     messages: list[dict[str, Any]],
     add_generation_prompt: bool,
     options: Mapping[str, Any],
+    max_chars: int = MAX_ITEMS,
 ) -> str:
     """Render as ``apply_chat_template(..., tokenize=False)`` does: special tokens, then
-    the request's kwargs over them, then the messages."""
+    the request's kwargs over them, then the messages. An output longer than
+    ``max_chars`` stops the render (a :class:`~xspec.errors.RequestError`)."""
     import jinja2
 
     context = {
@@ -141,7 +220,16 @@ def render(
         "add_generation_prompt": add_generation_prompt,
     }
     try:
-        return compile_template(text).render(**context)
+        return _joined(compile_template(text).generate(**context), max_chars)
+    except _TooLong:
+        raise RequestError(
+            f"the chat template ({source}) wrote more than {max_chars} characters for these "
+            "messages, more than a prompt can hold; shorten the conversation"
+        ) from None
+    except MemoryError:
+        raise OutOfMemory(
+            f"the chat template ({source}) ran out of memory on these messages"
+        ) from None
     except jinja2.TemplateError as e:  # raise_exception(...) in the template, or the sandbox
         raise RequestError(f"the chat template ({source}) refused these messages: {e}") from None
     except Exception as e:  # the template tripped on the input (a stranger's code)
