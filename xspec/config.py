@@ -226,6 +226,14 @@ class ServerConfig:
     shutdown_grace_s: float = 5.0
     # the name clients pass as "model" (null: the model option, e.g. dsv4_tiny)
     served_model_name: str | None = None
+    # a request's head and body must arrive within this long of the connection opening
+    # (or of its previous response); else 408 and the connection is closed
+    read_timeout_s: float = 30.0
+    max_connections: int = 1024  # more open connections get 503 and are closed at once
+    # the checkpoint's Jinja chat template renders in a process of its own: a render
+    # running longer is stopped (400), and the process may use this much memory
+    template_timeout_s: float = 2.0
+    template_memory_mib: int = 512  # 0 = unlimited
 
 
 class MoeExchange(str, enum.Enum):
@@ -287,6 +295,7 @@ def server_problems(v: ServerConfig) -> list[str]:
         ("server.max_queue", v.max_queue, 0),
         ("server.max_body_bytes", v.max_body_bytes, 1024),
         ("server.default_max_tokens", v.default_max_tokens, 1),
+        ("server.max_connections", v.max_connections, 1),
     ):
         if value < low:
             out.append(f"{key} must be >= {low} (got {value})")
@@ -294,6 +303,17 @@ def server_problems(v: ServerConfig) -> list[str]:
         out.append(f"server.request_timeout_s must be > 0 seconds (got {v.request_timeout_s})")
     if not 0 <= v.shutdown_grace_s <= 3600:
         out.append(f"server.shutdown_grace_s must be in 0..3600 seconds (got {v.shutdown_grace_s})")
+    for key, seconds, most in (
+        ("server.read_timeout_s", v.read_timeout_s, 3600),
+        ("server.template_timeout_s", v.template_timeout_s, 600),
+    ):
+        if not 0 < seconds <= most:
+            out.append(f"{key} must be in (0, {most}] seconds (got {seconds})")
+    if v.template_memory_mib != 0 and v.template_memory_mib < 64:
+        out.append(
+            f"server.template_memory_mib must be >= 64 (its process needs ~30) or 0 = "
+            f"unlimited (got {v.template_memory_mib})"
+        )
     if v.served_model_name is not None and not v.served_model_name.strip():
         out.append("server.served_model_name is empty; give a name or null (the model option)")
     return out

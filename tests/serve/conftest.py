@@ -3,7 +3,6 @@ a model built like ``xspec.LLM``; tests talk to it with the real ``openai`` clie
 
 from __future__ import annotations
 
-import socket
 import threading
 import time
 from collections.abc import Iterator
@@ -16,7 +15,9 @@ import pytest
 import uvicorn
 
 import xspec
+from xspec.serve.__main__ import _bind
 from xspec.serve.app import ServeContext, asgi_app, context, warm_up
+from xspec.serve.http import uvicorn_config
 
 
 @dataclass
@@ -45,10 +46,8 @@ def start_server(model: str, spec: str, overrides: dict[str, object] | None = No
     built = llm._built
     warm_up(built.engine)
     ctx = context(llm.config, built, model)
-    sock = socket.socket()
-    sock.bind(("127.0.0.1", 0))
-    sock.listen(1024)
-    server = uvicorn.Server(uvicorn.Config(asgi_app(ctx), log_level="warning", access_log=False))
+    sock = _bind("127.0.0.1", 0)  # as the server binds
+    server = uvicorn.Server(uvicorn_config(asgi_app(ctx), llm.config.server))
     ctx.loop.start()
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
     thread.start()

@@ -54,10 +54,9 @@ def main(argv: list[str] | None = None) -> int:
 
 def serve(cfg: Any, built: Any, sock: socket.socket | None, model_option: str) -> int:
     """Warm up, then serve on ``sock`` (rank 0) or follow rank 0's loop (the others)."""
-    import uvicorn
-
     from xspec.parallel.runtime import PEER_FAILURE_EXIT, PeerFailure
     from xspec.serve.app import asgi_app, context, warm_up
+    from xspec.serve.http import uvicorn_config
 
     _Server = _server_class()
 
@@ -72,10 +71,9 @@ def serve(cfg: Any, built: Any, sock: socket.socket | None, model_option: str) -
         os._exit(PEER_FAILURE_EXIT)
     grace = cfg.server.shutdown_grace_s
     server = _Server(
-        uvicorn.Config(
+        uvicorn_config(
             asgi_app(ctx),
-            log_level="warning",
-            access_log=False,
+            cfg.server,
             timeout_graceful_shutdown=grace + 5,  # the aborted requests' last chunks go out
         )
     )
@@ -152,11 +150,13 @@ def _rank() -> int:
 
 def _bind(host: str, port: int) -> socket.socket:
     """The listening socket, bound before the model loads (a taken port is a user
-    error found in a second, not after minutes of loading)."""
+    error found in a second, not after minutes of loading). Made with ``IPPROTO_TCP``:
+    asyncio sets ``TCP_NODELAY`` only on connections whose socket names TCP (protocol 0
+    does not), and without it a response's second write waits ~40 ms for a delayed ACK."""
     from xspec.errors import ConfigError
 
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     try:
         sock.bind((host, port))
