@@ -52,30 +52,35 @@ def ok(live: LiveServer) -> None:
 
 
 @pytest.mark.parametrize(
-    ("body", "status", "words"),
+    ("body", "status", "words", "param"),
     [
-        (b"{not json", 400, "not valid JSON"),
-        ({"model": "x", "prompt": "a"}, 404, "does not exist"),
-        ({"prompt": "a"}, 422, "model"),
-        ({"model": "M", "prompt": {"a": 1}}, 422, "prompt"),
-        ({"model": "M", "prompt": "a", "max_tokens": "many"}, 422, "max_tokens"),
-        ({"model": "M", "prompt": "a", "max_tokens": 10**6}, 400, "context"),
-        ({"model": "M", "prompt": "a", "max_tokens": 0}, 400, "max_new_tokens"),
-        ({"model": "M", "prompt": "a", "temperature": -1}, 400, "temperature"),
-        ({"model": "M", "prompt": "a", "top_p": 0}, 400, "top_p"),
-        ({"model": "M", "prompt": [10**9]}, 400, "vocabulary"),
-        ({"model": "M", "prompt": ""}, 400, "empty"),
-        ({"model": "M", "prompt": ["a", "b"]}, 400, "one prompt"),
-        ({"model": "M", "prompt": "a", "n": 2}, 400, "n=2"),
-        ({"model": "M", "prompt": "a", "logprobs": 3}, 400, "logprobs"),
-        ({"model": "M", "prompt": "a", "stop": [""]}, 400, "stop"),
+        (b"{not json", 400, "not valid JSON", None),
+        (b"", 400, "the body is empty", None),  # OpenAI: 400, not 422
+        ({"model": "x", "prompt": "a"}, 404, "does not exist", "model"),
+        ({"prompt": "a"}, 422, "model", "model"),
+        ({"model": "M", "prompt": {"a": 1}}, 422, "prompt", "prompt"),
+        ({"model": "M", "prompt": "a", "max_tokens": "many"}, 422, "max_tokens", "max_tokens"),
+        ({"model": "M", "prompt": "a", "max_tokens": 10**6}, 400, "max_tokens 1000000", "max_tokens"),
+        ({"model": "M", "prompt": "a", "max_tokens": 0}, 400, "max_tokens must be >= 1", "max_tokens"),
+        ({"model": "M", "prompt": "a", "temperature": -1}, 400, "temperature", "temperature"),
+        ({"model": "M", "prompt": "a", "top_p": 0}, 400, "top_p", "top_p"),
+        ({"model": "M", "prompt": [10**9]}, 400, "vocabulary", "prompt"),
+        ({"model": "M", "prompt": ""}, 400, "empty", "prompt"),
+        ({"model": "M", "prompt": ["a", "b"]}, 400, "one prompt", "prompt"),
+        ({"model": "M", "prompt": "a", "n": 2}, 400, "n=2", "n"),
+        ({"model": "M", "prompt": "a", "logprobs": 3}, 400, "logprobs", "logprobs"),
+        ({"model": "M", "prompt": "a", "stop": [""]}, 400, "stop", "stop"),
     ],
-)
-def test_bad_completion_requests(live: LiveServer, body: object, status: int, words: str) -> None:
+)  # fmt: skip
+def test_bad_completion_requests(
+    live: LiveServer, body: object, status: int, words: str, param: str | None
+) -> None:
+    """Each error names the request's own field, in the message and in ``param``."""
     if isinstance(body, dict) and body.get("model") == "M":
         body = {**body, "model": live.name}
     err = error_of(post(live, body), status)
-    assert words in err["message"], err
+    assert words in err["message"] and "max_new_tokens" not in err["message"], err
+    assert err["param"] == param, err
     ok(live)  # the server keeps serving
 
 
@@ -90,6 +95,37 @@ def test_bad_chat_requests(live: LiveServer) -> None:
     )  # fmt: skip
     assert "tools" in err["message"]
     ok(live)
+
+
+def test_chat_errors_name_the_request_field(live: LiveServer) -> None:
+    path, hi = "/v1/chat/completions", [{"role": "user", "content": "a"}]
+    body = {"model": live.name, "messages": hi, "max_completion_tokens": 0}
+    err = error_of(post(live, body, path), 400)
+    assert err["message"] == "max_completion_tokens must be >= 1 (got 0)"
+    assert err["param"] == "max_completion_tokens"
+    err = error_of(post(live, {"model": live.name, "messages": hi, "max_tokens": 10**6}, path), 400)
+    assert "max_tokens 1000000" in err["message"] and err["param"] == "max_tokens"
+
+
+NOT_NEUTRAL = [("response_format", {"type": "json_object"}), ("logit_bias", {"5": 10}),
+               ("presence_penalty", 0.5), ("frequency_penalty", -1.0), ("min_tokens", 3),
+               ("repetition_penalty", 1.2), ("min_p", 0.1)]  # fmt: skip
+NEUTRAL = {"response_format": {"type": "text"}, "logit_bias": {}, "presence_penalty": 0,
+           "frequency_penalty": 0.0, "min_tokens": 0, "repetition_penalty": 1, "min_p": 0}  # fmt: skip
+
+
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
+def test_fields_that_change_the_output_are_refused_unless_neutral(
+    live: LiveServer, path: str
+) -> None:
+    """They were accepted with 200 and ignored: the client believed it got them."""
+    base = {"model": live.name, "max_tokens": 2}
+    base |= {"messages": [{"role": "user", "content": "a"}]} if "chat" in path else {"prompt": "a"}
+    for name, value in NOT_NEUTRAL:
+        err = error_of(post(live, base | {name: value}, path), 400)
+        assert name in err["message"] and err["param"] == name, err
+    r = post(live, base | NEUTRAL, path)
+    assert r.status_code == 200, r.text
 
 
 def test_unknown_path_and_oversize_body(live: LiveServer) -> None:

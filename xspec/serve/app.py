@@ -26,7 +26,7 @@ import uuid
 import weakref
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -54,6 +54,7 @@ from xspec.serve.text import TextStream
 
 RETRY_AFTER_S = 1  # what a 503 for a full queue tells the client to wait
 DISCONNECT_POLL_S = 0.5  # how often a plain (not streamed) request checks for its client
+T = TypeVar("T")
 
 
 @dataclass
@@ -187,11 +188,17 @@ def make_app(ctx: ServeContext) -> FastAPI:
     async def invalid(_: Request, e: RequestValidationError) -> JSONResponse:
         errors = e.errors()
         first = errors[0] if errors else {}
-        where = ".".join(str(x) for x in first.get("loc", ()) if x != "body")
+        # param: the request's top-level field (deeper parts name pydantic's union members)
+        where = next((str(x) for x in first.get("loc", ()) if x != "body"), "")
         if first.get("type") == "json_invalid":
             return _error(
                 400, f"the body is not valid JSON: {first.get('msg')}", "invalid_request_error"
             )
+        if first.get("type") == "missing" and tuple(first.get("loc", ())) == ("body",):
+            return _error(  # as OpenAI: 400, not a validation error
+                400, 'the body is empty; send a JSON object such as {"model": ..., ...}',
+                "invalid_request_error",
+            )  # fmt: skip
         text = "; ".join(
             f"{'.'.join(str(x) for x in err.get('loc', ()) if x != 'body') or 'body'}: {err.get('msg')}"
             for err in errors[:5]
@@ -230,7 +237,7 @@ def make_app(ctx: ServeContext) -> FastAPI:
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request) -> Response:
-        prompt = _checked(ctx, body, lambda: body.single_prompt())
+        prompt = _checked(ctx, body, lambda: body.single_prompt(), "prompt")
         ids = _encode(ctx, prompt)
         return await _serve(ctx, request, body, ids, chat=False)
 
@@ -238,14 +245,15 @@ def make_app(ctx: ServeContext) -> FastAPI:
     async def chat(body: ChatCompletionRequest, request: Request) -> Response:
         messages = [m.model_dump(exclude_none=True) for m in body.messages]
         kwargs = body.chat_template_kwargs or {}
-        ids = _checked(ctx, body, lambda: ctx.chat_ids(messages, kwargs))
+        ids = _checked(ctx, body, lambda: ctx.chat_ids(messages, kwargs), "messages")
         return await _serve(ctx, request, body, ids, chat=True)
 
     return app
 
 
-def _checked(ctx: ServeContext, body: _Sampling, prompt: Callable[[], Any]) -> Any:
-    """The request's model and supported fields checked; its prompt (RequestError: 400)."""
+def _checked(ctx: ServeContext, body: _Sampling, prompt: Callable[[], Any], param: str) -> Any:
+    """The request's model and supported fields checked; its prompt (RequestError: 400
+    naming the field ``param``)."""
     if body.model != ctx.model_name:
         raise ApiError(
             404,
@@ -254,11 +262,12 @@ def _checked(ctx: ServeContext, body: _Sampling, prompt: Callable[[], Any]) -> A
             "model",
         )
     if problems := body.unsupported():
-        raise ApiError(400, "; ".join(problems), "invalid_request_error")
+        text = "; ".join(why for _, why in problems)
+        raise ApiError(400, text, "invalid_request_error", problems[0][0])
     try:
         return prompt()
     except RequestError as e:
-        raise ApiError(400, str(e), "invalid_request_error") from None
+        raise ApiError(400, str(e), "invalid_request_error", param) from None
 
 
 def _encode(ctx: ServeContext, prompt: str | list[int]) -> list[int]:
@@ -271,8 +280,18 @@ def _encode(ctx: ServeContext, prompt: str | list[int]) -> list[int]:
     return list(prompt)
 
 
+def _as_400(fn: Callable[[], T], param: str) -> T:
+    """``fn()``; its RequestError is a 400 naming the request's field ``param``."""
+    try:
+        return fn()
+    except RequestError as e:
+        raise ApiError(400, str(e), "invalid_request_error", param) from None
+
+
 def _engine_request(ctx: ServeContext, body: _Sampling, ids: list[int]) -> EngineRequest:
-    limit = body.limit() if isinstance(body, ChatCompletionRequest) else body.max_tokens
+    name, limit = body.limit()
+    if limit is not None and limit < 1:
+        raise ApiError(400, f"{name} must be >= 1 (got {limit})", "invalid_request_error", name)
     max_tokens = ctx.default_max_tokens if limit is None else limit
     if limit is None:  # the default shrinks to what the context leaves
         max_tokens = max(1, min(max_tokens, ctx.max_context - len(ids) - 8))
@@ -280,15 +299,22 @@ def _engine_request(ctx: ServeContext, body: _Sampling, ids: list[int]) -> Engin
     params = SamplingParams(
         temperature=body.temperature, top_k=top_k, top_p=body.top_p, seed=body.seed
     )
-    if problems := params.problems():
-        raise ApiError(
-            400, "; ".join(p.replace("sampling.", "") for p in problems), "invalid_request_error"
-        )
-    try:
-        stop = body.stop_list()
-    except RequestError as e:
-        raise ApiError(400, str(e), "invalid_request_error", "stop") from None
+    if problems := [p.replace("sampling.", "", 1) for p in params.problems()]:
+        raise ApiError(400, "; ".join(problems), "invalid_request_error", problems[0].split()[0])
+    stop = _as_400(body.stop_list, "stop")
     return EngineRequest(ids, max_tokens, params, body.ignore_eos, stop=stop)
+
+
+def _refused(e: RequestError, body: _Sampling, chat: bool) -> ApiError:
+    """The engine's refusal (ids outside the vocabulary, past the context or the memory
+    plan) in the request's own words: its length field, not the engine's
+    ``max_new_tokens``, and ``param`` on the field to change."""
+    name, limit = body.limit()
+    text = str(e).replace("request: ", "", 1).replace("max_new_tokens", name)
+    prompt = "messages" if chat else "prompt"
+    # past the context: the length field when the client set it (the default shrinks)
+    param = name if limit is not None and name in text else prompt
+    return ApiError(400, text, "invalid_request_error", param)
 
 
 async def _serve(
@@ -305,7 +331,7 @@ async def _serve(
     try:
         rid = ctx.loop.submit(req, on_delta)
     except RequestError as e:
-        raise ApiError(400, str(e).replace("request: ", "", 1), "invalid_request_error") from None
+        raise _refused(e, body, chat) from None
     except QueueFull as e:
         raise ApiError(503, f"the server is busy: {e}", "overloaded_error") from None
     except LoopStopped as e:

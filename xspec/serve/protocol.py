@@ -1,11 +1,12 @@
 """The OpenAI request bodies xspec serves, as pydantic models, and the error body.
 
 Fields follow OpenAI's API reference (``/v1/completions``, ``/v1/chat/completions``) with
-vLLM's extensions that load generators send (``top_k``, ``ignore_eos``,
-``min_tokens`` is not taken). A field xspec cannot honour (``n > 1``, ``logprobs``,
-``best_of``, ``echo``, tools) is refused with a 400 naming it rather than ignored: a
-client must not believe it got what it asked for. Unknown extra fields are ignored, as
-OpenAI's server does.
+vLLM's extensions that load generators send (``top_k``, ``ignore_eos``). A field xspec
+cannot honour (``n > 1``, ``logprobs``, ``best_of``, ``echo``, tools, ``response_format``,
+``logit_bias``, the penalties, ``min_tokens``, ``min_p``) is refused with a 400 naming it
+rather than ignored: a client must not believe it got what it asked for; its neutral value
+(0, empty, ``{"type": "text"}``) changes nothing and is accepted. Unknown extra fields are
+ignored, as OpenAI's server does.
 """
 
 from __future__ import annotations
@@ -39,13 +40,37 @@ class _Sampling(BaseModel):
     ignore_eos: bool = False  # vLLM extension (benchmarks decode to max_tokens)
     logprobs: Any = None
     user: str | None = None
+    # refused unless unset (null) or neutral: xspec samples without them
+    response_format: dict[str, Any] | None = None
+    logit_bias: dict[str, Any] | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    repetition_penalty: float | None = None  # vLLM extension
+    min_p: float | None = None  # vLLM extension
+    min_tokens: int | None = None  # vLLM extension
 
-    def unsupported(self) -> list[str]:
+    def limit(self) -> tuple[str, int | None]:
+        """The output length limit the request set, and the field it set it in."""
+        return "max_tokens", self.max_tokens
+
+    def unsupported(self) -> list[tuple[str, str]]:
+        """(field, why) for each field set to something xspec cannot honour."""
         out = []
         if self.n != 1:
-            out.append(f"n={self.n}: xspec generates one choice per request (n=1)")
+            out.append(("n", f"n={self.n}: xspec generates one choice per request (n=1)"))
         if self.logprobs not in (None, False):
-            out.append("logprobs: not supported; leave it unset")
+            out.append(("logprobs", "logprobs: not supported; leave it unset"))
+        kind = (self.response_format or {"type": "text"}).get("type")
+        if kind != "text":
+            out.append(("response_format", f"response_format type {kind!r}: structured output "
+                        'is not supported; leave it unset or {"type": "text"}'))  # fmt: skip
+        if self.logit_bias:
+            out.append(("logit_bias", "logit_bias: not supported; leave it unset or empty"))
+        for name, neutral in (("presence_penalty", 0), ("frequency_penalty", 0),
+                              ("repetition_penalty", 1), ("min_p", 0), ("min_tokens", 0)):  # fmt: skip
+            value = getattr(self, name)
+            if value not in (None, neutral):
+                out.append((name, f"{name}={value}: not supported; leave it unset or {neutral}"))
         return out
 
     def stop_list(self) -> list[str]:
@@ -65,14 +90,14 @@ class CompletionRequest(_Sampling):
     best_of: int | None = None
     suffix: str | None = None
 
-    def unsupported(self) -> list[str]:
+    def unsupported(self) -> list[tuple[str, str]]:
         out = super().unsupported()
         if self.echo:
-            out.append("echo: not supported")
+            out.append(("echo", "echo: not supported"))
         if self.best_of not in (None, 1):
-            out.append(f"best_of={self.best_of}: not supported")
+            out.append(("best_of", f"best_of={self.best_of}: not supported"))
         if self.suffix:
-            out.append("suffix: not supported")
+            out.append(("suffix", "suffix: not supported"))
         return out
 
     def single_prompt(self) -> str | list[int]:
@@ -103,18 +128,16 @@ class ChatCompletionRequest(_Sampling):
     tools: list[Any] | None = None
     chat_template_kwargs: dict[str, Any] | None = None  # vLLM extension (enable_thinking)
 
-    def unsupported(self) -> list[str]:
+    def limit(self) -> tuple[str, int | None]:
+        if self.max_completion_tokens is not None:  # OpenAI's newer name wins
+            return "max_completion_tokens", self.max_completion_tokens
+        return super().limit()
+
+    def unsupported(self) -> list[tuple[str, str]]:
         out = super().unsupported()
         if self.tools:
-            out.append("tools: tool calling is not supported")
+            out.append(("tools", "tools: tool calling is not supported"))
         return out
-
-    def limit(self) -> int | None:
-        return (
-            self.max_completion_tokens
-            if self.max_completion_tokens is not None
-            else (self.max_tokens)
-        )
 
 
 ErrorType = Literal[
