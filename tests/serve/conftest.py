@@ -38,7 +38,7 @@ class LiveServer:
     def stop(self) -> None:
         self.server.should_exit = True
         self.thread.join(30)
-        self.ctx.loop.close()
+        self.ctx.close()
 
 
 def start_server(model: str, spec: str, overrides: dict[str, object] | None = None) -> LiveServer:

@@ -78,6 +78,68 @@ def beside(live: LiveServer, solo: float, bad: Callable[[], Any]) -> Any:
     return box[0]
 
 
+def chat(live: LiveServer, content: str) -> httpx.Response:
+    body = {"model": live.name, "messages": [{"role": "user", "content": content}],
+            "max_tokens": 2}  # fmt: skip
+    return httpx.post(live.url + "/v1/chat/completions", json=body, timeout=60)
+
+
+def test_a_chat_template_past_its_limits_fails_its_request_alone(
+    live: LiveServer, solo: float
+) -> None:
+    """Before: the template rendered on the event loop, unbounded (nested range loops
+    stalled /health and every stream; doubling a string grew the server by gigabytes)."""
+    assert chat(live, "hi").status_code == 200
+    loop, grow = beside(live, solo, lambda: (chat(live, "loop"), chat(live, "grow")))
+    for r in (loop, grow):
+        err = r.json()["error"]
+        assert r.status_code == 400 and err["param"] == "messages", r.text
+    assert "time limit of 1 s (server.template_timeout_s)" in loop.json()["error"]["message"]
+    # its memory limit, or on a busy machine (the renderer runs at nice 10) its time limit
+    assert "template_memory_mib=128" in grow.text or "template_timeout_s" in grow.text, grow.text
+    assert chat(live, "hi").status_code == 200  # a fresh renderer
+    for name in ("chat_text", "chat_encode"):
+        threads = on_threads(live, name, lambda: chat(live, "hi"))
+        assert threads and live.thread not in threads  # the event loop's thread
+
+
+def test_a_huge_prompt_is_refused_by_its_length_off_the_event_loop(
+    live: LiveServer, solo: float
+) -> None:
+    """Before: 3.9 MB of text were tokenized on the event loop (seconds) to be refused.
+    Now text longer than the context can hold in bytes is refused untokenized, and the
+    rest is tokenized on a worker thread."""
+    bound = live.ctx.max_prompt_bytes
+    assert bound is not None and bound < 3_900_000
+
+    def post(text: str) -> httpx.Response:
+        body = {"model": live.name, "prompt": text, "max_tokens": 2}
+        return httpx.post(live.url + "/v1/completions", json=body, timeout=120)
+
+    huge = beside(live, solo, lambda: post("hello world " * 325_000))  # 3.9 MB
+    err = huge.json()["error"]
+    assert huge.status_code == 400 and f"longer than {bound} bytes" in err["message"], huge.text
+    assert err["param"] == "prompt"
+    threads = on_threads(live, "encode", lambda: post("hello world " * 2000))  # ~5k tokens
+    assert threads and live.thread not in threads  # the event loop's thread
+
+
+def on_threads(live: LiveServer, name: str, call: Callable[[], httpx.Response]) -> set:
+    """The threads ``live.ctx.<name>`` ran on while ``call()`` was served."""
+    seen, fn = set(), getattr(live.ctx, name)
+
+    def recording(*args: Any) -> Any:
+        seen.add(threading.current_thread())
+        return fn(*args)
+
+    setattr(live.ctx, name, recording)
+    try:
+        assert call().status_code in (200, 400)
+    finally:
+        setattr(live.ctx, name, fn)
+    return seen
+
+
 def test_responses_are_not_held_back_by_nagle(live: LiveServer) -> None:
     """Before: the listening socket was made with protocol 0, so asyncio never set
     TCP_NODELAY and every response on a kept-alive connection waited ~40 ms (the

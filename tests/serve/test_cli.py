@@ -90,3 +90,46 @@ def test_a_taken_port_exits_2_before_loading() -> None:
     assert f"server.port={port}" in out and "already in use" in out
     assert "Traceback" not in out
     assert time.monotonic() - t0 < 60
+
+
+@pytest.fixture(scope="module")
+def nan_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A Qwen3 tiny checkpoint with a tokenizer and a NaN weight: loading it fails, so a
+    problem reported instead of that one was found before loading."""
+    from tests.test_api import make_bad_dirs
+
+    return make_bad_dirs(tmp_path_factory.mktemp("bad"))["nan"]
+
+
+@pytest.mark.parametrize(
+    ("case", "words"),
+    [
+        ("syntax", r"chat_template.jinja does not parse"),
+        ("config", r"cannot read .*tokenizer_config.json"),
+        ("link", r"chat_template.jinja is a link to .*outside the checkpoint directory"),
+    ],
+)
+def test_a_bad_chat_template_exits_2_before_loading(
+    nan_checkpoint: Path, tmp_path: Path, capsys: pytest.CaptureFixture, case: str, words: str
+) -> None:
+    """Before: a traceback and exit 1, after the model had loaded."""
+    import re
+    import shutil
+
+    from xspec.serve.__main__ import main
+
+    ckpt = tmp_path / "ckpt"
+    shutil.copytree(nan_checkpoint, ckpt)
+    if case == "syntax":
+        (ckpt / "chat_template.jinja").write_text("{% for m in messages %}")
+    elif case == "config":
+        (ckpt / "tokenizer_config.json").write_text("{not json")
+    else:
+        (tmp_path / "elsewhere.jinja").write_text("{{ messages }}")
+        (ckpt / "chat_template.jinja").symlink_to(tmp_path / "elsewhere.jinja")
+    code = main(["model=qwen3", f"model.path={ckpt}", "spec=none", "platform=cpu",
+                 "server.port=0"])  # fmt: skip
+    err = capsys.readouterr().err
+    assert code == 2, err
+    assert err.startswith("xspec.serve: error: ") and err.count("\n") == 1, err
+    assert re.search(words, err) and "NaN" not in err, err

@@ -128,6 +128,17 @@ def test_fields_that_change_the_output_are_refused_unless_neutral(
     assert r.status_code == 200, r.text
 
 
+def test_text_that_is_not_unicode_is_a_400(live: LiveServer) -> None:
+    """A lone surrogate (JSON "\\ud800") was a 500 text/plain from the tokenizer."""
+    body = {"model": live.name, "prompt": "a\ud800b", "max_tokens": 2}
+    err = error_of(post(live, json.dumps(body).encode()), 400)  # the escape, as a client sends
+    assert "lone surrogate U+D800" in err["message"] and err["param"] == "prompt"
+    chat = {"model": live.name, "messages": [{"role": "user", "content": "a\ud800b"}]}
+    err = error_of(post(live, json.dumps(chat).encode(), "/v1/chat/completions"), 400)
+    assert "lone surrogate U+D800" in err["message"] and err["param"] == "messages"
+    ok(live)
+
+
 def test_unknown_path_and_oversize_body(live: LiveServer) -> None:
     assert error_of(httpx.get(live.url + "/v1/nothing"), 404)["type"] == "not_found_error"
     big = {"model": live.name, "prompt": "x" * 10_000}

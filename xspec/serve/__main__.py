@@ -30,18 +30,29 @@ def main(argv: list[str] | None = None) -> int:
     from xspec.errors import ConfigError, UserError
 
     args = [normalise_override(a) for a in overrides_of(sys.argv[1:] if argv is None else argv)]
+    sock, chat = None, None
     try:
         cfg = compose_run(args)
         from xspec.build import build, check
 
         if problems := check(cfg):
             raise ConfigError("this server cannot be built:", problems=problems)
+        if _rank() == 0:  # the one that serves HTTP
+            from xspec.serve.app import start_chat
+
+            # the chat template and tokenizer_config.json checked, and a Jinja template's
+            # renderer process started, before the model loads (model.path: the directory)
+            chat = start_chat(cfg, None)
         sock = _bind(cfg.server.host, cfg.server.port) if _rank() == 0 else None
         built = build(cfg)
     except UserError as e:
+        if sock is not None:  # what was opened before the error
+            sock.close()
+        if chat is not None and chat[1] is not None:
+            chat[1].close()
         print(f"xspec.serve: error: {e}", file=sys.stderr)
         return e.exit_code
-    code = serve(cfg, built, sock, model_option=_model_option(args, cfg))
+    code = serve(cfg, built, sock, model_option=_model_option(args, cfg), chat=chat)
     if code == 0 and "torch.distributed" in sys.modules:  # a torchrun server's clean exit
         from xspec.parallel.runtime import shutdown
 
@@ -52,8 +63,11 @@ def main(argv: list[str] | None = None) -> int:
     return code
 
 
-def serve(cfg: Any, built: Any, sock: socket.socket | None, model_option: str) -> int:
-    """Warm up, then serve on ``sock`` (rank 0) or follow rank 0's loop (the others)."""
+def serve(
+    cfg: Any, built: Any, sock: socket.socket | None, model_option: str, chat: Any = None
+) -> int:
+    """Warm up, then serve on ``sock`` (rank 0) or follow rank 0's loop (the others).
+    ``chat``: :func:`~xspec.serve.app.start_chat`'s result (None: started with the context)."""
     from xspec.parallel.runtime import PEER_FAILURE_EXIT, PeerFailure
     from xspec.serve.app import asgi_app, context, warm_up
     from xspec.serve.http import uvicorn_config
@@ -62,7 +76,7 @@ def serve(cfg: Any, built: Any, sock: socket.socket | None, model_option: str) -
 
     try:
         warm_up(built.engine)
-        ctx = context(cfg, built, model_option)
+        ctx = context(cfg, built, model_option, chat)
         if sock is None:  # a rank other than 0
             ctx.loop.follow()
             return 0

@@ -9,11 +9,19 @@ that added text, then ``data: [DONE]``).
 A client that disconnects aborts its request (its memory returns to the pool at the next
 step); a request running past ``server.request_timeout_s`` is aborted too.
 
+Nothing slow runs on the event loop: a chat template renders in its own process
+(:mod:`xspec.chat.renderer`, awaited from a worker thread), and a text prompt is
+tokenized on a worker thread, after a prompt longer than the context can hold in bytes
+(``max_context`` x the tokenizer's longest token) was refused without tokenizing it.
+
 Status codes: 400 a request the engine cannot take (bad values, a prompt or
-``max_tokens`` past the context, unsupported fields), 404 an unknown model or path, 413 a
-body over ``server.max_body_bytes``, 422 a body of the wrong shape (a field of the wrong
-type, a missing field), 503 a full queue (with ``Retry-After``) or a stopped engine, 504
-the request timeout. Every error uses OpenAI's body (:func:`~xspec.serve.protocol.error_body`).
+``max_tokens`` past the context, unsupported fields, an empty body, a chat template that
+refused the messages or ran past its limits), 404 an unknown model or path, 408 a request
+that did not arrive within ``server.read_timeout_s`` (:mod:`xspec.serve.http`), 413 a body
+over ``server.max_body_bytes``, 422 a body of the wrong shape (a field of the wrong type,
+a missing field), 503 a full queue (with ``Retry-After``), too many connections or a
+stopped engine, 504 the request timeout. Every error uses OpenAI's body
+(:func:`~xspec.serve.protocol.error_body`), ``param`` naming the request's field at fault.
 """
 
 from __future__ import annotations
@@ -25,7 +33,9 @@ import time
 import uuid
 import weakref
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, TypeVar
 
 from fastapi import FastAPI, Request
@@ -34,7 +44,15 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from xspec.build import Built
-from xspec.chat import chat_prompt_ids, load_chat_template
+from xspec.chat import (
+    ChatFormat,
+    ChatTemplate,
+    chat_prompt,
+    encode_chat_prompt,
+    jinja,
+    load_chat_template,
+)
+from xspec.chat.renderer import RenderLimits, TemplateRenderer
 from xspec.config import RunConfig
 from xspec.engine.engine import Delta, Engine, Generation
 from xspec.engine.engine import Request as EngineRequest
@@ -65,14 +83,39 @@ class ServeContext:
     loop: EngineLoop
     encode: Callable[[str], list[int]]
     decode: Callable[[list[int]], str]
-    chat_ids: Callable[[list[dict[str, Any]], dict[str, Any]], list[int]]  # messages -> prompt
+    chat_text: Callable[[list[dict[str, Any]], dict[str, Any]], str]  # messages -> prompt text
+    chat_encode: Callable[[str], list[int]]  # that text -> ids
     model_name: str
     spec: str
     max_context: int
+    max_token_bytes: int | None  # the tokenizer's bound (None: none, text is always tokenized)
     default_max_tokens: int
     max_body_bytes: int
     request_timeout_s: float
     metrics: RequestMetrics
+    renderer: TemplateRenderer | None = None
+    # chat templates render one at a time (one renderer process): their waits queue here,
+    # not in the default pool that tokenizes
+    render_pool: ThreadPoolExecutor = field(
+        default_factory=lambda: ThreadPoolExecutor(1, thread_name_prefix="xspec-chat")
+    )
+
+    def chat_ids(self, messages: list[dict[str, Any]], options: dict[str, Any]) -> list[int]:
+        """The prompt ids of a chat request (blocking: the handlers call its two halves
+        off the event loop)."""
+        return self.chat_encode(self.chat_text(messages, options))
+
+    @property
+    def max_prompt_bytes(self) -> int | None:
+        """Text longer than this (UTF-8 bytes) cannot fit the context in any tokenization."""
+        return None if self.max_token_bytes is None else self.max_context * self.max_token_bytes
+
+    def close(self) -> None:
+        """Close the loop and stop the chat template's renderer."""
+        self.loop.close()
+        if self.renderer is not None:
+            self.renderer.close()
+        self.render_pool.shutdown(wait=False)
 
 
 def warm_up(engine: Engine) -> None:
@@ -82,9 +125,27 @@ def warm_up(engine: Engine) -> None:
     engine.metrics = SpecDecodeMetrics()
 
 
-def context(cfg: RunConfig, built: Built, model_option: str) -> ServeContext:
+def start_chat(
+    cfg: RunConfig, checkpoint_dir: Path | None
+) -> tuple[ChatTemplate, TemplateRenderer | None]:
+    """The model's chat template, and for a Jinja one its renderer process, started and
+    compiled here (a :class:`~xspec.errors.CheckpointError` when the template cannot be
+    used). ``python -m xspec.serve`` calls it before loading the model."""
+    template = load_chat_template(cfg.model, checkpoint_dir)
+    if template.format is not ChatFormat.jinja:
+        return template, None
+    limits = RenderLimits(cfg.server.template_timeout_s, cfg.server.template_memory_mib)
+    return template, TemplateRenderer(template, limits)
+
+
+def context(
+    cfg: RunConfig,
+    built: Built,
+    model_option: str,
+    chat: tuple[ChatTemplate, TemplateRenderer | None] | None = None,
+) -> ServeContext:
     """The handlers' context for a built run and its ``server`` config (the loop is
-    created, not started)."""
+    created, not started). ``chat``: :func:`start_chat`'s result (None: started here)."""
     s = cfg.server
     loop = EngineLoop(
         built.engine,
@@ -96,25 +157,35 @@ def context(cfg: RunConfig, built: Built, model_option: str) -> ServeContext:
     )
     metrics = RequestMetrics()
     metrics.follow(built.engine)
-    template = load_chat_template(cfg.model, built.target.checkpoint_dir)
+    template, renderer = chat or start_chat(cfg, built.target.checkpoint_dir)
+    tokenizer, max_context = built.tokenizer, built.target.max_context
+    max_token_bytes = tokenizer.max_token_bytes
+    # a rendered prompt is cut where no tokenization could fit it in the context
+    max_chars = jinja.MAX_ITEMS if max_token_bytes is None else max_context * max_token_bytes
 
-    def chat_ids(messages: list[dict[str, Any]], options: dict[str, Any]) -> list[int]:
-        return chat_prompt_ids(
-            messages, template=template, tokenizer=built.tokenizer, options=options
+    def chat_text(messages: list[dict[str, Any]], options: dict[str, Any]) -> str:
+        return chat_prompt(
+            messages, template=template, options=options, renderer=renderer, max_chars=max_chars
         )
+
+    def chat_encode(text: str) -> list[int]:
+        return encode_chat_prompt(text, template=template, tokenizer=tokenizer)
 
     return ServeContext(
         loop=loop,
-        encode=built.tokenizer.encode,
-        decode=built.tokenizer.decode,
-        chat_ids=chat_ids,
+        encode=tokenizer.encode,
+        decode=tokenizer.decode,
+        chat_text=chat_text,
+        chat_encode=chat_encode,
         model_name=s.served_model_name or model_option,
         spec=cfg.spec.method,
-        max_context=built.target.max_context,
+        max_context=max_context,
+        max_token_bytes=max_token_bytes,
         default_max_tokens=s.default_max_tokens,
         max_body_bytes=s.max_body_bytes,
         request_timeout_s=s.request_timeout_s,
         metrics=metrics,
+        renderer=renderer,
     )
 
 
@@ -237,23 +308,38 @@ def make_app(ctx: ServeContext) -> FastAPI:
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request) -> Response:
-        prompt = _checked(ctx, body, lambda: body.single_prompt(), "prompt")
-        ids = _encode(ctx, prompt)
+        _checked(ctx, body)
+        prompt = _as_400(body.single_prompt, "prompt")
+        if isinstance(prompt, list):
+            if len(prompt) > ctx.max_context:  # before the engine reads every id
+                raise ApiError(
+                    400, f"prompt: {len(prompt)} token ids, more than the model context of "
+                    f"{ctx.max_context} tokens; shorten it", "invalid_request_error", "prompt",
+                )  # fmt: skip
+            return await _serve(ctx, request, body, list(prompt), chat=False)
+        if not prompt:
+            raise ApiError(
+                400, "prompt: empty; give some text or token ids", "invalid_request_error", "prompt"
+            )
+        ids = await _off_loop(None, "prompt", lambda: _tokens(ctx, prompt, ctx.encode, "prompt"))
         return await _serve(ctx, request, body, ids, chat=False)
 
     @app.post("/v1/chat/completions")
     async def chat(body: ChatCompletionRequest, request: Request) -> Response:
+        _checked(ctx, body)
         messages = [m.model_dump(exclude_none=True) for m in body.messages]
         kwargs = body.chat_template_kwargs or {}
-        ids = _checked(ctx, body, lambda: ctx.chat_ids(messages, kwargs), "messages")
+        text = await _off_loop(ctx.render_pool, "messages", lambda: ctx.chat_text(messages, kwargs))
+        ids = await _off_loop(
+            None, "messages", lambda: _tokens(ctx, text, ctx.chat_encode, "the rendered chat")
+        )
         return await _serve(ctx, request, body, ids, chat=True)
 
     return app
 
 
-def _checked(ctx: ServeContext, body: _Sampling, prompt: Callable[[], Any], param: str) -> Any:
-    """The request's model and supported fields checked; its prompt (RequestError: 400
-    naming the field ``param``)."""
+def _checked(ctx: ServeContext, body: _Sampling) -> None:
+    """The request's model and supported fields checked (404, 400)."""
     if body.model != ctx.model_name:
         raise ApiError(
             404,
@@ -264,20 +350,6 @@ def _checked(ctx: ServeContext, body: _Sampling, prompt: Callable[[], Any], para
     if problems := body.unsupported():
         text = "; ".join(why for _, why in problems)
         raise ApiError(400, text, "invalid_request_error", problems[0][0])
-    try:
-        return prompt()
-    except RequestError as e:
-        raise ApiError(400, str(e), "invalid_request_error", param) from None
-
-
-def _encode(ctx: ServeContext, prompt: str | list[int]) -> list[int]:
-    if isinstance(prompt, str):
-        if not prompt:
-            raise ApiError(
-                400, "prompt: empty; give some text or token ids", "invalid_request_error", "prompt"
-            )
-        return ctx.encode(prompt)
-    return list(prompt)
 
 
 def _as_400(fn: Callable[[], T], param: str) -> T:
@@ -286,6 +358,30 @@ def _as_400(fn: Callable[[], T], param: str) -> T:
         return fn()
     except RequestError as e:
         raise ApiError(400, str(e), "invalid_request_error", param) from None
+
+
+async def _off_loop(pool: ThreadPoolExecutor | None, param: str, fn: Callable[[], T]) -> T:
+    """:func:`_as_400` on a worker thread of ``pool`` (None: asyncio's default), so the
+    event loop serves the other requests meanwhile."""
+    return await asyncio.get_running_loop().run_in_executor(pool, _as_400, fn, param)
+
+
+def _tokens(
+    ctx: ServeContext, text: str, encode: Callable[[str], list[int]], what: str
+) -> list[int]:
+    """``text``'s ids; refused before tokenizing when it has more bytes than the context
+    can hold (a character is at least one byte: the length in characters decides the
+    largest texts without encoding them)."""
+    bound = ctx.max_prompt_bytes
+    if bound is not None and (
+        len(text) > bound or len(text.encode("utf-8", "surrogatepass")) > bound
+    ):
+        raise RequestError(
+            f"{what} is longer than {bound} bytes of text, more than the model context of "
+            f"{ctx.max_context} tokens can hold (a token of this tokenizer covers at most "
+            f"{ctx.max_token_bytes} bytes); shorten it"
+        )
+    return encode(text)
 
 
 def _engine_request(ctx: ServeContext, body: _Sampling, ids: list[int]) -> EngineRequest:
