@@ -10,7 +10,7 @@ import torch
 import xspec
 from tests.spec.simdevice import DEVICE, SimModule, SimTarget, SimulatedDevice
 from xspec.config import ModelConfig, PlatformConfig, SpecConfig
-from xspec.engine.engine import Engine, Generation, Request
+from xspec.engine.engine import Engine, Request
 from xspec.metrics import SpecDecodeMetrics
 from xspec.models.base import EAGER_STEPS
 from xspec.models.deepseek_v4 import load_model as load_dsv4
@@ -83,10 +83,10 @@ def test_step_returns_what_it_committed(oracle: xspec.LLM) -> None:
 
 def test_engine_never_exceeds_max_new_tokens(oracle: xspec.LLM) -> None:
     """Even a step result longer than the budget is cut at max_new_tokens."""
-    gen = Generation([1], [], 0.0, 0.0, 0)
     built = oracle._built
     engine = Engine(built.target, built.drafter, [], stop_ids=frozenset())
-    assert engine._take(Request([1], 2, SamplingParams()), [7, 8, 9], gen, 1.0)
+    gen = engine.add(0, Request([1], 2, SamplingParams()))
+    assert engine._take(0, [7, 8, 9], gen, 1.0)
     assert gen.token_ids == [7, 8]
 
 

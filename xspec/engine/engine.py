@@ -39,7 +39,7 @@ from typing import TYPE_CHECKING, Any, Literal
 
 from xspec.engine.memory import MemoryPlan, ReservationPool, allocated_bytes, context_problem
 from xspec.engine.stop import StopMatcher, stop_problem
-from xspec.errors import RequestError
+from xspec.errors import RequestError, UserError
 from xspec.metrics import SpecDecodeMetrics
 from xspec.models.base import CapturePoint, TargetModel
 from xspec.sampling import SamplingParams, make_generator
@@ -407,13 +407,17 @@ class Engine:
     def _canary(self, cause: Exception) -> None:
         """Raise :class:`EngineUnusable` unless a fresh generation of
         :data:`CANARY_PROMPT` (its prefill and one decode step, outside the batch and the
-        metrics) runs."""
+        metrics) runs. A user error the canary meets too (a platform or configuration
+        that cannot run any step, e.g. ``platform.native_sas=on`` with an operator that
+        refuses it) is raised as it is: its message says what to change."""
         req = Request(list(CANARY_PROMPT), self.drafter.gamma + 2, SamplingParams(), True)
         try:
             seq = self._new_seq(req)
             prefill(self.target, self.drafter, [seq], self.capture, self.prefill_chunk)
             decode_step(self.target, self.drafter, [seq], self.capture, SpecDecodeMetrics())
             self.synchronize()
+        except UserError:
+            raise
         except Exception as e:
             raise EngineUnusable(
                 f"the engine is unusable: a step raised {cause!r}, and a fresh "
