@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
+import threading
 import weakref
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -413,3 +417,183 @@ def test_overflow_into_model_dtype_is_refused(tmp_path: Path) -> None:
     ckpt = Checkpoint(_write(tmp_path / "c", src))
     with pytest.raises(CheckpointError, match=r"overflow torch\.float16"):
         load_params(Tiny().half(), ckpt, _identity)
+
+
+# -- headers that lie ----------------------------------------------------------------------
+
+
+def _raw(path: Path, header: bytes | dict, data: bytes = b"") -> Path:
+    """A checkpoint whose ``model.safetensors`` is exactly ``header`` (JSON text, or a dict
+    to dump) then ``data``: the 8-byte length, the header, the data section."""
+    path.mkdir()
+    (path / "config.json").write_text("{}")
+    blob = header if isinstance(header, bytes) else json.dumps(header).encode()
+    (path / "model.safetensors").write_bytes(len(blob).to_bytes(8, "little") + blob + data)
+    return path
+
+
+_LIES = [
+    "bf16-as-f32",
+    "overlap",
+    "negative-offset",
+    "gap",
+    "trailing",
+    "negative-dim",
+    "unknown-dtype",
+    "number",
+    "null",
+    "string",
+    "entry-not-object",
+    "deep-nesting",
+]
+
+
+def _f32(shape: list[int], begin: int, end: int) -> dict:
+    return {"dtype": "F32", "shape": shape, "data_offsets": [begin, end]}
+
+
+@pytest.mark.parametrize(
+    ("header", "data", "why"),
+    [
+        (  # a bf16 tensor labelled F32: its 8 bytes would be read as half of 4 floats
+            {"w": _f32([4], 0, 8), "b": _f32([2], 8, 16)},
+            bytes(16),
+            r"tensor 'w': F32\[4\] holds 16 bytes but its data_offsets \[0, 8\] span 8",
+        ),
+        (
+            {"a": _f32([2], 0, 8), "b": _f32([2], 4, 12)},
+            bytes(12),
+            r"tensor 'b' \(bytes \[4, 12\)\) overlaps 'a', which ends at 8",
+        ),
+        (
+            {"a": _f32([2], -8, 0), "b": _f32([2], 0, 8)},
+            bytes(8),
+            r"tensor 'a': data_offsets \[-8, 0\] is not a byte range",
+        ),
+        (
+            {"a": _f32([2], 0, 8), "b": _f32([2], 12, 20)},
+            bytes(20),
+            r"bytes \[8, 12\) after 'a' belong to no tensor",
+        ),
+        ({"a": _f32([2], 0, 8)}, bytes(12), r"the last 4 bytes of the data belong to no tensor"),
+        ({"a": _f32([-2], 0, 8)}, bytes(8), r"tensor 'a': shape \[-2\] is not a list of non-"),
+        (
+            {"a": {"dtype": "F33", "shape": [2], "data_offsets": [0, 8]}},
+            bytes(8),
+            r"tensor 'a': dtype 'F33' is not a safetensors dtype",
+        ),
+        (b"5", b"", r"the header is the number 5, not an object of tensors"),
+        (b"null", b"", r"the header is null, not an object"),
+        (b'"abc"', b"", r"the header is a string, not an object"),
+        ({"a": 5}, b"", r"tensor 'a': its entry is the number 5, not an object"),
+        (b"[" * 100_000 + b"]" * 100_000, b"", r"its header nests JSON too deeply"),
+    ],
+    ids=_LIES,
+)
+def test_a_header_that_lies_is_refused_naming_file_and_tensor(
+    tmp_path: Path, header: bytes | dict, data: bytes, why: str
+) -> None:
+    """Every tensor's byte range must hold exactly its dtype x shape, inside the data
+    section, and the ranges must tile it (no overlap, gap or trailing bytes, as the
+    safetensors library requires); a header must be a JSON object of tensor entries."""
+    path = _raw(tmp_path / "c", header, data)
+    with pytest.raises(CheckpointError, match=why) as info:
+        Checkpoint(path)
+    assert str(path / "model.safetensors") in str(info.value)
+
+
+def test_header_problems_are_listed_together_and_capped(tmp_path: Path) -> None:
+    header = {f"t{i:02d}": _f32([2], 0, 4) for i in range(30)}  # each 8 bytes, spans 4
+    with pytest.raises(CheckpointError) as info:
+        Checkpoint(_raw(tmp_path / "c", header, bytes(4)))
+    assert "30 problems in its header" in str(info.value)
+    assert len(info.value.problems) == 21 and info.value.problems[-1] == "... and 10 more"
+
+
+def test_a_valid_raw_header_with_metadata_and_empty_tensors_loads(tmp_path: Path) -> None:
+    """The checks refuse nothing the format allows: ``__metadata__``, zero-size tensors
+    (an empty byte range), tensors listed out of data order."""
+    header = {
+        "__metadata__": {"format": "pt"},
+        "b": _f32([1], 8, 12),
+        "empty": {"dtype": "I64", "shape": [0, 3], "data_offsets": [8, 8]},
+        "a": _f32([2], 0, 8),
+    }
+    data = torch.tensor([1.0, 2.0, 3.0]).numpy().tobytes()
+    ckpt = Checkpoint(_raw(tmp_path / "c", header, data))
+    assert torch.equal(ckpt.get("a"), torch.tensor([1.0, 2.0]))
+    assert torch.equal(ckpt.get("b"), torch.tensor([3.0]))
+    assert ckpt.get("empty").shape == (0, 3)
+
+
+@contextlib.contextmanager
+def _unblocked(fifo: Path) -> Iterator[None]:
+    """While the block runs, a thread opens ``fifo`` for writing (without blocking) as soon
+    as a reader has opened it, and closes it: a reader that opened the FIFO then reads
+    end-of-file and fails, instead of waiting forever for a writer."""
+    done = threading.Event()
+
+    def unblock() -> None:
+        while not done.is_set():
+            try:
+                os.close(os.open(fifo, os.O_WRONLY | os.O_NONBLOCK))
+            except OSError:  # ENXIO: no reader has it open
+                done.wait(0.01)
+
+    thread = threading.Thread(target=unblock, daemon=True)
+    thread.start()
+    try:
+        yield
+    finally:
+        done.set()
+        thread.join()
+
+
+@pytest.mark.parametrize("name", ["model.safetensors", "model.safetensors.index.json"])
+def test_a_fifo_in_place_of_a_file_is_refused(tmp_path: Path, name: str) -> None:
+    """A FIFO named like the weights (or the index) is refused before it is opened:
+    opening it would block until some writer appeared."""
+    path = tmp_path / "c"
+    path.mkdir()
+    (path / "config.json").write_text("{}")
+    os.mkfifo(path / name)
+    with _unblocked(path / name), pytest.raises(CheckpointError) as info:
+        Checkpoint(path)
+    assert f"{path / name} is not a regular file" in str(info.value)
+
+
+def test_a_single_file_shard_linking_outside_is_refused(tmp_path: Path) -> None:
+    """Without an index the ``*.safetensors`` files are the shards, and the index's rule
+    holds for them: a symlink resolving outside the directory is refused before it is
+    read; one staying inside loads."""
+    outside = _write(tmp_path / "elsewhere", _tensors(1)) / "model.safetensors"
+    path = tmp_path / "ckpt"
+    path.mkdir()
+    (path / "config.json").write_text("{}")
+    (path / "model.safetensors").symlink_to(outside)
+    with pytest.raises(CheckpointError) as info:
+        Checkpoint(path)
+    msg = str(info.value)
+    assert f"{path} holds shards outside the checkpoint directory" in msg
+    assert f"model.safetensors: the shard is a symlink resolving to {outside}" in msg
+
+    inside = _write(tmp_path / "inside", _tensors(2))
+    (inside / "model.safetensors").rename(inside / "real.data")
+    (inside / "model.safetensors").symlink_to(inside / "real.data")
+    assert torch.equal(Checkpoint(inside).get("ids"), _tensors(2)["ids"])
+
+
+def test_json_files_that_nest_too_deeply_or_are_not_utf8_or_not_objects(tmp_path: Path) -> None:
+    path = _write(tmp_path / "c", _tensors())
+    (path / "config.json").write_text("[" * 100_000 + "]" * 100_000)
+    with pytest.raises(CheckpointError, match=r"config\.json nests JSON too deeply"):
+        Checkpoint(path)
+    (path / "config.json").write_bytes(b'{"a": "\xff"}')
+    with pytest.raises(CheckpointError, match=r"cannot read .*config\.json"):
+        Checkpoint(path)
+    for text, kind in (("5", "the number 5"), ("null", "null"), ('"abc"', "a string")):
+        (path / "config.json").write_text(text)
+        with pytest.raises(
+            CheckpointError, match=f"config.json must hold a JSON object, found {kind}"
+        ):
+            Checkpoint(path)

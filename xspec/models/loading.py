@@ -4,10 +4,13 @@ A checkpoint is a local directory holding ``config.json`` plus either one or mor
 ``*.safetensors`` files or a sharded set described by ``*.safetensors.index.json``
 (the index's ``weight_map`` is then the only source of truth; every shard it names must
 be a file inside the directory: ``..``, absolute paths and symlinks resolving elsewhere
-are refused, except a Hugging Face cache snapshot's links into its own ``blobs``). Tensor names, shapes
+are refused, except a Hugging Face cache snapshot's links into its own ``blobs``; without an
+index, the same holds for each ``*.safetensors`` file). Tensor names, shapes
 and dtypes come from the safetensors *headers* (an 8-byte length + a JSON blob at
 the start of each file), so a whole checkpoint can be validated before a single
-tensor is read or a single parameter is allocated.
+tensor is read or a single parameter is allocated. Each header is verified as it is
+parsed: every tensor's byte range holds exactly its dtype x shape, and the ranges tile
+the data section (no overlap, gap or trailing bytes), as the safetensors library requires.
 
 ``load_params`` is the generic two-phase loader:
 
@@ -27,21 +30,19 @@ half-written checkpoint that a later run would trust.
 from __future__ import annotations
 
 import contextlib
-import functools
 import json
 import math
 import os
 import shutil
-import struct
 import uuid
 from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
-from typing import Any
 
 import torch
 
 from xspec.cache import cache_root
 from xspec.errors import CheckpointError
+from xspec.models.safetensors_header import TensorEntry, json_kind, read_header, refetch_hint
 from xspec.paths import escapes
 
 CONFIG_NAME = "config.json"
@@ -71,9 +72,14 @@ _FLOAT_CODES = {"F64", "F32", "F16", "BF16", "F8_E4M3", "F8_E5M2", "F8_E8M0"}
 
 
 def _read_json(file: Path) -> dict:
+    if not file.is_file():  # reading a FIFO would wait forever for a writer
+        raise CheckpointError(
+            f"{file} is not a regular file (a FIFO, socket, device or directory); replace it "
+            "with the real JSON file"
+        )
     try:
         text = file.read_text(encoding="utf-8")
-    except OSError as e:
+    except (OSError, UnicodeDecodeError) as e:
         raise CheckpointError(f"cannot read {file}: {e}") from e
     try:
         data = json.loads(text)
@@ -82,68 +88,37 @@ def _read_json(file: Path) -> dict:
             f"{file} is not valid JSON (line {e.lineno}, column {e.colno}: {e.msg}); "
             "re-download or fix the file"
         ) from e
+    except RecursionError:  # json nests one Python frame per level
+        raise CheckpointError(
+            f"{file} nests JSON too deeply; re-download or fix the file"
+        ) from None
     if not isinstance(data, dict):
-        raise CheckpointError(f"{file} must hold a JSON object, found {type(data).__name__}")
+        raise CheckpointError(f"{file} must hold a JSON object, found {json_kind(data)}")
     return data
 
 
-def _read_header(file: Path) -> dict[str, tuple[list[int], str, int, int]]:
-    """Parse one safetensors header: ``{name: (shape, dtype code, data start, data end)}``
-    (shared, read-only: parsed once per version of the file, see :func:`_parse_header`)."""
-    try:
-        st = file.stat()
-    except OSError as e:
-        raise CheckpointError(
-            f"{file} is not a readable safetensors file ({e}); {_refetch_hint(file)}"
-        ) from e
-    return _parse_header(file, st.st_size, st.st_mtime_ns, st.st_ino)
+def _outside(root: Path, shard: str) -> str | None:
+    """Why ``shard`` (a path relative to the checkpoint directory ``root``) is not a file
+    inside it, or None: an absolute path, ``..``, or a symlink resolving outside the
+    directory (:func:`xspec.paths.escapes`: a hub snapshot's blobs are inside)."""
+    rel = Path(shard)
+    if rel.is_absolute():
+        return "the shard path is absolute"
+    if ".." in rel.parts or not rel.parts:
+        return "the shard path is not a file inside the directory"
+    if (target := escapes(root, rel)) is not None:
+        return f"the shard is a symlink resolving to {target}"
+    return None
 
 
-@functools.lru_cache(maxsize=256)
-def _parse_header(
-    file: Path, size: int, mtime_ns: int, inode: int
-) -> dict[str, tuple[list[int], str, int, int]]:
-    """:func:`_read_header` of one version of ``file`` (size, mtime and inode are the
-    cache key): the target, its drafters and the memory plan each open the checkpoint,
-    and a real one's headers describe ~10^5 tensors."""
-    try:
-        with open(file, "rb") as f:
-            (n,) = struct.unpack("<Q", f.read(8))
-            if n > 1 << 30:  # real headers are at most a few MB; a huge n means garbage
-                raise ValueError(f"header length {n} is implausible")
-            header = json.loads(f.read(n))
-        header.pop("__metadata__", None)
-        out = {
-            name: (
-                list(info["shape"]),
-                info["dtype"],
-                int(info["data_offsets"][0]),
-                int(info["data_offsets"][1]),
-            )
-            for name, info in header.items()
-        }
-        end = max((int(info["data_offsets"][1]) for info in header.values()), default=0)
-    except (OSError, ValueError, struct.error, TypeError, KeyError, IndexError) as e:
+def _refuse_outside(source: str, root: Path, problems: list[str]) -> None:
+    """One error for every shard :func:`_outside` refused (``source``: "<index> names")."""
+    if problems:
         raise CheckpointError(
-            f"{file} is not a readable safetensors file ({e}); {_refetch_hint(file)}"
-        ) from e
-    if size < 8 + n + end:  # a truncated download or an interrupted copy
-        raise CheckpointError(
-            f"{file} is truncated: its header describes {8 + n + end} bytes but the file has "
-            f"{size}; {_refetch_hint(file)}"
+            f"{source} shards outside the checkpoint directory {root}; every shard must be a "
+            "file inside it (refused before reading any shard)",
+            problems=problems,
         )
-    return out
-
-
-def _refetch_hint(file: Path) -> str:
-    """How to replace a damaged file: regenerate a cached preset, re-download a checkpoint."""
-    presets = cache_root() / "presets"
-    try:
-        rel = file.resolve().relative_to(presets.resolve())
-    except (OSError, ValueError):
-        return "re-download or re-copy the shard"
-    preset = presets / rel.parts[0]
-    return f"it belongs to a cached preset: delete {preset} and the next run regenerates it"
 
 
 class Checkpoint:
@@ -168,7 +143,7 @@ class Checkpoint:
             )
         self.config: dict = _read_json(config_file)
         self._file_of: dict[str, Path] = {}
-        self._headers: dict[Path, dict[str, tuple[list[int], str, int, int]]] = {}
+        self._headers: dict[Path, dict[str, TensorEntry]] = {}
         self._data_start: dict[Path, int] = {}  # byte where each shard's tensor data begins
         self._index_files()
 
@@ -194,9 +169,11 @@ class Checkpoint:
                 else ""
             )
             raise CheckpointError(f"{self.path} has no *.safetensors files{hint}")
+        root = self.path.resolve()
+        problems = [f"{f.name}: {why}" for f in files if (why := _outside(root, f.name))]
+        _refuse_outside(f"{self.path} holds", root, problems)
         for file in files:
-            header = _read_header(file)
-            self._headers[file] = header
+            header = self._header(file)
             for name in header:
                 if name in self._file_of:
                     raise CheckpointError(
@@ -219,7 +196,7 @@ class Checkpoint:
                 names = [n for n, s in weight_map.items() if s == shard]
                 problems.append(f"shard {shard} (holding e.g. {names[0]!r}) is missing")
                 continue
-            headers[shard] = self._headers[file] = _read_header(file)
+            headers[shard] = self._header(file)
         for name, shard in weight_map.items():
             if shard in headers and name not in headers[shard]:
                 problems.append(
@@ -234,9 +211,9 @@ class Checkpoint:
             )
 
     def _check_shard_paths(self, index_file: Path, weight_map: dict) -> None:
-        """Every shard entry must name a file inside the directory: no absolute path, no
-        ``..``, no symlink resolving elsewhere (a crafted index must not make xspec read,
-        or probe, files the checkpoint does not hold). One error lists every bad entry."""
+        """Every shard entry must name a file inside the directory (:func:`_outside`: a
+        crafted index must not make xspec read, or probe, files the checkpoint does not
+        hold). One error lists every bad entry."""
         root = self.path.resolve()
         problems: list[str] = []
         seen: set[str] = set()
@@ -248,24 +225,19 @@ class Checkpoint:
                 problems.append(f"{entry}: a shard entry must be a file name")
                 continue
             seen.add(shard)
-            rel = Path(shard)
-            if rel.is_absolute():
-                problems.append(f"{entry}: the shard path is absolute")
-            elif ".." in rel.parts or not rel.parts:
-                problems.append(f"{entry}: the shard path is not a file inside the directory")
-            elif (target := escapes(root, rel)) is not None:
-                problems.append(f"{entry}: the shard is a symlink resolving to {target}")
-        if problems:
-            raise CheckpointError(
-                f"{index_file} names shards outside the checkpoint directory {root}; every "
-                "shard must be a file inside it (refused before reading any shard)",
-                problems=problems,
-            )
+            if why := _outside(root, shard):
+                problems.append(f"{entry}: {why}")
+        _refuse_outside(f"{index_file} names", root, problems)
+
+    def _header(self, file: Path) -> dict[str, TensorEntry]:
+        """Read and verify ``file``'s header (:func:`_read_header`); remember it."""
+        self._headers[file], self._data_start[file] = read_header(file)
+        return self._headers[file]
 
     def read_json(self, name: str) -> dict | None:
         """Another JSON file of the directory (e.g. quant_model_description.json)."""
         file = self.path / name
-        return _read_json(file) if file.is_file() else None
+        return _read_json(file) if file.exists() else None
 
     def names(self) -> list[str]:
         """All tensor names, from the headers only."""
@@ -325,26 +297,18 @@ class Checkpoint:
         raw = torch.empty(nbytes, dtype=torch.uint8)
         try:
             with open(file, "rb") as f:
-                f.seek(self._start_of(file, f) + offset)
+                f.seek(self._data_start[file] + offset)
                 got = f.readinto(raw.numpy().data) if nbytes else 0
         except OSError as e:
             raise CheckpointError(
-                f"cannot read tensor {name!r} from {file} ({e}); {_refetch_hint(file)}"
+                f"cannot read tensor {name!r} from {file} ({e}); {refetch_hint(file)}"
             ) from e
         if got != nbytes:
             raise CheckpointError(
                 f"cannot read tensor {name!r} from {file}: {got} of its {nbytes} bytes are "
-                f"there; {_refetch_hint(file)}"
+                f"there; {refetch_hint(file)}"
             )
         return raw.view(dtype).reshape(shape)
-
-    def _start_of(self, file: Path, f: Any) -> int:
-        """Where ``file``'s tensor data starts (after the 8-byte length and the header)."""
-        if file not in self._data_start:
-            f.seek(0)
-            (n,) = struct.unpack("<Q", f.read(8))
-            self._data_start[file] = 8 + n
-        return self._data_start[file]
 
 
 # safetensors dtype codes -> the format names the memory plan reports

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -263,3 +264,46 @@ def test_import_is_light() -> None:
     code = "import sys, xspec.models.deepseek_v4; print('xspec.models.deepseek_v4.model' in sys.modules, 'safetensors' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.split() == ["False", "False"]
+
+
+# -- what a header or config.json cannot be trusted with ------------------------------------
+
+
+def _relabel(path: Path, tensor: str, dtype: str) -> Path:
+    """Rewrite the header of ``tensor``'s shard so that it claims ``dtype`` (its bytes
+    and byte range unchanged)."""
+    shard = Checkpoint(path).file_of(tensor)
+    raw = shard.read_bytes()
+    n = int.from_bytes(raw[:8], "little")
+    header = json.loads(raw[8 : 8 + n])
+    header[tensor]["dtype"] = dtype
+    blob = json.dumps(header).encode()
+    shard.write_bytes(len(blob).to_bytes(8, "little") + blob + raw[8 + n :])
+    return path
+
+
+def test_a_mislabelled_tensor_exits_2_with_one_message(tmp_path: Path, tiny) -> None:
+    """An F32 tensor whose header says BF16 (its range then holds twice its bytes): the
+    run and the plan-only entry refuse it before reading any tensor, exit 2, with one
+    message (the run's: "this run cannot be built" and this one problem), no traceback."""
+    import contextlib
+    import io
+
+    from tests.clirun import run_cli_in_process
+    from xspec.plan import main as plan_main
+
+    path = tmp_path / "ckpt"
+    shutil.copytree(tiny[0], path)
+    _relabel(path, "layers.2.attn_norm.weight", "BF16")
+    why = "tensor 'layers.2.attn_norm.weight': BF16[256] holds 512 bytes but its data_offsets"
+    args = ("model=dsv4_flash", f"model.path={path}", "model.tokenizer=byte", "spec=none",
+            "platform=cpu", "workload.num_requests=1")  # fmt: skip
+    run = run_cli_in_process(*args, cwd=tmp_path)
+    assert run.returncode == 2, run.stderr
+    head, *problems = run.stderr.splitlines()
+    assert head == "xspec: error: this run cannot be built:", run.stderr
+    assert len(problems) == 1 and problems[0].startswith("  - ") and why in problems[0]
+    stderr = io.StringIO()
+    with contextlib.redirect_stderr(stderr), contextlib.redirect_stdout(io.StringIO()):
+        code = plan_main([*args[:2], "spec=none", "engine.device_memory_gib=64"])
+    assert code == 2 and why in stderr.getvalue(), stderr.getvalue()
