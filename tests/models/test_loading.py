@@ -18,6 +18,7 @@ from xspec.cache import cache_root
 from xspec.errors import CheckpointError
 from xspec.models.loading import (
     Checkpoint,
+    has_non_finite,
     load_params,
     preset_dir,
     require_config_keys,
@@ -597,3 +598,59 @@ def test_json_files_that_nest_too_deeply_or_are_not_utf8_or_not_objects(tmp_path
             CheckpointError, match=f"config.json must hold a JSON object, found {kind}"
         ):
             Checkpoint(path)
+
+
+# -- values a header cannot show: NaN / Inf codes of 8-bit floats -------------------------
+
+
+class Fp8(nn.Module):
+    """One stored 8-bit tensor per format, as resident quantized weights hold them."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        for name in ("e4m3", "e5m2", "e8m0"):
+            self.register_buffer(name, torch.zeros(4, dtype=torch.uint8).view(_FP8[name]))
+
+
+_FP8 = {"e4m3": torch.float8_e4m3fn, "e5m2": torch.float8_e5m2, "e8m0": torch.float8_e8m0fnu}
+
+
+@pytest.mark.parametrize("dtype", list(_FP8.values()))
+def test_has_non_finite_agrees_with_torch_on_every_8bit_code(dtype: torch.dtype) -> None:
+    """Each of the 256 codes is non-finite exactly when torch's conversion to fp32 says
+    so (torch's own isfinite has no e4m3 kernel and calls every e8m0 code finite)."""
+    codes = torch.arange(256, dtype=torch.uint8).view(dtype)
+    want = [not bool(torch.isfinite(c.float())) for c in codes]
+    assert [has_non_finite(codes[i : i + 1]) for i in range(256)] == want
+    assert any(want) and has_non_finite(codes) and not has_non_finite(codes[~torch.tensor(want)])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_has_non_finite_finds_one_nan_or_inf_anywhere(dtype: torch.dtype) -> None:
+    t = torch.randn(3, 1000, generator=torch.Generator().manual_seed(0)).to(dtype)
+    assert not has_non_finite(t) and not has_non_finite(t[:0])
+    for bad in (float("nan"), float("inf"), -float("inf")):
+        for at in ((0, 0), (1, 517), (2, 999)):
+            poisoned = t.clone()
+            poisoned[at] = bad
+            assert has_non_finite(poisoned) and has_non_finite(poisoned[:, 1::2]) == (
+                at[1] % 2 == 1
+            )
+    assert not has_non_finite(torch.arange(4))  # integers hold neither
+
+
+@pytest.mark.parametrize(
+    ("buffer", "code"),
+    [("e4m3", 0x7F), ("e4m3", 0xFF), ("e5m2", 0x7C), ("e5m2", 0xFE), ("e8m0", 0xFF)],
+)
+def test_nan_or_inf_8bit_codes_are_refused(tmp_path: Path, buffer: str, code: int) -> None:
+    """Stored 8-bit floats (resident FP8 weights, their ue8m0 scales) are checked by their
+    codes as they load, and the error names the tensor and its file."""
+    good = {n: torch.full((4,), 0x38, dtype=torch.uint8).view(dt) for n, dt in _FP8.items()}
+    bad = good | {buffer: good[buffer].clone()}
+    bad[buffer].view(torch.uint8)[2] = code
+    load_params(Fp8(), Checkpoint(_write(tmp_path / "good", good)), _identity)
+    with pytest.raises(
+        CheckpointError, match=rf"'{buffer}' in .*model\.safetensors holds NaN or Inf codes"
+    ):
+        load_params(Fp8(), Checkpoint(_write(tmp_path / "bad", bad)), _identity)

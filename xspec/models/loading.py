@@ -20,7 +20,8 @@ the data section (no overlap, gap or trailing bytes), as the safetensors library
    raised as one :class:`~xspec.errors.CheckpointError`;
 2. *stream*: tensors are read one at a time (shard by shard) and copied in place
    into the existing parameters, so peak host memory stays near the resident model
-   plus one tensor, never a second full copy.
+   plus one tensor, never a second full copy; each is refused if it holds NaN / Inf
+   (8-bit floats by their codes) or fails the caller's value check (an index table).
 
 ``write_checkpoint`` and ``preset_dir`` write directories atomically (temp dir next
 to the target, then ``os.rename``) so an interrupted or failing writer never leaves a
@@ -429,6 +430,7 @@ def load_params(
     *,
     convert: Callable[[str, torch.Tensor], torch.Tensor] | None = None,
     logical_shape: Callable[[str, list[int]], list[int]] | None = None,
+    check: Callable[[str, torch.Tensor], str | None] | None = None,
 ) -> None:
     """Fill every parameter / persistent buffer of ``module`` in place from ``ckpt``.
 
@@ -437,13 +439,18 @@ def load_params(
     dequantise with a sibling ``*.weight_scale`` read through ``ckpt.get``); it must
     return the parameter's shape; ``logical_shape(ckpt_name, stored shape)`` gives that
     shape from the header when ``convert`` unpacks (e.g. MXFP4 ``[N, K/2]`` -> ``[N, K]``).
-    Dtype conversion happens in ``copy_``.
+    ``check(ckpt_name, tensor)`` sees each tensor as stored, before ``convert``, and says
+    what is wrong with its values (an index out of range), or None.
+    Dtype conversion happens in ``copy_``. Every float tensor is refused if it holds NaN
+    or Inf once loaded (8-bit floats by their stored codes).
     """
     targets = module.state_dict(keep_vars=True)  # references to the live tensors, no copies
     plan = _plan(targets, ckpt, rename, check_kind=convert is None, logical_shape=logical_shape)
     with torch.no_grad():
         for name, tensor in ckpt.iter_tensors(plan):
             key = plan[name]
+            if check is not None and (problem := check(name, tensor)):
+                raise CheckpointError(f"tensor {name!r} in {ckpt.file_of(name)} {problem}")
             if convert is not None:
                 tensor = convert(name, tensor)
             target = targets[key]
@@ -457,18 +464,44 @@ def load_params(
                 )
             target.copy_(tensor)
             del tensor  # drop it before the next read: at most one tensor alive
-            if _checks_finite(target) and not bool(torch.isfinite(target).all()):
-                raise CheckpointError(
-                    f"tensor {name!r} in {ckpt.file_of(name)} holds NaN or Inf values once "
-                    f"loaded as {target.dtype}; the file is corrupt, or its values overflow "
-                    f"{target.dtype} (try model.dtype=float32)"
-                )
+            if has_non_finite(target):
+                raise CheckpointError(f"tensor {name!r} in {ckpt.file_of(name)} {_why(target)}")
 
 
-def _checks_finite(t: torch.Tensor) -> bool:
-    """Float tensors of 16 bits or more are checked for NaN / Inf once loaded; 8-bit
-    floats (resident FP8 weights, ue8m0 scales) are stored codes, checked by their format."""
-    return t.is_floating_point() and t.element_size() >= 2
+# The NaN / Inf codes of each 8-bit float: those whose bits under the mask equal the mask
+# (e4m3fn: NaN is S.1111.111; e5m2: Inf and NaN fill the exponent; e8m0fnu: NaN is 0xFF),
+# i.e. where ``code & mask`` reaches its largest value, the mask.
+_NON_FINITE_MASKS = {
+    getattr(torch, name): mask
+    for name, mask in (("float8_e4m3fn", 0x7F), ("float8_e5m2", 0x7C), ("float8_e8m0fnu", 0xFF))
+    if hasattr(torch, name)
+}
+
+
+def has_non_finite(t: torch.Tensor) -> bool:
+    """Whether ``t`` holds a NaN or Inf (False for integer tensors). 8-bit floats are read
+    by their codes: torch has no ``isfinite`` for e4m3 and calls every e8m0 code finite."""
+    if not t.is_floating_point() or t.numel() == 0:
+        return False
+    mask = _NON_FINITE_MASKS.get(t.dtype)
+    if mask is None:  # min and max propagate NaN, and hold any Inf: one reduction, no copy
+        return not all(math.isfinite(v) for v in torch.aminmax(t))
+    codes = t.view(torch.uint8)
+    return int((codes if mask == 0xFF else codes & mask).max()) == mask
+
+
+def _why(target: torch.Tensor) -> str:
+    """Why a loaded tensor holds NaN / Inf: a stored 8-bit code is corruption; a wider
+    value may also have overflowed the model dtype."""
+    if target.dtype in _NON_FINITE_MASKS:
+        return (
+            f"holds NaN or Inf codes ({target.dtype} as stored); the file is corrupt: "
+            "re-download or re-convert it"
+        )
+    return (
+        f"holds NaN or Inf values once loaded as {target.dtype}; the file is corrupt, or its "
+        f"values overflow {target.dtype} (try model.dtype=float32)"
+    )
 
 
 @contextlib.contextmanager

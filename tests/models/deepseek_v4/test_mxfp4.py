@@ -231,3 +231,41 @@ def test_malformed_drafter_mxfp4_is_named(dirs, tmp_path: Path) -> None:
         match=r"'mtp\.0\.ffn\.experts\.1\.w2\.weight' in .*MXFP4 scale is \[256, 2\]",
     ):
         plan_mtp(path, DeepseekV4Args.tiny())
+
+
+def _poisoned(t: torch.Tensor, code: int, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """``t`` (8-bit, as stored) with its second byte set to ``code``, viewed as ``dtype``."""
+    raw = t.clone().view(torch.uint8)
+    raw.view(-1)[1] = code
+    return raw.view(dtype or t.dtype)
+
+
+@pytest.mark.parametrize(
+    ("name", "code", "as_bytes", "why"),
+    [
+        ("layers.1.attn.wq_a.weight", 0x7F, False, "holds NaN or Inf codes"),  # e4m3 NaN
+        ("layers.1.attn.wq_a.scale", 0xFF, False, "holds NaN or Inf codes"),  # FP8 block scale
+        ("layers.3.ffn.experts.2.w1.scale", 0xFF, False, "holds NaN or Inf codes"),  # ue8m0
+        ("layers.3.ffn.experts.2.w1.scale", 0xFF, True, "holds 0xFF, ue8m0's NaN, as an MXFP4"),
+        ("mtp.0.ffn.experts.1.w2.scale", 0xFF, False, "holds NaN or Inf codes"),  # the drafter's
+    ],
+)
+def test_nan_codes_in_resident_weights_and_scales_are_refused(
+    dirs, tmp_path: Path, name: str, code: int, as_bytes: bool, why: str
+) -> None:
+    """Quantized weights stay resident as stored, so their NaN codes (e4m3 S.1111.111,
+    ue8m0 0xFF, also as raw uint8 scale bytes) are refused as they load, naming the tensor
+    and the file, before the model (or drafter) is returned."""
+    from xspec.models.deepseek_v4.mtp import load_mtp, plan_mtp
+
+    stored = Checkpoint(dirs["fp4"]).get(name)
+    path = _with(dirs, tmp_path, name, _poisoned(stored, code, torch.uint8 if as_bytes else None))
+    pattern = rf"tensor '{re.escape(name)}' in {re.escape(str(path))}/model\.safetensors {why}"
+    if not name.startswith("mtp."):
+        with pytest.raises(CheckpointError, match=pattern):
+            load_checkpoint(path, dtype=torch.float32, device=CPU)
+        return
+    target = load_checkpoint(path, dtype=torch.float32, device=CPU)  # mtp.* is not its
+    with pytest.raises(CheckpointError, match=pattern):
+        load_mtp(plan_mtp(path, target.args), embed=target.embed, head=target.head,
+                 dtype=torch.float32, device=CPU)  # fmt: skip

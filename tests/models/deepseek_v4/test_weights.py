@@ -269,6 +269,24 @@ def test_import_is_light() -> None:
 # -- what a header or config.json cannot be trusted with ------------------------------------
 
 
+@pytest.mark.parametrize("expert", [1000, -1])
+def test_hash_routing_ids_outside_the_experts_are_refused_at_load(
+    tmp_path: Path, tiny, expert: int
+) -> None:
+    """A poisoned ``tid2eid`` entry would index past the experts at the first prompt
+    holding its token; the load refuses it, naming the tensor, its file and the entry."""
+    table = tiny[1]["layers.1.ffn.gate.tid2eid"].clone()  # [vocab, top-k]
+    table[7, 1] = expert
+    path = _variant(tmp_path, tiny, add={"layers.1.ffn.gate.tid2eid": table})
+    shard = _shard(path, "layers.1.ffn.gate.tid2eid")
+    with pytest.raises(CheckpointError) as info:
+        load_checkpoint(path, dtype=torch.float32, device=CPU)
+    assert (
+        f"tensor 'layers.1.ffn.gate.tid2eid' in {path / shard} routes token 7 to expert "
+        f"{expert} (entry [7, 1]); every entry must be an expert id in [0, 8)"
+    ) in str(info.value)
+
+
 def _relabel(path: Path, tensor: str, dtype: str) -> Path:
     """Rewrite the header of ``tensor``'s shard so that it claims ``dtype`` (its bytes
     and byte range unchanged)."""

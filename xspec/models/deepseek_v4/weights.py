@@ -212,7 +212,15 @@ def load_drafter(
         names = {n: k for n, k in names.items() if expert_parallel.holds(k, args.n_routed_experts)}
     dequant = {n: s for n, s in dequant.items() if n in names}
     module = load_resident(
-        build, ckpt, names, dequant, device=device, dtype=dtype, steps=steps, compute=quant_compute
+        build,
+        ckpt,
+        names,
+        dequant,
+        device=device,
+        dtype=dtype,
+        steps=steps,
+        compute=quant_compute,
+        check=value_check(dequant, args),
     )
     return module.eval()
 
@@ -499,6 +507,46 @@ def make_converter(
     return convert
 
 
+def value_check(
+    dequant: dict[str, str], args: DeepseekV4Args
+) -> Callable[[str, torch.Tensor], str | None]:
+    """The ``check`` of :func:`~xspec.models.loading.load_params`: what the headers cannot
+    show, one pass over each tensor as it streams in. A hash-routing table (``tid2eid``)
+    must hold expert ids in ``[0, n_routed_experts)`` (one outside would index past the
+    experts at the first prompt holding its token); an MXFP4 scale stored as raw bytes must
+    not hold 0xFF, ue8m0's NaN (``float8_e8m0fnu`` scales are checked as every 8-bit float
+    is, after the copy)."""
+    raw_scales = {n.removesuffix(".weight") + ".scale" for n, s in dequant.items() if s == "mxfp4"}
+
+    def check(name: str, tensor: torch.Tensor) -> str | None:
+        if name.endswith(".ffn.gate.tid2eid"):
+            return expert_ids_problem(tensor, args.n_routed_experts)
+        if name in raw_scales and tensor.dtype == torch.uint8 and bool((tensor == 0xFF).any()):
+            return (
+                "holds 0xFF, ue8m0's NaN, as an MXFP4 scale; the file is corrupt: re-download "
+                "or re-convert it"
+            )
+        return None
+
+    return check
+
+
+def expert_ids_problem(table: torch.Tensor, n_experts: int) -> str | None:
+    """Why ``table [vocab, k]`` (integer expert ids per token) is not a routing table for
+    ``n_experts`` experts, naming the first entry outside ``[0, n_experts)``; None if it is."""
+    if table.numel() == 0:
+        return None
+    low, high = torch.aminmax(table)
+    if low >= 0 and high < n_experts:
+        return None
+    token, col = (((table < 0) | (table >= n_experts)).nonzero()[0]).tolist()
+    return (
+        f"routes token {token} to expert {int(table[token, col])} (entry [{token}, {col}]); "
+        f"every entry must be an expert id in [0, {n_experts}) (n_routed_experts in "
+        "config.json)"
+    )
+
+
 def load_checkpoint(
     path: str | Path,
     *,
@@ -536,7 +584,15 @@ def load_checkpoint(
     names = {n: n for n in ckpt.names() if n in wanted}
     dequant = {n: s for n, s in dequant.items() if n in wanted}
     model = load_resident(
-        build, ckpt, names, dequant, device=device, dtype=dtype, steps=steps, compute=quant_compute
+        build,
+        ckpt,
+        names,
+        dequant,
+        device=device,
+        dtype=dtype,
+        steps=steps,
+        compute=quant_compute,
+        check=value_check(dequant, args),
     )
     # drafters (MTP, DSpark) and the tokenizer read the same dir; nn.Module's __setattr__
     # is typed for tensors and modules only, hence the ignore
@@ -576,16 +632,18 @@ def load_resident(
     dtype: torch.dtype,
     steps: StepOptions,
     compute: str,
+    check: Callable[[str, torch.Tensor], str | None] | None = None,
 ) -> M:
     """Build a module with ``build(device)`` and stream ``names`` (checkpoint name -> key)
     into it. Quantized weights (``dequant``: name -> scheme) of plain linears stay as stored
     (:class:`~xspec.models.resident.QuantLinear`): the module is built on the meta device,
     those linears are swapped, and only then is memory allocated, so no float copy of them
     ever exists. Any other quantized tensor is dequantized while streaming, as before.
-    A checkpoint without quantized tensors loads exactly as a float one always did."""
+    A checkpoint without quantized tensors loads exactly as a float one always did.
+    ``check``: :func:`~xspec.models.loading.load_params`' value check (:func:`value_check`)."""
     if not dequant:
         module = build(device)
-        load_params(module, ckpt, names.get, convert=make_converter(ckpt, {}))
+        load_params(module, ckpt, names.get, convert=make_converter(ckpt, {}), check=check)
         return module
     module = build("meta")
     stored = stored_weights(ckpt, names, dequant)
@@ -609,5 +667,6 @@ def load_resident(
         rename.get,
         convert=make_converter(ckpt, converted),
         logical_shape=unpacked_shape(converted),
+        check=check,
     )
     return module
