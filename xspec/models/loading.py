@@ -358,6 +358,20 @@ def require_config_keys(config: dict, keys: Iterable[str], where: Path) -> None:
         )
 
 
+def require_tensors_for(ckpt: Checkpoint, counts: dict[str, int]) -> None:
+    """Refuse config.json counts (``{key: value}``: layers, experts) above the number of
+    tensors the checkpoint holds: each layer and each expert stores tensors of its own,
+    so such a count is wrong, and planning its tensors would loop that many times."""
+    total = len(ckpt.names())
+    bad = [k for k, n in counts.items() if n > total]
+    if bad:
+        raise CheckpointError(
+            f"{ckpt.path / CONFIG_NAME}: {', '.join(f'{k} = {counts[k]}' for k in bad)}, but "
+            f"the checkpoint holds {total} tensors in all, and each of those needs tensors "
+            f"of its own; fix {' and '.join(bad)}"
+        )
+
+
 def _kind(dtype_code_or_dtype: str | torch.dtype) -> str:
     """'float', 'int' or 'bool': copy_ across kinds would silently reinterpret data."""
     if isinstance(dtype_code_or_dtype, str):

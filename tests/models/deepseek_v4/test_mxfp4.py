@@ -4,13 +4,17 @@ checkpoint (target and DSpark / MTP stages), and malformed scales."""
 
 from __future__ import annotations
 
+import json
+import os
 import re
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
 
 import xspec
+from xspec.config import DType
 from xspec.errors import CheckpointError
 from xspec.models.base import ForwardBatch
 from xspec.models.deepseek_v4.convert import ROUTED_EXPERTS, quantize_fp8
@@ -269,3 +273,32 @@ def test_nan_codes_in_resident_weights_and_scales_are_refused(
     with pytest.raises(CheckpointError, match=pattern):
         load_mtp(plan_mtp(path, target.args), embed=target.embed, head=target.head,
                  dtype=torch.float32, device=CPU)  # fmt: skip
+
+
+@pytest.mark.parametrize("block", [[0, 128], [128], "128", [128.0, 128]])
+def test_an_fp8_block_size_that_is_not_two_positive_integers_is_refused(
+    dirs, tmp_path: Path, block
+) -> None:
+    """``quantization_config.weight_block_size`` sizes every FP8 scale grid: refused with
+    its key (target, drafter and the header-only plan), never a ZeroDivisionError."""
+    from xspec.models.deepseek_v4 import footprint
+    from xspec.models.deepseek_v4.args import DeepseekV4Args
+    from xspec.models.deepseek_v4.mtp import plan_mtp
+
+    path = tmp_path / "block"
+    path.mkdir()
+    for file in dirs["fp4"].iterdir():
+        os.link(file, path / file.name)
+    config = dict(Checkpoint(dirs["fp4"]).config)
+    config["quantization_config"] = config["quantization_config"] | {"weight_block_size": block}
+    (path / "config.json").unlink()
+    (path / "config.json").write_text(json.dumps(config))
+    cfg = SimpleNamespace(path=str(path), preset=None, dtype=DType.float32, max_context=None)
+    why = rf"{re.escape(str(path))}/config\.json: quantization_config\.weight_block_size must be two positive integers"
+    for attempt in (
+        lambda: load_checkpoint(path, dtype=torch.float32, device=CPU),
+        lambda: footprint(cfg, max_rollback=4),
+        lambda: plan_mtp(path, DeepseekV4Args.tiny()),
+    ):
+        with pytest.raises(CheckpointError, match=why):
+            attempt()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import shutil
 from pathlib import Path
 from types import SimpleNamespace
@@ -269,6 +270,19 @@ def test_import_is_light() -> None:
 # -- what a header or config.json cannot be trusted with ------------------------------------
 
 
+def _with_config(tmp_path: Path, src: Path, **changes) -> Path:
+    """``src``'s files hard-linked (no copy) into a new directory whose config.json has
+    ``changes`` applied."""
+    path = tmp_path / "config_variant"
+    path.mkdir()
+    for file in src.iterdir():
+        if file.name != "config.json":
+            os.link(file, path / file.name)
+    config = json.loads((src / "config.json").read_text()) | changes
+    (path / "config.json").write_text(json.dumps(config))
+    return path
+
+
 @pytest.mark.parametrize("expert", [1000, -1])
 def test_hash_routing_ids_outside_the_experts_are_refused_at_load(
     tmp_path: Path, tiny, expert: int
@@ -285,6 +299,40 @@ def test_hash_routing_ids_outside_the_experts_are_refused_at_load(
         f"tensor 'layers.1.ffn.gate.tid2eid' in {path / shard} routes token 7 to expert "
         f"{expert} (entry [7, 1]); every entry must be an expert id in [0, 8)"
     ) in str(info.value)
+
+
+@pytest.mark.parametrize(
+    ("changes", "why"),
+    [
+        ({"quantization_config": "fp8"}, "quantization_config must be an object, got 'fp8'"),
+        (
+            {"rope_scaling": DeepseekV4Args.tiny().rope_scaling | {"beta_fast": "32"}},
+            "rope_scaling.beta_fast must be a positive number, got '32'",
+        ),
+        ({"bos_token_id": 512}, r"bos_token_id \(512\) is outside the vocabulary"),
+        ({"bos_token_id": [0]}, r"bos_token_id must be a token id .* got \[0\]"),
+        ({"hidden_size": 10**30}, "hidden_size must be at most 2147483647"),
+        (  # each expert has tensors of its own: the headers cannot hold this many
+            {"n_routed_experts": 10_000},
+            r"n_routed_experts = 10000, but the checkpoint holds \d+ tensors in all",
+        ),
+    ],
+)
+def test_config_fields_of_the_wrong_type_or_size_are_named(
+    tmp_path: Path, tiny, changes: dict, why: str
+) -> None:
+    """Refused by the load and by the header-only footprint (the memory plan), as one
+    CheckpointError naming config.json and the key, never a traceback from later code."""
+    from xspec.models.deepseek_v4 import footprint
+
+    path = _with_config(tmp_path, tiny[0], **changes)
+    for attempt in (
+        lambda: load_checkpoint(path, dtype=torch.float32, device=CPU),
+        lambda: footprint(_cfg(path), max_rollback=4),
+    ):
+        with pytest.raises(CheckpointError, match=why) as info:
+            attempt()
+        assert str(path / "config.json") in str(info.value)
 
 
 def _relabel(path: Path, tensor: str, dtype: str) -> Path:

@@ -109,6 +109,45 @@ def test_config_wrong_model_type_and_unsupported_features(tmp_path, tensors):
     assert "model_type is 'llama'" in msg and "attention_bias" in msg and "'dynamic'" in msg
 
 
+_YARN = {"rope_type": "yarn", "factor": 2.0, "original_max_position_embeddings": 1024}
+
+
+@pytest.mark.parametrize(
+    ("changes", "why"),
+    [
+        ({"layer_types": 5}, "'layer_types' must be a list of layer types, got 5"),
+        ({"rope_theta": float("nan")}, "'rope_theta' must be a number > 1, got nan"),
+        (
+            {"rope_scaling": _YARN | {"beta_slow": "1"}},
+            "rope_scaling.beta_slow must be a positive number, got '1'",
+        ),
+        (
+            {"rope_scaling": _YARN | {"attention_factor": [1]}},
+            r"rope_scaling.attention_factor must be a positive number, got \[1\]",
+        ),
+        ({"vocab_size": 10**30}, "'vocab_size' must be a positive integer up to 2147483647"),
+        ({"bos_token_id": 512}, r"bos_token_id \(512\) is outside the vocabulary"),
+        (  # each expert has tensors of its own: the headers cannot hold this many
+            {"num_experts": 10_000},
+            r"num_experts = 10000, but the checkpoint holds \d+ tensors in all",
+        ),
+    ],
+)
+def test_config_fields_of_the_wrong_type_or_size_are_named(tmp_path, tensors, changes, why):
+    """One CheckpointError naming config.json and the key, from the load and from the
+    header-only footprint, never a traceback from the RoPE tables or module shapes."""
+    from xspec.models.qwen3 import footprint
+
+    path = _write(tmp_path / "ck", tensors, config=Qwen3Args.tiny(True).to_config() | changes)
+    for attempt in (
+        lambda: _load(path),
+        lambda: footprint(ModelConfig(arch="qwen3", path=str(path))),
+    ):
+        with pytest.raises(CheckpointError, match=why) as err:
+            attempt()
+        assert str(path / "config.json") in str(err.value)
+
+
 def test_config_invalid_json(tmp_path, tensors):
     path = _write(tmp_path / "ck", tensors)
     (path / "config.json").write_text("{not json")

@@ -14,12 +14,12 @@ rest stay available to drafters (:attr:`draft_compress_ratios`).
 
 from __future__ import annotations
 
-import math
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
 from xspec.errors import CheckpointError
+from xspec.models.config_fields import int_problem, is_number, token_id_problem, yarn_problems
 from xspec.models.families import check_family
 
 COMPRESS_RATIOS = (0, 4, 128)  # SWA-only, CSA (overlapping, indexer), HCA
@@ -163,6 +163,8 @@ class DeepseekV4Args:
             if not isinstance(kw[key], bool):
                 problems.append(f"{key} must be true or false, got {kw[key]!r}")
         kw["bos_token_id"] = config.get("bos_token_id", 0)
+        if problem := token_id_problem("bos_token_id", kw["bos_token_id"]):
+            problems.append(problem)
         kw["eos_token_id"] = config.get("eos_token_id", 1)
         kw["torch_dtype"] = str(config.get("torch_dtype", config.get("dtype", "bfloat16")))
         for key in ("dspark_block_size", "dspark_noise_token_id", "dspark_markov_rank"):
@@ -210,6 +212,11 @@ class DeepseekV4Args:
             out.append(
                 f"num_experts_per_tok ({self.num_experts_per_tok}) exceeds n_routed_experts "
                 f"({self.n_routed_experts})"
+            )
+        if self.bos_token_id is not None and self.bos_token_id >= self.vocab_size:
+            out.append(
+                f"bos_token_id ({self.bos_token_id}) is outside the vocabulary "
+                f"(vocab_size {self.vocab_size})"
             )
         if self.tie_word_embeddings:
             out.append(
@@ -302,17 +309,15 @@ def _int(
     config: dict, key: str, problems: list[str], *, minimum: int, default: int | None = None
 ) -> Any:
     value = config.get(key, default)
-    if isinstance(value, bool) or not isinstance(value, int):
-        problems.append(f"{key} must be an integer, got {value!r}")
+    if problem := int_problem(key, value, minimum):
+        problems.append(problem)
         return default
-    if value < minimum:
-        problems.append(f"{key} must be >= {minimum}, got {value}")
     return value
 
 
 def _float(config: dict, key: str, problems: list[str], *, default: float) -> float:
     value = config.get(key, default)
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+    if not is_number(value):
         problems.append(f"{key} must be a finite number, got {value!r}")
         return default
     if value <= 0:
@@ -349,10 +354,7 @@ def _rope_scaling(config: dict, problems: list[str]) -> dict[str, Any] | None:
     if kind != "yarn":
         problems.append(f"rope_scaling type {kind!r} is not supported; use 'yarn' or null")
         return None
-    for key in ("factor", "original_max_position_embeddings"):
-        value = scaling.get(key)
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
-            problems.append(f"rope_scaling.{key} must be a positive number, got {value!r}")
+    problems += yarn_problems(scaling)
     return dict(scaling)
 
 

@@ -19,6 +19,7 @@ from xspec.models.deepseek_v4.weights import (
     QUANT_DESCRIPTION,
     W8A8_SIBLINGS,
     W8A8_TYPES,
+    fp8_block,
     is_mxfp4,
     mxfp4_problem,
 )
@@ -107,13 +108,7 @@ def quant_scheme(
         return "w8a8" if siblings_ok(ckpt, where, scales, grids, problems) else None
     if code == "F8_E4M3" and f"{base}.scale" in ckpt and len(want) == 2:
         consumed.add(f"{base}.scale")
-        block = [
-            int(b)
-            for b in (ckpt.config.get("quantization_config") or {}).get(
-                "weight_block_size", [128, 128]
-            )
-        ]
-        grid = [math.ceil(w / b) for w, b in zip(want, block)]
+        grid = [math.ceil(w / b) for w, b in zip(want, fp8_block(ckpt))]
         return "fp8" if siblings_ok(ckpt, where, [f"{base}.scale"], (grid,), problems) else None
     problems.append(
         f"{where} has unsupported dtype {code} (quant type {qtype}); supported: {list(FLOAT_CODES)}, "

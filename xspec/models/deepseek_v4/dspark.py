@@ -59,7 +59,7 @@ from xspec.models.deepseek_v4.presets import PRESET_DRAFTS, checkpoint_path
 from xspec.models.deepseek_v4.state import Ring, scatter_rows, stack_rings
 from xspec.models.deepseek_v4.weights import load_drafter, stored_footprint
 from xspec.models.draft_heads import ConfidenceHead, MarkovHead
-from xspec.models.loading import CONFIG_NAME, Checkpoint
+from xspec.models.loading import CONFIG_NAME, Checkpoint, require_tensors_for
 from xspec.models.ops import (
     EAGER_STEPS,
     REFERENCE_OPS,
@@ -659,6 +659,7 @@ def plan_dspark(path: str | Path, target_args: DeepseekV4Args | None) -> DSparkP
     problems = _config_problems(ckpt, args, target_args)
     if problems:
         raise _error(ckpt, problems)
+    require_tensors_for(ckpt, {"n_routed_experts": args.n_routed_experts})
     ids = list(args.dspark_target_layer_ids or [])
     stages = len(ids)
     rank = int(args.dspark_markov_rank or 0)

@@ -55,7 +55,7 @@ from xspec.models.deepseek_v4.mhc import HyperHead, RMSNorm
 from xspec.models.deepseek_v4.model import Block, init_random
 from xspec.models.deepseek_v4.state import BlockContext
 from xspec.models.deepseek_v4.weights import load_drafter
-from xspec.models.loading import CONFIG_NAME, Checkpoint
+from xspec.models.loading import CONFIG_NAME, Checkpoint, require_tensors_for
 from xspec.models.ops import EAGER_STEPS, StepOptions
 
 if TYPE_CHECKING:
@@ -238,6 +238,7 @@ def plan_mtp(path: str | Path, target_args: DeepseekV4Args | None) -> MtpPlan:
     problems = _config_problems(ckpt, layout, args, layer_id, target_args)
     if problems:  # geometry is off: per-tensor shape messages would only add noise
         raise _error(ckpt, layout, problems)
+    require_tensors_for(ckpt, {"n_routed_experts": args.n_routed_experts})
     names, dequant, problems = plan_tensors(
         ckpt,
         lambda name: module_key(layout, name),

@@ -62,6 +62,7 @@ from xspec.models.loading import (
     Checkpoint,
     held_bytes,
     load_params,
+    require_tensors_for,
 )
 from xspec.models.ops import EAGER_STEPS, StepOptions
 from xspec.models.quantized import (
@@ -244,6 +245,10 @@ def check_checkpoint(ckpt: Checkpoint, args: DeepseekV4Args) -> dict[str, str]:
     Returns ``{weight name: "w8a8" | "fp8" | "mxfp4"}`` for tensors that need dequantising.
     Raises one CheckpointError listing every problem (tensor, shard file, config key).
     """
+    require_tensors_for(
+        ckpt,
+        {"num_hidden_layers": args.num_hidden_layers, "n_routed_experts": args.n_routed_experts},
+    )
     v = _Validator(ckpt, args)
     for name, shape in v.expected.items():
         if name in ckpt:
@@ -267,7 +272,7 @@ class _Validator:
         self.problems: list[str] = []
         self.dequant: dict[str, str] = {}
         self.consumed: set[str] = set()  # scale / offset siblings of quantised weights
-        self.block = _fp8_block(ckpt.config)
+        self.block = fp8_block(ckpt)
         self.desc_file = ckpt.path / QUANT_DESCRIPTION
         self.qtypes = self._quant_types()  # None: no description file
 
@@ -439,9 +444,22 @@ def mxfp4_problem(ckpt: Checkpoint, name: str, want: list[int]) -> str | None:
     )
 
 
-def _fp8_block(config: dict) -> list[int]:
-    block = (config.get("quantization_config") or {}).get("weight_block_size", [128, 128])
-    return [int(b) for b in block]
+def fp8_block(ckpt: Checkpoint) -> list[int]:
+    """FP8's scale block ``[rows, columns]``: config.json's
+    ``quantization_config.weight_block_size`` (default 128 x 128), two positive integers."""
+    where = ckpt.path / CONFIG_NAME
+    qc = ckpt.config.get("quantization_config") or {}
+    if not isinstance(qc, dict):
+        raise CheckpointError(f"{where}: quantization_config must be an object, got {qc!r}")
+    block = qc.get("weight_block_size", [128, 128])
+    if not (
+        isinstance(block, list) and len(block) == 2 and all(type(b) is int and b > 0 for b in block)
+    ):
+        raise CheckpointError(
+            f"{where}: quantization_config.weight_block_size must be two positive integers "
+            f"[rows, columns] (the FP8 scale block, e.g. [128, 128]), got {block!r}"
+        )
+    return block
 
 
 # -- what the loaded tensors hold (the memory plan) ---------------------------------------
@@ -490,7 +508,7 @@ def make_converter(
     ckpt: Checkpoint, dequant: dict[str, str]
 ) -> Callable[[str, torch.Tensor], torch.Tensor]:
     """The load_params ``convert`` hook: dequantise while streaming, siblings via ckpt.get."""
-    block = _fp8_block(ckpt.config)
+    block = fp8_block(ckpt)
 
     def convert(name: str, tensor: torch.Tensor) -> torch.Tensor:
         scheme = dequant.get(name)
@@ -609,7 +627,7 @@ def stored_weights(
 ) -> dict[str, StoredWeight]:
     """Module path (``layers.0.attn.wq_b``) -> how its quantized weight is stored (formats,
     shapes and dtypes of the weight and its scale / offset siblings, from the headers)."""
-    block = tuple(_fp8_block(ckpt.config))
+    block = tuple(fp8_block(ckpt))
     out: dict[str, StoredWeight] = {}
     for name, scheme in dequant.items():
         base, key = name.removesuffix(".weight"), names[name].removesuffix(".weight")

@@ -103,10 +103,11 @@ def footprint(cfg: Any) -> Footprint:
     import torch
 
     from xspec.models.base import Footprint, KvBytes
-    from xspec.models.loading import Checkpoint, held_bytes
+    from xspec.models.loading import Checkpoint, held_bytes, require_tensors_for
 
     ckpt = Checkpoint(checkpoint_path(cfg))
     args = Qwen3Args.from_config(ckpt.config, ckpt.path / "config.json")
+    require_tensors_for(ckpt, counts(args))
     itemsize = getattr(torch, dtype_name(cfg.dtype)).itemsize
     names = [n for n in ckpt.names() if checkpoint_key(n, args) is not None]
     per_token = args.num_hidden_layers * 2 * args.num_key_value_heads * args.head_dim * itemsize
@@ -168,11 +169,18 @@ def checkpoint_key(name: str, args: Qwen3Args) -> str | None:
     return name
 
 
+def counts(args: Qwen3Args) -> dict[str, int]:
+    """The config.json counts that each need tensors of their own (layers, experts)."""
+    return {"num_hidden_layers": args.num_hidden_layers, "num_experts": args.num_experts}
+
+
 def check_tensors(args: Qwen3Args, ckpt: Checkpoint) -> None:
     """Headers only: every expected tensor present with its shape and a float dtype, nothing
     unexpected. One CheckpointError lists every problem with tensor name and shard file."""
+    from xspec.models.loading import require_tensors_for
     from xspec.models.qwen3.model import Qwen3Model
 
+    require_tensors_for(ckpt, counts(args))
     expected = {k: list(v.shape) for k, v in Qwen3Model(args, device="meta").state_dict().items()}
     problems: list[str] = []
     for name in sorted(ckpt.names()):

@@ -14,6 +14,13 @@ from pathlib import Path
 from typing import Any
 
 from xspec.errors import CheckpointError
+from xspec.models.config_fields import (
+    MAX_INT,
+    is_number,
+    is_positive,
+    token_id_problem,
+    yarn_problems,
+)
 from xspec.models.families import check_family
 
 MODEL_TYPES = ("qwen3", "qwen3_moe")
@@ -96,7 +103,7 @@ class Qwen3Args:
                 kw[key] = _positive_int(config, key, problems)
         kw["rms_norm_eps"] = _positive_float(config, "rms_norm_eps", 1e-6, problems)
         kw["tie_word_embeddings"] = _bool(config, "tie_word_embeddings", False, problems)
-        kw["bos_token_id"] = config.get("bos_token_id")
+        kw["bos_token_id"] = _token_id(config, "bos_token_id", problems)
         kw["eos_token_id"] = config.get("eos_token_id")
         kw["rope_theta"], kw["rope_scaling"] = _rope(config, problems)
         kw["head_dim"] = _head_dim(config, model_type, problems)
@@ -125,6 +132,11 @@ class Qwen3Args:
             )
         if self.head_dim % 2:
             problems.append(f"head_dim ({self.head_dim}) must be even for RoPE")
+        if self.bos_token_id is not None and self.bos_token_id >= self.vocab_size:
+            problems.append(
+                f"bos_token_id ({self.bos_token_id}) is outside the vocabulary "
+                f"(vocab_size {self.vocab_size})"
+            )
         if self.is_moe:
             if self.num_experts_per_tok > self.num_experts:
                 problems.append(
@@ -215,18 +227,26 @@ class Qwen3Args:
 
 def _positive_int(config: dict, key: str, problems: list[str]) -> int:
     value = config[key]
-    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-        problems.append(f"{key!r} must be a positive integer, got {value!r}")
+    if isinstance(value, bool) or not isinstance(value, int) or not 0 < value <= MAX_INT:
+        problems.append(f"{key!r} must be a positive integer up to {MAX_INT}, got {value!r}")
         return 1
     return value
 
 
 def _positive_float(config: dict, key: str, default: float, problems: list[str]) -> float:
     value = config.get(key, default)
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+    if not is_positive(value):
         problems.append(f"{key!r} must be a positive number, got {value!r}")
         return default
     return float(value)
+
+
+def _token_id(config: dict, key: str, problems: list[str]) -> int | None:
+    value = config.get(key)
+    if problem := token_id_problem(key, value):
+        problems.append(problem)
+        return None
+    return value
 
 
 def _bool(config: dict, key: str, default: bool, problems: list[str]) -> bool:
@@ -270,7 +290,7 @@ def _rope(config: dict, problems: list[str]) -> tuple[float, dict[str, Any] | No
     if theta is None:
         problems.append("missing key 'rope_theta' (or 'rope_parameters.rope_theta')")
         theta = 10_000.0
-    elif isinstance(theta, bool) or not isinstance(theta, (int, float)) or theta <= 1:
+    elif not (is_number(theta) and theta > 1):
         problems.append(f"'rope_theta' must be a number > 1, got {theta!r}")
         theta = 10_000.0
     scaling = config.get("rope_scaling")
@@ -295,12 +315,7 @@ def _rope(config: dict, problems: list[str]) -> tuple[float, dict[str, Any] | No
         "linear": ("factor",),
         "yarn": ("factor", "original_max_position_embeddings"),
     }
-    for key in needs[kind]:
-        value = scaling.get(key)
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
-            problems.append(
-                f"rope_scaling.{key} must be a positive number for {kind}, got {value!r}"
-            )
+    problems += yarn_problems(scaling, needs[kind]) if kind != "default" else []
     return float(theta), (None if kind == "default" else scaling)
 
 
@@ -313,7 +328,9 @@ def _unsupported(config: dict, problems: list[str]) -> None:
     if config.get("use_sliding_window", False):
         problems.append("use_sliding_window=true is not supported (every layer is full attention)")
     layer_types = config.get("layer_types")
-    if layer_types and any(t != "full_attention" for t in layer_types):
+    if layer_types is not None and not isinstance(layer_types, list):
+        problems.append(f"'layer_types' must be a list of layer types, got {layer_types!r}")
+    elif layer_types and any(t != "full_attention" for t in layer_types):
         problems.append("layer_types other than 'full_attention' are not supported")
 
 
@@ -323,7 +340,7 @@ def _moe_fields(config: dict, kw: dict[str, Any], problems: list[str]) -> None:
             kw[key] = _positive_int(config, key, problems)
     kw["norm_topk_prob"] = _bool(config, "norm_topk_prob", False, problems)
     step = config.get("decoder_sparse_step", 1)
-    if isinstance(step, bool) or not isinstance(step, int) or step <= 0:
+    if isinstance(step, bool) or not isinstance(step, int) or not 0 < step <= MAX_INT:
         problems.append(f"'decoder_sparse_step' must be a positive integer, got {step!r}")
         step = 1
     kw["decoder_sparse_step"] = step
@@ -333,8 +350,11 @@ def _moe_fields(config: dict, kw: dict[str, Any], problems: list[str]) -> None:
         only = []
     kw["mlp_only_layers"] = list(only)
     hidden_layers = config.get("num_hidden_layers")
-    needs_dense = isinstance(hidden_layers, int) and any(
-        i in only or (i + 1) % step for i in range(hidden_layers)
+    # a dense layer exists when one is listed, or the sparse step skips one (arithmetic,
+    # not a walk over the layers: the count may be anything a file says)
+    needs_dense = isinstance(hidden_layers, int) and (
+        any(isinstance(i, int) and 0 <= i < hidden_layers for i in only)
+        or (step > 1 and hidden_layers > 0)
     )
     if needs_dense and "intermediate_size" not in config:
         problems.append("missing key 'intermediate_size' (needed by the dense mlp_only layers)")

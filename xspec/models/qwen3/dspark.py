@@ -45,7 +45,14 @@ from xspec.errors import CheckpointError, UserError
 from xspec.models.base import Footprint, KvBytes
 from xspec.models.block_draft import BlockLayout, LoadedDraft
 from xspec.models.draft_heads import ConfidenceHead, MarkovHead
-from xspec.models.loading import CONFIG_NAME, Checkpoint, check_params, held_bytes, load_params
+from xspec.models.loading import (
+    CONFIG_NAME,
+    Checkpoint,
+    check_params,
+    held_bytes,
+    load_params,
+    require_tensors_for,
+)
 from xspec.models.presets import dtype_name
 from xspec.models.qwen3.args import Qwen3Args
 from xspec.models.qwen3.draft_config import DraftConfig, parse_config
@@ -149,6 +156,7 @@ def plan_draft(
     """Read and check the draft directory against the target (headers only)."""
     ckpt = Checkpoint(draft_dir)
     cfg = parse_config(ckpt.config, ckpt.path / CONFIG_NAME)
+    require_tensors_for(ckpt, {"num_hidden_layers": cfg.args.num_hidden_layers})
     layout = block_layout(method, cfg, ckpt.path / CONFIG_NAME)
     problems = _target_problems(layout, cfg, target)
     if problems:
