@@ -17,6 +17,7 @@ The checkpoint stores them as plain tensors on the owning module (``layers.{i}.h
 from __future__ import annotations
 
 import functools
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -139,7 +140,25 @@ def hc_pre(
     ``ops``: the platform's ops: ``rms_norm``, and ``mhc_pre`` (``models.ops.MhcPreOp``)
     for everything after the ``fn`` projection, which returns ``(u | None, pre, post,
     comb)`` as computed here (``u`` only given ``x``), or None for inputs it does not take.
+    Under autograd (training) the forward is this same computation and the backward is
+    :class:`_HcPreGrad`'s, written out by hand.
     """
+    if _records(x, fn, base, scale):
+        return _HcPreGrad.apply(x, fn, base, scale, args, ops)
+    u, post, comb, _ = _hc_pre(x, fn, base, scale, args, ops)
+    return u, post, comb
+
+
+def _hc_pre(
+    x: torch.Tensor,
+    fn: torch.Tensor,
+    base: torch.Tensor,
+    scale: torch.Tensor,
+    args: DeepseekV4Args,
+    ops: ModelOps,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
+    """:func:`hc_pre`'s computation -> ``u, post, comb`` and what its backward reads: the
+    normalised streams ``flat [T, hc*d]`` and their projection ``mix [T, (2+hc)*hc]`` fp32."""
     hc, t = args.hc_mult, x.shape[0]
     flat = rms_normalize(x.flatten(1).float(), args.rms_norm_eps, ops)  # [T, hc*d]
     mix = F.linear(flat, fn.float())  # [T, (2+hc)*hc] = [pre | post | comb]
@@ -153,14 +172,14 @@ def hc_pre(
         u, pre, post, comb = fused_out
         if u is None:
             u = (pre.unsqueeze(-1) * x).sum(dim=1)
-        return u.to(x.dtype), post, comb
+        return u.to(x.dtype), post, comb, (flat, mix)
     # scale[0] scales the pre columns, scale[1] post, scale[2] comb: one multiply-add
     z = mix * _site_scale(scale.float(), hc) + base.float()
     gates = torch.sigmoid(z[:, : 2 * hc])
     pre = gates[:, :hc] + args.hc_eps
     post = 2 * gates[:, hc:]
     logits = z[:, 2 * hc :].view(t, hc, hc)
-    if _functional(logits):
+    if _functional(logits):  # a compiler traces it
         comb = torch.softmax(logits, dim=-1) + args.hc_eps
         comb = sinkhorn(comb, args.hc_sinkhorn_iters, args.hc_eps)
     else:  # softmax and Sinkhorn with the rows along the last dim (vectorised at any T)
@@ -169,7 +188,106 @@ def hc_pre(
         torch.add(soft, args.hc_eps, out=buf[:hc, :hc])  # softmax + eps, into the buffer
         comb = _sinkhorn_bordered(buf, args.hc_sinkhorn_iters)
     u = (pre.unsqueeze(-1) * x).sum(dim=1).to(x.dtype)  # sum_i pre_i X_i
-    return u, post, comb
+    return u, post, comb, (flat, mix)
+
+
+def _records(*tensors: torch.Tensor) -> bool:
+    """Whether autograd records this call eagerly (training; a compiler traces the
+    reference math instead)."""
+    return (
+        torch.is_grad_enabled()
+        and not torch.compiler.is_compiling()
+        and any(t.requires_grad for t in tensors)
+    )
+
+
+class _HcPreGrad(torch.autograd.Function):
+    """:func:`hc_pre` with a hand-written backward (training).
+
+    The forward is the inference computation itself (no autograd graph of its ~100
+    small ops); the backward is the same math's derivative in a few whole-tensor ops:
+    the RMS norm and the ``fn`` projection as two matmuls and one fused update of the
+    ``[T, hc*d]`` streams, Sinkhorn's rounds replayed with the matrices along the last
+    dim (vectorised over rows) and differentiated round by round.
+    """
+
+    @staticmethod
+    def forward(
+        ctx: Any,
+        x: torch.Tensor,
+        fn: torch.Tensor,
+        base: torch.Tensor,
+        scale: torch.Tensor,
+        args: DeepseekV4Args,
+        ops: ModelOps,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        u, post, comb, (flat, mix) = _hc_pre(x, fn, base, scale, args, ops)
+        ctx.args = args
+        ctx.save_for_backward(x, fn, base, scale, flat, mix)
+        return u, post, comb
+
+    @staticmethod
+    def backward(
+        ctx: Any, g_u: torch.Tensor, g_post: torch.Tensor, g_comb: torch.Tensor
+    ) -> tuple[torch.Tensor | None, ...]:
+        x, fn, base, scale, flat, mix = ctx.saved_tensors
+        args: DeepseekV4Args = ctx.args
+        t, hc, d = x.shape
+        xf, g_u = x.float(), g_u.float()
+        site = _column_site(hc, x.device)
+        z = mix * scale.float().index_select(0, site) + base.float()
+        gates = torch.sigmoid(z[:, : 2 * hc])  # [T, 2hc]: pre - eps | post / 2
+        work = xf * g_u.unsqueeze(1)  # [T, hc, d]; reused below for the streams' gradient
+        g_pre = work.sum(dim=-1)  # [T, hc]: d u / d pre_i = <X_i, g_u>
+        g_gates = torch.cat([g_pre, 2 * g_post.float()], dim=1) * gates * (1 - gates)
+        g_logits = _softmax_sinkhorn_grad(z[:, 2 * hc :], g_comb.float(), args)  # [T, hc*hc]
+        g_z = torch.cat([g_gates, g_logits], dim=1)  # [T, (2+hc)*hc]
+        g_mix = g_z * scale.float().index_select(0, site)
+        per_site = torch.zeros_like(scale, dtype=torch.float32).index_add_(
+            0, site, (g_z * mix).sum(dim=0)
+        )  # [3]: d z / d scale[s] = the mix columns of site s
+        g_x = None
+        if ctx.needs_input_grad[0]:
+            # rms norm: flat = x * r, r = (mean(x^2) + eps)^-1/2, so for a gradient g on
+            # flat: d/dx = r * (g - flat * <g, flat> / D); <g_mix @ fn, flat> = <g_mix, mix>
+            n = flat.shape[1]
+            g_flat = torch.mm(g_mix, fn.float(), out=work.view(t, n))  # [T, D]
+            dot = (g_mix * mix).sum(dim=-1, keepdim=True)
+            norm = torch.linalg.vector_norm(xf.flatten(1), dim=-1, keepdim=True)
+            r = torch.rsqrt(norm.square() / n + args.rms_norm_eps)  # [T, 1]
+            g_x = g_flat.addcmul_(flat, dot, value=-1.0 / n).mul_(r).view(t, hc, d)
+            pre = gates[:, :hc] + args.hc_eps
+            g_x = g_x.addcmul_(pre.unsqueeze(-1), g_u.unsqueeze(1)).to(x.dtype)
+        g_fn = (g_mix.t() @ flat).to(fn.dtype) if ctx.needs_input_grad[1] else None
+        g_base = g_z.sum(dim=0).to(base.dtype) if ctx.needs_input_grad[2] else None
+        g_scale = per_site.to(scale.dtype) if ctx.needs_input_grad[3] else None
+        return g_x, g_fn, g_base, g_scale, None, None
+
+
+def _softmax_sinkhorn_grad(
+    logits: torch.Tensor, g_comb: torch.Tensor, args: DeepseekV4Args
+) -> torch.Tensor:
+    """Gradient of ``comb = sinkhorn(softmax(logits) + eps)`` (as :func:`sinkhorn`):
+    ``logits [T, hc*hc]`` (row-major ``[i, j]``), ``g_comb [T, hc, hc]`` -> ``[T, hc*hc]``.
+
+    Each round ``c' = c / (sum_a c + eps)`` (``a``: the column or the row index) has
+    ``dc = (g - sum_a g * c') / (sum_a c + eps)``. The rounds are replayed forward once
+    (each one's output and denominator kept), then walked back; the matrices lie along
+    the last dim ``[hc, hc, T]`` so every op is vectorised over the rows.
+    """
+    t, hc, eps = logits.shape[0], args.hc_mult, args.hc_eps
+    soft = torch.softmax(logits.view(t, hc, hc).permute(1, 2, 0), dim=1)  # [i, j, T]
+    c = soft + eps
+    rounds: list[tuple[int, torch.Tensor, torch.Tensor]] = []  # (summed dim, c', denominator)
+    for dim in [0] + [1, 0] * (args.hc_sinkhorn_iters - 1):  # columns first, ends on columns
+        den = c.sum(dim=dim, keepdim=True) + eps
+        c = c / den
+        rounds.append((dim, c, den))
+    g = g_comb.permute(1, 2, 0)  # [i, j, T]
+    for dim, out, den in reversed(rounds):
+        g = (g - (g * out).sum(dim=dim, keepdim=True)) / den
+    g = soft * (g - (g * soft).sum(dim=1, keepdim=True))  # softmax over j
+    return g.permute(2, 0, 1).reshape(t, hc * hc)
 
 
 def _functional(t: torch.Tensor) -> bool:
