@@ -96,28 +96,34 @@ def banded_attention(
     to the band: one GEMM instead of a per-query gather, at the price of at most
     ``(block + window) / window`` times the needed products.
     """
-    out = q.new_empty(q.shape, dtype=torch.float32)
     sink = sink.float().view(1, -1, 1)
-    for keys, r0, n in zip(local, layout.row0, layout.lens):
+    # per sequence views (split, not slices of all T rows: under autograd a slice's
+    # backward writes a [T, ...] gradient, B of them per layer); blocks joined by one cat
+    seqs = q.split(layout.lens)
+    picks = extra[1].split(layout.lens) if extra is not None else None
+    blocks = []
+    for b, (keys, n) in enumerate(zip(local, layout.lens)):
         prev, keys = keys.shape[0] - n, keys.float()
         for q0 in range(0, n, _QUERY_BLOCK):
             q1 = min(n, q0 + _QUERY_BLOCK)
             k0, k1 = max(0, prev + q0 - window + 1), prev + q1  # key rows the block spans
-            rows, band = slice(r0 + q0, r0 + q1), keys[k0:k1]  # band [L, D]
-            qb = q[rows].float()  # [S, H, D]
+            band = keys[k0:k1]  # [L, D]
+            qb = seqs[b][q0:q1].float()  # [S, H, D]
             logits = [
                 torch.matmul(qb, band.t()) * scale
                 + _band_mask(prev + q0 - k0, q1 - q0, k1 - k0, window, q.device)
             ]
-            if extra is not None:
-                ent, mask = _gather(extra[0], extra[1][rows])  # [S, K, D], [S, 1, K]
+            if extra is not None and picks is not None:
+                ent, mask = _gather(extra[0], picks[b][q0:q1])  # [S, K, D], [S, 1, K]
                 logits.append(torch.baddbmm(mask, qb, ent.transpose(1, 2), alpha=scale))
             # the sink joins the softmax denominator only (it has no value row)
             logits.append(sink.expand(qb.shape[0], -1, 1))
             probs = torch.softmax(torch.cat(logits, dim=-1), dim=-1)
             o = torch.matmul(probs[..., : k1 - k0], band)
-            out[rows] = o if extra is None else torch.baddbmm(o, probs[..., k1 - k0 : -1], ent)
-    return out
+            blocks.append(o if extra is None else torch.baddbmm(o, probs[..., k1 - k0 : -1], ent))
+    if not blocks:
+        return q.new_empty(q.shape, dtype=torch.float32)
+    return torch.cat(blocks) if len(blocks) > 1 else blocks[0]
 
 
 def _gather(kv: torch.Tensor, index: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -210,9 +216,9 @@ class Attention(nn.Module):
             out = sparse_attention(q, parts, sink, scale, eager(self.ops.sparse_attention))
         else:  # prefill chunks: dense blocks over each sequence's contiguous window rows
             local = [
-                torch.cat([swa[b].index_select(0, slots), kv[r0 : r0 + n]])
-                for b, (slots, r0, n) in enumerate(
-                    zip(layout.earlier_slots(ring, window), layout.row0, layout.lens)
+                torch.cat([swa[b].index_select(0, slots), rows])
+                for b, (slots, rows) in enumerate(
+                    zip(layout.earlier_slots(ring, window), kv.split(layout.lens))
                 )
             ]
             scatter_rows(swa, kv, layout.ring_slots(ring))

@@ -408,17 +408,17 @@ class MoE(nn.Module):
             if self.grouped or (self.can_group and sum(1 for n in local if n) > 2):
                 offs = torch.tensor(local).cumsum(0, dtype=torch.int32).to(xs.device)
                 return _grouped_swiglu(xs, ws, offs, stacks, self.limit)
-        groups: list[tuple[Expert, slice]] = []
-        lo = 0
-        for e, n in enumerate(sizes):
-            if n:
-                groups.append((cast(Expert, self.experts[e]), slice(lo, lo + n)))
-                lo += n
+        experts = [cast(Expert, self.experts[e]) for e, n in enumerate(sizes) if n]
+        counts = [n for n in sizes if n]
         ops = self.ops  # a quantized expert is dequantized (or computed natively) per call
-        gate = torch.cat([dense(ops, xs[g], weight_of(ex.w1)) for ex, g in groups]).float()
-        up = torch.cat([dense(ops, xs[g], weight_of(ex.w3)) for ex, g in groups]).float()
+        # the groups as split views (under autograd a slice's backward writes all N rows)
+        rows = list(zip(experts, xs.split(counts)))
+        gate = torch.cat([dense(ops, x, weight_of(ex.w1)) for ex, x in rows]).float()
+        up = torch.cat([dense(ops, x, weight_of(ex.w3)) for ex, x in rows]).float()
         h = swiglu(gate, up, self.limit, ws).to(xs.dtype)  # [N, inter]
-        return torch.cat([dense(ops, h[g], weight_of(ex.w2)) for ex, g in groups])
+        return torch.cat(
+            [dense(ops, x, weight_of(ex.w2)) for ex, x in zip(experts, h.split(counts))]
+        )
 
 
 def _grouped_swiglu(
