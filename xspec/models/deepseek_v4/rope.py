@@ -135,7 +135,8 @@ def rotate(
     shape = (x.shape[0],) + (1,) * (x.dim() - 2) + (rd,)
     cos, sin = cos.view(shape), sin.view(shape)
     rope = x[..., -rd:].float()
-    swapped = rope.unflatten(-1, (-1, 2)).flip(-1).flatten(-2)
+    # each pair exchanged (a copy: the same values as flip(-1) on [..., rd/2, 2], faster)
+    swapped = torch.stack((rope[..., 1::2], rope[..., 0::2]), dim=-1).flatten(-2)
     rope = rope * cos - swapped * sin if inverse else rope * cos + swapped * sin
     return torch.cat([x[..., :-rd], rope.to(x.dtype)], dim=-1)
 
