@@ -77,8 +77,8 @@ def run(job: Job, out_dir: Path, *, progress: bool = True) -> dict[str, Any]:
     path, log_path = state_path(out_dir, job.name), out_dir / f"{job.name}_log.jsonl"
     refuse_pickle(legacy_state_path(out_dir, job.name), f"{job.name} starts over from step 0")
     sched = job.schedule
-    opt = torch.optim.AdamW(
-        job.params, lr=sched.lr, weight_decay=sched.weight_decay, betas=(0.9, 0.95)
+    opt = torch.optim.AdamW(  # foreach: one op per kind for all tensors, not per tensor
+        job.params, lr=sched.lr, weight_decay=sched.weight_decay, betas=(0.9, 0.95), foreach=True
     )
     gen = torch.Generator().manual_seed(job.seed)
     step = _resume(path, job, opt, gen) if path.exists() else 0
