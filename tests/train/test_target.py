@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 
 from xspec.models.deepseek_v4.args import DeepseekV4Args
-from xspec.models.deepseek_v4.mhc import hc_pre, sinkhorn
+from xspec.models.deepseek_v4.mhc import hc_post, hc_pre, sinkhorn
 
 ARGS = DeepseekV4Args.tiny()
 
@@ -75,3 +75,26 @@ def test_frozen_streams_train_the_site_parameters_only() -> None:
     u, post, comb = hc_pre(x, *params, ARGS)
     grads = torch.autograd.grad(u.sum() + post.sum() + comb.square().sum(), params)
     assert all(g is not None and g.abs().sum() > 0 for g in grads)
+
+
+def test_hc_post_backward_is_the_derivative_of_its_math() -> None:
+    gen = torch.Generator().manual_seed(4)
+    hc, d, rows = ARGS.hc_mult, ARGS.hidden_size, 24
+    inputs = [
+        torch.randn(rows, d, generator=gen),  # y
+        torch.randn(rows, hc, d, generator=gen),  # x
+        torch.rand(rows, hc, generator=gen),  # post
+        torch.rand(rows, hc, hc, generator=gen),  # comb
+    ]
+    weight = torch.randn(rows, hc, d, generator=gen)
+
+    def reference(y, x, post, comb):
+        return post.unsqueeze(-1) * y.unsqueeze(1) + torch.einsum("tij,tid->tjd", comb, x)
+
+    def grads(fn_):
+        params = [t.clone().requires_grad_() for t in inputs]
+        return torch.autograd.grad((fn_(*params) * weight).sum(), params)
+
+    for name, a, b in zip(("y", "x", "post", "comb"), grads(hc_post), grads(reference)):
+        err = ((a - b).abs().max() / b.abs().max()).item()
+        assert err < 1e-5, f"d/d{name}: relative error {err:.3g}"

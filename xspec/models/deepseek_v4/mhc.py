@@ -319,9 +319,34 @@ def hc_post(
     ``y [T, d]`` block output, ``x [T, hc, d]`` streams it read, ``post [T, hc]``,
     ``comb [T, hc, hc]`` -> ``[T, hc, d]``: ``post_j * y + sum_i comb[i, j] * x_i``.
     """
+    if _records(y, x, post, comb):
+        return _HcPostGrad.apply(y, x, post, comb)
     dtype = x.dtype
     expanded = post.to(dtype).unsqueeze(-1) * y.unsqueeze(-2)  # [T, hc, d]
     return torch.baddbmm(expanded, comb.to(dtype).transpose(-1, -2), x)
+
+
+class _HcPostGrad(torch.autograd.Function):
+    """:func:`hc_post` with a hand-written backward (training): the forward is the
+    inference computation; the backward is three small batched matmuls and one product,
+    without the ``[T, hc, d]`` temporaries autograd keeps for the broadcast product."""
+
+    @staticmethod
+    def forward(
+        ctx: Any, y: torch.Tensor, x: torch.Tensor, post: torch.Tensor, comb: torch.Tensor
+    ) -> torch.Tensor:
+        ctx.save_for_backward(y, x, post, comb)
+        return hc_post(y, x, post, comb)
+
+    @staticmethod
+    def backward(ctx: Any, g: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        y, x, post, comb = ctx.saved_tensors  # g [T, hc, d], as the output
+        dtype = x.dtype
+        g_y = torch.bmm(post.to(dtype).unsqueeze(1), g).squeeze(1)  # sum_j post_j g_j
+        g_post = (g * y.unsqueeze(1)).sum(dim=-1)  # [T, hc]: <g_j, y>
+        g_comb = torch.bmm(x, g.transpose(1, 2))  # [T, hc, hc]: [i, j] = <x_i, g_j>
+        g_x = torch.bmm(comb.to(dtype), g)  # [T, hc, d]: sum_j comb[i, j] g_j
+        return g_y.to(y.dtype), g_x, g_post.to(post.dtype), g_comb.to(comb.dtype)
 
 
 def hc_head(
