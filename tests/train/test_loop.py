@@ -45,6 +45,7 @@ def test_loss_decreases_and_log_lines(tmp_path) -> None:
     lines = [json.loads(x) for x in (tmp_path / "toy_log.jsonl").read_text().splitlines()]
     assert [x["step"] for x in lines] == list(range(1, 21))
     assert lines[-1]["loss"] < 0.2 * lines[0]["loss"]
+    assert all(x["step_s"] > 0 for x in lines)  # progress: tokens/s = tokens a step / step_s
     assert result["step"] == 20 and (tmp_path / "toy_state.safetensors").exists()
 
 

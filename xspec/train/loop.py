@@ -3,7 +3,8 @@
 A :class:`Job` owns the trainable module, the optimiser (AdamW, linear warmup then
 cosine decay to ``min_lr_ratio``), a seeded generator for its data and a loss
 function; :func:`run` steps it with a progress bar, appends one JSON line per logged
-step to ``<name>_log.jsonl`` and saves ``<name>_state.safetensors`` (module, optimiser,
+step to ``<name>_log.jsonl`` (the window's mean metrics and ``step_s``, its wall
+seconds a step) and saves ``<name>_state.safetensors`` (module, optimiser,
 step, generator; :mod:`xspec.train.state`: no pickle, written atomically) every
 ``save_every`` steps and at the end. Starting again with the same directory resumes from
 the last save: same data order, same result as one run.
@@ -89,7 +90,7 @@ def run(job: Job, out_dir: Path, *, progress: bool = True) -> dict[str, Any]:
             atomic.write_text(log_path, "".join(x + "\n" for x in kept))
     job.module.train()
     window: list[dict[str, float]] = []
-    start = time.perf_counter()
+    start = since = time.perf_counter()
     bar = tqdm(
         total=sched.steps, initial=step, desc=job.name, disable=not progress, dynamic_ncols=True
     )
@@ -109,9 +110,11 @@ def run(job: Job, out_dir: Path, *, progress: bool = True) -> dict[str, Any]:
         if step % sched.log_every == 0 or step == sched.steps:
             mean = {k: sum(m[k] for m in window) / len(window) for k in window[0]}
             bar.set_postfix({k: f"{v:.3f}" for k, v in mean.items() if k != "grad_norm"})
+            now = time.perf_counter()
+            mean["step_s"] = (now - since) / len(window)  # wall seconds a step, this window
             with log_path.open("a") as f:
                 f.write(json.dumps({"step": step, "lr": sched.lr_at(step - 1)} | mean) + "\n")
-            window = []
+            window, since = [], now
         if step % sched.save_every == 0 or step == sched.steps:
             save_state(
                 path, TrainState(step, job.module.state_dict(), opt.state_dict(), gen.get_state())
