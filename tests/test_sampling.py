@@ -14,6 +14,7 @@ from xspec.sampling import (
     inverse_cdf,
     logits_to_probs,
     make_generator,
+    regime_of,
     sample,
 )
 
@@ -298,3 +299,27 @@ def test_nonfinite_rows() -> None:
 
     logits = torch.tensor([[0.0, 1.0], [math.nan, 1.0], [2.0, math.inf], [-math.inf, 0.0]])
     assert nonfinite_rows(logits).tolist() == [False, True, True, True]
+
+
+def test_the_sampling_regime_has_one_name_for_labels_and_for_messages() -> None:
+    """One function names a regime: the short label (metrics, acceptance estimates) and
+    the phrase a calibration file's messages use (its fitted regime, the requests')."""
+    from xspec.spec.calibration import ConfidenceCalibration
+
+    cases = [
+        (SamplingParams(top_k=5, top_p=0.9), "greedy", "greedy (temperature 0)"),
+        (SamplingParams(temperature=0.8), "T=0.8", "temperature 0.8"),
+        (
+            SamplingParams(temperature=1.0, top_k=5, top_p=0.9),
+            "T=1,top_k=5,top_p=0.9",
+            "temperature 1, top_k 5, top_p 0.9",
+        ),
+    ]
+    for params, label, words in cases:
+        assert regime_of(params) == label
+        assert regime_of(params, words=True) == words
+        fit = ConfidenceCalibration(
+            [1.0], sampling_temperature=params.temperature, sampling_top_k=params.top_k
+        )
+        fit.sampling_top_p = params.top_p
+        assert fit.fitted_regime() == words

@@ -31,6 +31,7 @@ __all__ = [
     "logits_to_probs",
     "make_generator",
     "nonfinite_rows",
+    "regime_of",
     "sample",
 ]
 
@@ -78,6 +79,24 @@ class SamplingParams:
         # Like vLLM, temperatures below 1e-5 are greedy: logits / 1e-30 overflows to inf
         # and the softmax would be NaN.
         return self.temperature < _GREEDY_BELOW
+
+
+def regime_of(params: SamplingParams, *, words: bool = False) -> str:
+    """The sampling regime a request is in: a short label for metrics and acceptance
+    estimates (``greedy``, ``T=0.8``, with ``,top_k=..`` / ``,top_p=..`` when set), or
+    with ``words`` a phrase for messages (``greedy (temperature 0)``, ``temperature 0.8,
+    top_k 5``). Greedy is one regime whatever its top-k and top-p (they do not change an
+    argmax)."""
+    if params.greedy:
+        return "greedy (temperature 0)" if words else "greedy"
+    parts = [("T", f"{params.temperature:g}")]
+    if params.top_k:
+        parts.append(("top_k", str(params.top_k)))
+    if params.top_p < 1.0:
+        parts.append(("top_p", f"{params.top_p:g}"))
+    if words:
+        return ", ".join(f"{'temperature' if k == 'T' else k} {v}" for k, v in parts)
+    return ",".join(f"{k}={v}" for k, v in parts)
 
 
 def nonfinite_rows(logits: Tensor) -> Tensor:

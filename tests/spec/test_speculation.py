@@ -29,7 +29,7 @@ from xspec.engine.engine import Request
 from xspec.errors import ConfigError
 from xspec.models.base import ForwardBatch
 from xspec.models.draft_heads import ConfidenceHead, MarkovHead
-from xspec.sampling import SamplingParams
+from xspec.sampling import SamplingParams, regime_of
 from xspec.spec import adaptive
 from xspec.spec.adaptive import (
     EXPLORE_BUDGET,
@@ -46,7 +46,6 @@ from xspec.spec.adaptive import (
     YieldCheck,
     choose_depths,
     gamma_for_batch,
-    regime_of,
 )
 from xspec.spec.block import sample_block
 from xspec.spec.calibration import ConfidenceCalibration, RegimeCheck, save_calibration
@@ -1019,12 +1018,6 @@ def test_gamma_for_batch_and_caps() -> None:
     s = Speculation(4, gamma_schedule=rule)
     assert s.caps(2, [9, 1, 0]) == [4, 1, 0]  # gamma and the budgets bound the rule
     assert s.caps(20, [9]) == [0]
-
-
-def test_regime_labels() -> None:
-    assert regime_of(SamplingParams()) == "greedy"
-    assert regime_of(SamplingParams(temperature=0.8)) == "T=0.8"
-    assert regime_of(SamplingParams(temperature=1.0, top_k=5, top_p=0.9)) == "T=1,top_k=5,top_p=0.9"
 
 
 # -- calibration regimes ----------------------------------------------------------------------

@@ -53,7 +53,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from xspec.sampling import SamplingParams
+from xspec.sampling import SamplingParams, regime_of
 from xspec.spec.schedule import (
     SMALL_SCAN,
     OnlineStepCost,
@@ -73,7 +73,6 @@ __all__ = [
     "batch_bucket",
     "choose_depths",
     "gamma_for_batch",
-    "regime_of",
     "scan_depths",
 ]
 
@@ -88,19 +87,6 @@ RESCAN_EVERY = 8  # steps one scan's drafting option serves while the batch step
 MIN_EVIDENCE = 64  # request-steps of a regime's acceptance before plain may win on it
 PLAIN_MARGIN = 0.03  # drafting is taken only when predicted this much ahead of plain
 YIELD_PRIOR_STEPS = 8.0  # YieldCheck: steps' worth of "the model is right", always
-
-
-def regime_of(params: SamplingParams) -> str:
-    """The sampling regime a request is in, as a short label (metrics, estimates):
-    ``greedy``, or ``T=0.8`` (with ``,top_k=..`` / ``,top_p=..`` when set)."""
-    if params.greedy:
-        return "greedy"
-    label = f"T={params.temperature:g}"
-    if params.top_k:
-        label += f",top_k={params.top_k}"
-    if params.top_p < 1.0:
-        label += f",top_p={params.top_p:g}"
-    return label
 
 
 def gamma_for_batch(schedule: Sequence[Sequence[int]], batch: int) -> int:
@@ -593,7 +579,7 @@ class Speculation:
     ) -> list[int]:
         """Drafts per request for this step, before drafting, from each request's
         sampling, its acceptance history and ``budgets`` (the drafts it can still use);
-        ``regimes``: each request's :func:`regime_of` label, when the caller keeps them."""
+        ``regimes``: each request's :func:`~xspec.sampling.regime_of` label, when the caller keeps them."""
         started = time.perf_counter()
         caps = self.caps(len(params), budgets)
         if regimes is None:

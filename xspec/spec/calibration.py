@@ -46,7 +46,7 @@ from typing import Any
 
 from xspec import atomic
 from xspec.errors import ConfigError
-from xspec.sampling import SamplingParams
+from xspec.sampling import SamplingParams, regime_of
 
 log = logging.getLogger(__name__)
 
@@ -120,19 +120,16 @@ class ConfidenceCalibration:
         )
         if same:
             return None
-        run = _regime(params.temperature, params.top_k, params.top_p)
+        run = regime_of(params, words=True)
         return f"it was fitted at {self.fitted_regime()}, and requests sample at {run}"
 
 
 def _regime(temperature: float, top_k: int | None, top_p: float | None) -> str:
-    if SamplingParams(temperature=temperature).greedy:
-        return "greedy (temperature 0)"
-    parts = [f"temperature {temperature:g}"]
-    if top_k:
-        parts.append(f"top_k {top_k}")
-    if top_p is not None and top_p < 1.0:
-        parts.append(f"top_p {top_p:g}")
-    return ", ".join(parts)
+    """A fit's regime in words (top-k / top-p None: not recorded)."""
+    params = SamplingParams(
+        temperature=temperature, top_k=top_k or 0, top_p=1.0 if top_p is None else top_p
+    )
+    return regime_of(params, words=True)
 
 
 class RegimeCheck:
