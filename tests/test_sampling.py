@@ -304,7 +304,7 @@ def test_nonfinite_rows() -> None:
 def test_the_sampling_regime_has_one_name_for_labels_and_for_messages() -> None:
     """One function names a regime: the short label (metrics, acceptance estimates) and
     the phrase a calibration file's messages use (its fitted regime, the requests')."""
-    from xspec.spec.calibration import ConfidenceCalibration
+    from xspec.spec.adaptive.calibration import ConfidenceCalibration
 
     cases = [
         (SamplingParams(top_k=5, top_p=0.9), "greedy", "greedy (temperature 0)"),

@@ -8,6 +8,7 @@
     for delta in llm.generate(["Hello", "def f"], max_new_tokens=16, stream=True):
         delta.rid, delta.token_ids, delta.finished   # tokens as each step commits them
     logits = llm.score([1, 2, 3])          # [T, vocab] target logits
+    xspec.LLM(..., depth_policy=FixedDepth())  # how deep each request drafts (xspec.spec.policy)
 
 A prompt is a ``str`` (encoded with the model's tokenizer) or a sequence of int token ids
 (used exactly as given, no BOS added); ``generate`` takes one prompt or a list of prompts.
@@ -30,11 +31,12 @@ import torch
 from xspec.build import Built, build
 from xspec.compose import compose_run, overrides_from
 from xspec.config import RunConfig
-from xspec.engine.engine import Delta, Generation, Request, seeded
+from xspec.engine.engine import Delta, Engine, Generation, Request, seeded
 from xspec.errors import RequestError
 from xspec.metrics import SpecDecodeMetrics
 from xspec.models.base import ForwardBatch
 from xspec.sampling import SamplingParams
+from xspec.spec.policy import DepthPolicy
 
 Prompt = str | Sequence[int]
 
@@ -48,14 +50,32 @@ class LLM:
         spec: str | None = None,
         platform: str | None = None,
         overrides: Mapping[str, Any] | Iterable[str] | None = None,
+        *,
+        depth_policy: DepthPolicy | None = None,
     ) -> None:
+        """``depth_policy``: how many tokens each request drafts and verifies each step
+        (:mod:`xspec.spec.policy`), instead of the one the config selects (fixed gamma,
+        or ``spec.adaptive`` / ``spec.gamma_schedule``'s)."""
         self.config: RunConfig = compose_run(overrides_from(model, spec, platform, overrides))
-        self._built: Built = build(self.config)
+        self._built: Built = build(self.config, depth_policy=depth_policy)
         self._open_stream: object | None = None  # the token of the stream in flight
 
     @property
     def tokenizer(self) -> Any:
         return self._built.tokenizer
+
+    @property
+    def engine(self) -> Engine:
+        """The streaming engine every ``generate`` drives (``add`` / ``step`` / ``abort``;
+        its depth ``policy``, its ``metrics``)."""
+        return self._built.engine
+
+    @property
+    def built(self) -> Built:
+        """The wired run (:class:`xspec.build.Built`): target, drafter, capture points,
+        platform, engine and step-cost profile, for tools and benchmarks that drive the
+        pieces directly (the decode step, one forward)."""
+        return self._built
 
     @property
     def metrics(self) -> SpecDecodeMetrics:
@@ -65,9 +85,7 @@ class LLM:
     def reset_metrics(self) -> SpecDecodeMetrics:
         """Start the spec-decode counters afresh (e.g. between the settings a benchmark
         compares); returns the ones accumulated so far."""
-        previous = self._built.engine.metrics
-        self._built.engine.metrics = SpecDecodeMetrics()
-        return previous
+        return self._built.engine.reset_metrics()
 
     @overload
     def generate(

@@ -30,7 +30,7 @@ import json
 from collections.abc import Iterable
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
@@ -48,14 +48,19 @@ from xspec.parallel.topology import launch
 from xspec.platforms import get_platform
 from xspec.platforms.base import Platform
 from xspec.registry import families_where, models, spec_methods
-from xspec.spec.adaptive import Speculation
-from xspec.spec.calibration import RegimeCheck
+from xspec.spec.adaptive import AdaptiveDepth
+from xspec.spec.adaptive.calibration import RegimeCheck
+from xspec.spec.adaptive.online import OnlineStepCost
+from xspec.spec.adaptive.profile import (
+    Profile,
+    profile_key,
+    read_profile,
+    step_cost_profile,
+    workload_context,
+)
 from xspec.spec.drafter import Drafter
-from xspec.spec.schedule import OnlineStepCost
+from xspec.spec.policy import DepthPolicy, FixedDepth
 from xspec.tokenizer import Tokenizer, load_tokenizer, missing_tokenizer
-
-if TYPE_CHECKING:
-    from xspec.engine.step_cost import Profile
 
 # Rows a decoding state can roll back when the method's gamma is not set explicitly.
 DEFAULT_MAX_ROLLBACK = 8
@@ -293,8 +298,6 @@ def _adaptive_problems(
         ]
     if cfg.spec.adaptive.profile is None:
         return []
-    from xspec.engine.step_cost import profile_key, read_profile
-
     try:
         read_profile(Path(cfg.spec.adaptive.profile), profile_key(cfg, platform, gamma, None))
     except ConfigError as e:
@@ -302,7 +305,10 @@ def _adaptive_problems(
     return []
 
 
-def build(cfg: RunConfig) -> Built:
+def build(cfg: RunConfig, *, depth_policy: DepthPolicy | None = None) -> Built:
+    """Check ``cfg`` (every problem at once), then load and wire its objects.
+    ``depth_policy``: how deep each request drafts, instead of the one the config
+    selects (fixed gamma, or ``spec.adaptive`` / ``spec.gamma_schedule``'s)."""
     if problems := _checks(cfg):
         kinds = {kind for kind, _ in problems}
         kind = kinds.pop() if len(kinds) == 1 else ConfigError  # the one kind, else config
@@ -351,17 +357,18 @@ def build(cfg: RunConfig) -> Built:
         max_prefill_tokens=cfg.engine.max_prefill_tokens,
         decode=tokenizer.decode,
         check_sampling=_regime_check(drafter),
+        # fixed gamma under torchrun: _checks refuses spec.adaptive / gamma_schedule there
+        policy=depth_policy or _depth_policy(cfg, drafter, profile, platform),
     )
     experts = routed_expert_bytes(target, drafter)
-    if parallel.distributed:  # (spec.adaptive is refused there by _checks)
+    if parallel.distributed:
         lockstep = Lockstep(parallel, target, drafter)  # type: ignore[arg-type]
         engine: Engine = ParallelEngine(
             target, drafter, capture, parallel=parallel, lockstep=lockstep, **kw
         )
         per_rank = [row[0] for row in parallel.all_gather_ints([experts])]
     else:
-        speculation = _speculation(cfg, drafter, profile, platform)
-        engine = Engine(target, drafter, capture, speculation=speculation, **kw)
+        engine = Engine(target, drafter, capture, **kw)
         per_rank = [experts]
     return Built(
         cfg,
@@ -384,16 +391,17 @@ def _regime_check(drafter: Drafter) -> RegimeCheck | None:
     return RegimeCheck(drafter.calibration, drafter.calibration_file)
 
 
-def _speculation(
+def _depth_policy(
     cfg: RunConfig, drafter: Drafter, profile: Profile | None, platform: Platform
-) -> Speculation | None:
-    """The per-step decision (docs/adaptive.md): ``spec.adaptive`` decides each request's
-    depth from the online step-cost model (and trims after drafting from the draft's
-    confidences); ``spec.gamma_schedule`` caps the depth by batch size. None: fixed gamma."""
+) -> DepthPolicy:
+    """How deep each request drafts (docs/adaptive.md): ``spec.adaptive`` decides each
+    request's depth from the online step-cost model (and trims after drafting from the
+    draft's confidences); ``spec.gamma_schedule`` caps the depth by batch size; neither:
+    fixed gamma."""
     schedule = cfg.spec.gamma_schedule
     if profile is None and schedule is None:
-        return None
-    return Speculation(
+        return FixedDepth()
+    return AdaptiveDepth(
         drafter.gamma,
         cost=OnlineStepCost(profile.cost) if profile is not None else None,
         gamma_schedule=schedule,
@@ -417,8 +425,6 @@ def _profile(
     a = cfg.spec.adaptive
     if not a.enabled:
         return None
-    from xspec.engine.step_cost import step_cost_profile, workload_context
-
     limit = target.max_context - drafter.gamma - 1
     context = a.profile_context or workload_context(cfg.workload, tokenizer.encode, limit)
     fits = plan.max_seqs(context, drafter.gamma + 1)

@@ -27,9 +27,11 @@ from xspec.models.deepseek_v4.tiny import dspark_config, dspark_tensors
 from xspec.models.draft_heads import ConfidenceHead, MarkovHead
 from xspec.models.loading import write_checkpoint
 from xspec.sampling import SamplingParams
+from xspec.spec.adaptive.calibration import ConfidenceCalibration, save_calibration
+from xspec.spec.adaptive.cost import StepCost
+from xspec.spec.adaptive.scan import schedule_verify
 from xspec.spec.block import sample_block
-from xspec.spec.calibration import ConfidenceCalibration, save_calibration
-from xspec.spec.schedule import AdaptiveVerify, StepCost, schedule_verify
+from xspec.spec.policy import FixedDepth
 from xspec.spec.verify import rejection_sample
 
 # a steep step cost: each draft per request costs 20 % of a step, so the scheduler keeps
@@ -38,15 +40,19 @@ STEEP = StepCost(requests=[1, 8], drafts=[0, 5], seconds=[[1.0, 2.0], [1.0, 2.0]
 FAST = {"spec.adaptive.max_requests": 4, "spec.adaptive.profile_reps": 1}
 
 
-class Recording:
-    """AdaptiveVerify that remembers every step's lengths."""
+class Recording(FixedDepth):
+    """A depth policy: every request drafts its whole budget each step, then Algorithm 1
+    on ``cost`` trims what each verifies (so the trim is what a test exercises; the tiny
+    random drafts would otherwise rarely be worth drafting); it remembers every step's
+    lengths."""
 
     def __init__(self, cost: StepCost) -> None:
-        self.inner, self.steps = AdaptiveVerify(cost), []
+        self.cost, self.steps = cost, []
 
-    def __call__(self, confidence: torch.Tensor, max_drafts: list[int]) -> list[int]:
-        self.steps.append((list(max_drafts), self.inner(confidence, max_drafts)))
-        return self.steps[-1][1]
+    def trim(self, confidence: torch.Tensor, depths: list[int]) -> list[int]:
+        lengths = schedule_verify(confidence.cpu(), depths, self.cost.sps(len(depths)))
+        self.steps.append((list(depths), lengths))
+        return lengths
 
     def assert_ragged(self) -> None:
         """Some drafts were dropped and some verified, and one step mixed lengths."""
@@ -56,21 +62,16 @@ class Recording:
         assert any(len(set(n)) > 1 for _, n in self.steps), "no step with ragged widths"
 
 
-def adaptive(model: str, *, draft_all: bool = False, **overrides: Any) -> xspec.LLM:
-    """An adaptive run; ``draft_all``: every request drafts its whole budget each step
-    (the depth decision forced through its test hook), so the post-draft trim is what
-    the test exercises (the tiny random drafts would otherwise rarely be worth drafting)."""
-    llm = xspec.LLM(
+def adaptive(model: str, *, policy: FixedDepth | None = None, **overrides: Any) -> xspec.LLM:
+    """An adaptive run (its step-cost profile measured or cached); ``policy``: a depth
+    policy of the test's own instead of the adaptive decision."""
+    return xspec.LLM(
         model=model,
         spec="dspark",
         platform="cpu",
         overrides={"spec.adaptive": True, **FAST, **overrides},
+        depth_policy=policy,
     )
-    if draft_all:
-        speculation = llm._built.engine.speculation
-        assert speculation is not None
-        speculation.force = lambda caps: caps
-    return llm
 
 
 # -- DeepSeek-V4: a draft whose Markov head encodes the target's bigrams ---------------------
@@ -93,10 +94,9 @@ def dsv4_draft(tmp_path_factory: pytest.TempPathFactory, dsv4_baseline: list[lis
 
 
 def test_dsv4_greedy_equals_baseline(dsv4_baseline: list[list[int]], dsv4_draft: Path) -> None:
-    llm = adaptive("dsv4_tiny_random", draft_all=True, **{"spec.draft_path": str(dsv4_draft)})
-    assert llm._built.profile is not None  # built with a profile; the test swaps the cost
     record = Recording(STEEP)
-    llm._built.engine.schedule = record
+    llm = adaptive("dsv4_tiny_random", policy=record, **{"spec.draft_path": str(dsv4_draft)})
+    assert llm.built.profile is not None  # built with a profile; the policy trims on STEEP
     out = llm.generate(PROMPTS, NEW, ignore_eos=True)
     assert [g.token_ids for g in out] == dsv4_baseline
     record.assert_ragged()
@@ -105,7 +105,7 @@ def test_dsv4_greedy_equals_baseline(dsv4_baseline: list[list[int]], dsv4_draft:
     assert rep.num_committed_tokens == rep.num_accepted_tokens + rep.num_row_steps
     assert rep.num_target_rows == rep.num_draft_tokens + rep.num_row_steps
     assert rep.num_wasted_target_rows == rep.num_draft_tokens - rep.num_accepted_tokens
-    assert rep.mean_target_rows < 1 + llm._built.drafter.gamma
+    assert rep.mean_target_rows < 1 + llm.built.drafter.gamma
     assert rep.predicted_acceptance_rate is not None
 
 
@@ -126,9 +126,8 @@ def qwen_baseline() -> list[list[int]]:
 
 @pytest.mark.parametrize("concurrency", [6, 2])  # all at once; continuous batching
 def test_qwen3_greedy_equals_baseline(qwen_baseline: list[list[int]], concurrency: int) -> None:
-    llm = adaptive("qwen3_tiny", draft_all=True)
     record = Recording(STEEP)
-    llm._built.engine.schedule = record
+    llm = adaptive("qwen3_tiny", policy=record)
     out = llm.generate(qwen_prompts(6), 40, ignore_eos=True, concurrency=concurrency)
     assert [g.token_ids for g in out] == qwen_baseline
     record.assert_ragged()
@@ -141,10 +140,10 @@ def test_qwen3_measured_profile_then_cached(qwen_baseline: list[list[int]]) -> N
     out = first.generate(qwen_prompts(6), 40, ignore_eos=True)
     assert [g.token_ids for g in out] == qwen_baseline
     second = adaptive("qwen3_tiny")
-    assert second._built.profile is not None
-    assert second._built.profile.source.startswith("cached, loaded from")
-    cost = second._built.profile.cost
-    assert cost == first._built.profile.cost  # type: ignore[union-attr]
+    assert second.built.profile is not None
+    assert second.built.profile.source.startswith("cached, loaded from")
+    cost = second.built.profile.cost
+    assert cost == first.built.profile.cost  # type: ignore[union-attr]
     assert cost.requests == [1, 2, 4] and cost.drafts == [0, 1, 2, 4]  # max_requests 4, gamma 4
     assert cost.draft_seconds is not None and all(d > 0 for d in cost.draft_seconds)
     assert all(a <= b for row in cost.seconds for a, b in itertools.pairwise(row))
@@ -158,14 +157,14 @@ def test_calibrated_confidences_are_scaled_logits(tmp_path: Path) -> None:
     temps = [0.5, 2.0, 3.0, 4.0]
     path = tmp_path / "cal.json"
     save_calibration(ConfidenceCalibration(temperatures=temps), path)
-    raw = adaptive("qwen3_tiny", draft_all=True, **{"spec.adaptive.calibration": "off"})
-    cal = adaptive("qwen3_tiny", draft_all=True, **{"spec.adaptive.calibration": str(path)})
-    assert "UNCALIBRATED" in adaptive_summary(raw._built)
-    assert str(path) in adaptive_summary(cal._built)
+    raw = adaptive("qwen3_tiny", policy=FixedDepth(), **{"spec.adaptive.calibration": "off"})
+    cal = adaptive("qwen3_tiny", policy=FixedDepth(), **{"spec.adaptive.calibration": str(path)})
+    assert "UNCALIBRATED" in adaptive_summary(raw.built)
+    assert str(path) in adaptive_summary(cal.built)
     confidences = []
     for llm in (raw, cal):
         seen: list[torch.Tensor] = []
-        drafter = llm._built.drafter
+        drafter = llm.built.drafter
         propose = drafter.propose
 
         def spy(*args: Any, propose: Any = propose, seen: list = seen) -> Any:
@@ -245,18 +244,18 @@ def test_adaptive_without_a_confidence_head_is_a_config_error(tmp_path: Path) ->
 
 def test_profile_for_another_model_is_refused(tmp_path: Path) -> None:
     llm = adaptive("qwen3_tiny")
-    assert llm._built.profile is not None and llm._built.profile.path is not None
+    assert llm.built.profile is not None and llm.built.profile.path is not None
     with pytest.raises(
         ConfigError, match=r"measured for another setup \(checkpoint: file 'preset:tiny'"
     ):
-        adaptive("qwen3_moe_tiny", **{"spec.adaptive.profile": str(llm._built.profile.path)})
-    body = json.loads(llm._built.profile.path.read_text())
+        adaptive("qwen3_moe_tiny", **{"spec.adaptive.profile": str(llm.built.profile.path)})
+    body = json.loads(llm.built.profile.path.read_text())
     body["key"]["platform"] = "cuda"
     (tmp_path / "p.json").write_text(json.dumps(body))
     with pytest.raises(ConfigError, match=r"platform: file 'cuda', this run 'cpu'"):
         adaptive("qwen3_tiny", **{"spec.adaptive.profile": str(tmp_path / "p.json")})
-    loaded = adaptive("qwen3_tiny", **{"spec.adaptive.profile": str(llm._built.profile.path)})
-    assert loaded._built.profile is not None and loaded._built.profile.source.startswith("loaded")
+    loaded = adaptive("qwen3_tiny", **{"spec.adaptive.profile": str(llm.built.profile.path)})
+    assert loaded.built.profile is not None and loaded.built.profile.source.startswith("loaded")
 
 
 def test_calibration_with_the_wrong_number_of_positions(tmp_path: Path) -> None:
@@ -304,8 +303,8 @@ def test_a_full_disk_keeps_the_previous_step_cost_profile(
     leaves the previous profile byte-identical (and still readable), no temp file behind."""
     import errno
 
-    from xspec.engine.step_cost import read_profile, save_profile
     from xspec.errors import OutputError
+    from xspec.spec.adaptive.profile import read_profile, save_profile
 
     path, key = tmp_path / "profile.json", {"gamma": 5}
     save_profile(path, key, STEEP, 1.0, 3)
@@ -333,7 +332,7 @@ def test_a_calibration_applied_at_another_temperature_warns(
     fitted = ConfidenceCalibration(temperatures=[1.0] * 4, sampling_temperature=0.0)
     save_calibration(fitted, path)
     llm = adaptive("qwen3_tiny", **{"spec.adaptive.calibration": str(path)})
-    with caplog.at_level(logging.WARNING, logger="xspec.spec.calibration"):
+    with caplog.at_level(logging.WARNING, logger="xspec.spec.adaptive.calibration"):
         llm.generate(qwen_prompts(2), 12, ignore_eos=True)
         assert caplog.records == []
         llm.generate(qwen_prompts(2), 12, ignore_eos=True, temperature=0.8, seed=0)

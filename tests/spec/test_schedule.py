@@ -6,8 +6,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from xspec.spec import schedule
-from xspec.spec.schedule import StepCost, schedule_rows, schedule_verify, survivals
+from xspec.spec.adaptive import scan
+from xspec.spec.adaptive.cost import StepCost
+from xspec.spec.adaptive.scan import schedule_rows, schedule_verify, survivals
 
 
 def table(values: dict[int, float]):
@@ -108,10 +109,10 @@ def test_small_scan_in_python_equals_the_tensor_scan(monkeypatch: pytest.MonkeyP
         budgets = torch.randint(0, G + 1, (R,), generator=gen).tolist()
         slope = float(torch.rand(1, generator=gen)) * 0.3
         sps = lambda b, s=slope: 1.0 / (1.0 + s * b)  # noqa: E731
-        monkeypatch.setattr(schedule, "SMALL_SCAN", 10**9)
+        monkeypatch.setattr(scan, "SMALL_SCAN", 10**9)
         small = schedule_verify(c, budgets, sps)
         assert schedule_rows(c.tolist(), budgets, sps) == small  # host rows, as they are
-        monkeypatch.setattr(schedule, "SMALL_SCAN", -1)
+        monkeypatch.setattr(scan, "SMALL_SCAN", -1)
         assert small == schedule_verify(c, budgets, sps), (case, c, budgets)
         assert schedule_rows(c.tolist(), budgets, sps) == small  # host rows, as a tensor
 

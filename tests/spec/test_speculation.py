@@ -1,8 +1,8 @@
-"""The per-step speculation decision (``xspec/spec/adaptive.py``): how many tokens each
+"""The per-step speculation decision (``xspec/spec/adaptive/``): how many tokens each
 request drafts and verifies, 0 included, decided before drafting.
 
-Greedy outputs equal ``spec=none`` with the decision on, through steps that draft
-nothing and mixed batches of 0 and 5 drafts (forced through the test hook, and through
+Greedy outputs equal ``spec=none`` through steps that draft nothing and mixed batches of
+0 and 5 drafts (forced by a depth policy of the test's own, and through
 ``spec.gamma_schedule``); sampled outputs follow the target through mixed batches and the
 trim (chi-square, with a negative control); the decision itself on fixed numbers; the
 calibration regimes; the gamma schedule's validation."""
@@ -13,7 +13,7 @@ import itertools
 import logging
 import math
 from collections import Counter, defaultdict
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -30,26 +30,22 @@ from xspec.errors import ConfigError
 from xspec.models.base import ForwardBatch
 from xspec.models.draft_heads import ConfidenceHead, MarkovHead
 from xspec.sampling import SamplingParams, regime_of
-from xspec.spec import adaptive
-from xspec.spec.adaptive import (
+from xspec.spec.adaptive import policy
+from xspec.spec.adaptive.acceptance import AcceptanceModel, ConfidenceCorrection, YieldCheck
+from xspec.spec.adaptive.calibration import ConfidenceCalibration, RegimeCheck, save_calibration
+from xspec.spec.adaptive.cost import StepCost
+from xspec.spec.adaptive.explore import (
     EXPLORE_BUDGET,
     EXPLORE_EVERY,
     EXPLORE_RUN,
     EXPLORE_STEPS,
     EXPLORE_WIDE,
-    MIN_EVIDENCE,
-    PLAIN_MARGIN,
-    AcceptanceModel,
-    Choice,
-    ConfidenceCorrection,
-    Speculation,
-    YieldCheck,
-    choose_depths,
-    gamma_for_batch,
 )
+from xspec.spec.adaptive.online import OnlineStepCost
+from xspec.spec.adaptive.policy import MIN_EVIDENCE, PLAIN_MARGIN, AdaptiveDepth, gamma_for_batch
+from xspec.spec.adaptive.scan import Choice, choose_depths
 from xspec.spec.block import sample_block
-from xspec.spec.calibration import ConfidenceCalibration, RegimeCheck, save_calibration
-from xspec.spec.schedule import OnlineStepCost, StepCost
+from xspec.spec.policy import DepthPolicy, PolicySeq
 from xspec.spec.step import decode_step, prefill
 from xspec.spec.verify import rejection_sample
 
@@ -81,27 +77,22 @@ def bigram_dsv4(tmp_path_factory: pytest.TempPathFactory, dsv4_baseline: list[li
     return bigram_draft(tmp_path_factory.mktemp("speculation_dspark"), pairs)
 
 
-def adaptive_dsv4(overrides: dict[str, Any] | None = None) -> xspec.LLM:
-    """``dsv4_tiny_random`` with DSpark at gamma 5 and ``spec.adaptive`` on (a quick
-    profile of up to 4 requests), plus ``overrides``."""
+def dspark_dsv4(policy: DepthPolicy, overrides: dict[str, Any] | None = None) -> xspec.LLM:
+    """``dsv4_tiny_random`` with DSpark at gamma 5 deciding depths by ``policy``."""
     return xspec.LLM(
         model="dsv4_tiny_random",
         spec="dspark",
         platform="cpu",
-        overrides={
-            "spec.adaptive": True,
-            "spec.adaptive.max_requests": 4,
-            "spec.adaptive.profile_reps": 1,
-            "spec.num_speculative_tokens": 5,
-            **(overrides or {}),
-        },
+        overrides={"spec.num_speculative_tokens": 5, **(overrides or {})},
+        depth_policy=policy,
     )
 
 
-class Pattern:
-    """Forced depths: step k gives request r ``depths[(k + r) % len(depths)]``, so the
-    steps mix drafting and non-drafting requests, and every ``len(depths)``-th step of a
-    batch whose pattern is all zero drafts nothing."""
+class Pattern(DepthPolicy):
+    """Forced depths: step k gives request r ``depths[(k + r) % len(depths)]`` (within its
+    cap), so the steps mix drafting and non-drafting requests, and every
+    ``len(depths)``-th step of a batch whose pattern is all zero drafts nothing. A depth
+    policy of its own, and a ``force`` for :class:`AdaptiveDepth`."""
 
     def __init__(self, depths: list[int]) -> None:
         self.depths, self.step, self.seen = depths, 0, []
@@ -111,6 +102,10 @@ class Pattern:
         self.step += 1
         self.seen.append([min(d, c) for d, c in zip(out, caps)])
         return out
+
+    def decide(self, seqs: Sequence[PolicySeq], caps: list[int]) -> list[int]:
+        self(caps)
+        return self.seen[-1]
 
 
 @pytest.mark.parametrize(
@@ -123,19 +118,16 @@ class Pattern:
 def test_greedy_equals_baseline_with_plain_steps_and_mixed_batches(
     bigram_dsv4: Path, dsv4_baseline: list[list[int]], depths: list[int]
 ) -> None:
-    llm = adaptive_dsv4({"spec.draft_path": str(bigram_dsv4)})
-    speculation = llm._built.engine.speculation
-    assert speculation is not None
     pattern = Pattern(depths)
-    speculation.force = pattern
+    llm = dspark_dsv4(pattern, {"spec.draft_path": str(bigram_dsv4)})
     proposed: list[int] = []
-    propose = llm._built.drafter.propose
+    propose = llm.built.drafter.propose
 
     def spy(states: list, requests: list, n: int) -> Any:
         proposed.append(len(states))
         return propose(states, requests, n)
 
-    llm._built.drafter.propose = spy  # type: ignore[method-assign]
+    llm.built.drafter.propose = spy  # type: ignore[method-assign]
     out = llm.generate(PROMPTS, NEW, ignore_eos=True)
     assert [g.token_ids for g in out] == dsv4_baseline
     rep = llm.metrics.report()
@@ -158,22 +150,21 @@ def test_draft_context_after_mixed_batches_equals_one_written_from_scratch() -> 
     steps, and a request that does not draft for longer than its held buffer (its rows go
     to its backlog), every request's DSpark context rings equal those of a cache written
     from the target's captures of its whole committed sequence at once."""
-    b = adaptive_dsv4()._built
-    speculation, draft = b.engine.speculation, b.drafter.model
-    assert speculation is not None
     pattern = Pattern([0, 0, 0, 5, 5])
 
-    def force(caps: list[int]) -> list[int]:  # request 0: no draft for its first 20 steps
-        depths = pattern(caps)
-        return [0 if r == 0 and pattern.step <= 20 else d for r, d in enumerate(depths)]
+    class Late(DepthPolicy):  # request 0: no draft for its first 20 steps
+        def decide(self, seqs: Sequence[PolicySeq], caps: list[int]) -> list[int]:
+            depths = pattern.decide(seqs, caps)
+            return [0 if r == 0 and pattern.step <= 20 else d for r, d in enumerate(depths)]
 
-    speculation.force = force
+    b = dspark_dsv4(Late()).built
+    draft = b.drafter.model
     params = SamplingParams(temperature=0.8, seed=1)
     seqs = [b.engine._start(Request(p, 36, params)) for p in (*PROMPTS, PROMPTS[0])]
     prefill(b.target, b.drafter, seqs, b.capture, 2048)
     while any(s.remaining > 0 for s in seqs):
         live = [s for s in seqs if s.remaining > 0]
-        decode_step(b.target, b.drafter, live, b.capture, b.engine.metrics, speculation=speculation)
+        decode_step(b.target, b.drafter, live, b.capture, b.engine.metrics, policy=b.engine.policy)
     assert any(not any(d) for d in pattern.seen) and any(0 in d and 5 in d for d in pattern.seen)
     for s in seqs:
         draft.flush_context([s.draft_state])
@@ -248,13 +239,12 @@ def test_sampled_outputs_follow_the_target_through_the_decision() -> None:
     p = torch.softmax(torch.randn(g + 1, vocab, generator=gen), -1)  # [g+1, V]
     shared = torch.Generator().manual_seed(12)
     profile = StepCost(requests=[1, 8], drafts=[0, 3], seconds=[[1.0, 1.1], [1.0, 1.1]])
-    speculation = Speculation(g, cost=OnlineStepCost(profile), trim=True)
+    # every 13th step drafts nothing (its 6 requests all get 0), the others mix 0 and 3
+    pattern = Pattern([0] * 6 + [3, 3, 0, 3, 3, 0, 3])
+    speculation = AdaptiveDepth(g, cost=OnlineStepCost(profile), trim=True, force=pattern)
     # the trim prices rows from the profile alone: this test's wall times (microseconds)
     # must not move it, so that the run is the same every time
     speculation.cost.update = lambda *args: 0.0  # type: ignore[method-assign,union-attr]
-    # every 13th step drafts nothing (its 6 requests all get 0), the others mix 0 and 3
-    pattern = Pattern([0] * 6 + [3, 3, 0, 3, 3, 0, 3])
-    speculation.force = pattern
     params = [SamplingParams(temperature=1.0)] * group
     histories = [speculation.new_history() for _ in range(group)]
     firsts, seconds, lengths_seen = [], [], []
@@ -279,7 +269,7 @@ def test_sampled_outputs_follow_the_target_through_the_decision() -> None:
         lengths_seen.append(lengths)
         out = rejection_sample(p.expand(group, -1, -1), drafts, q, [shared] * group, lengths)
         tokens = out.output_tokens
-        speculation.observe(histories, lengths, out.num_accepted.tolist())
+        speculation.learn(histories, lengths, out.num_accepted.tolist())
         firsts.append(tokens[:, 0])
         seconds.append(tokens[:, 1])
     assert any(0 in s and any(x > 0 for x in s) for s in lengths_seen)  # mixed batches
@@ -336,7 +326,7 @@ LINE = StepCost(requests=[1, 8], drafts=[0, 5], seconds=[[1.0, 1.2]] * 2, draft_
 
 
 def _machine(
-    s: Speculation,
+    s: AdaptiveDepth,
     steps: int,
     draft_cost: float | Callable[[int], float],
     speed: Callable[[int], float] = lambda t: 1.0,
@@ -353,7 +343,7 @@ def _machine(
         d = s.depths(params, [None], [2])[0]
         cost = draft_cost(t) if callable(draft_cost) else draft_cost
         seconds = profile.seconds_at(1, 1 + d, int(d > 0)) * speed(t) * (cost if d else 1.0)
-        s.observe([None], [d], [d], seconds=seconds)
+        s.learn([None], [d], [d], seconds=seconds)
         kinds.append(d > 0)
     return kinds
 
@@ -391,17 +381,17 @@ def test_each_kind_of_step_is_measured_a_few_times_whatever_the_gap() -> None:
     2.54x a plain step here); then, far behind, never again. (A bucket seen later: the
     next test.)"""
     assert EXPLORE_RUN == 2 and EXPLORE_STEPS == 4
-    s = Speculation(2, cost=OnlineStepCost(LINE))
+    s = AdaptiveDepth(2, cost=OnlineStepCost(LINE))
     kinds = _machine(s, 200, 1.0)
     assert _runs(kinds, False) == [2, 3, 6, 7], kinds[:10]  # DD PP DD PP DD ...
-    assert s.kinds.steps(False, 1) == 4 and s.kinds.steps(True, 1) == 196
+    assert s.exploration.kinds.steps(False, 1) == 4 and s.exploration.kinds.steps(True, 1) == 196
     assert s.cost.contrasts(1) == 3  # type: ignore[union-attr]  # 3 sandwiches
     # another batch-size bucket is explored on its own
-    assert s.kinds.steps(False, 8) == 0
+    assert s.exploration.kinds.steps(False, 8) == 0
 
 
 def _batch(
-    s: Speculation, requests: int, steps: int, c: float, *, as_expected: bool = False
+    s: AdaptiveDepth, requests: int, steps: int, c: float, *, as_expected: bool = False
 ) -> list[bool]:
     """``steps`` decisions for ``requests`` requests, 2 drafts each at most, a conditional
     acceptance of ``c`` per position, on the profile's machine; which steps drafted.
@@ -419,12 +409,12 @@ def _batch(
             before = [math.floor(o) for o in owed]
             owed = [o + sum(c**j for j in range(1, k + 1)) for o, k in zip(owed, d)]
             accepted = [math.floor(o) - b for o, b in zip(owed, before)]
-        s.observe([None] * requests, d, accepted, seconds=seconds)
+        s.learn([None] * requests, d, accepted, seconds=seconds)
         kinds.append(drafting > 0)
     return kinds
 
 
-def _gap(s: Speculation, requests: int, c: float) -> float:
+def _gap(s: AdaptiveDepth, requests: int, c: float) -> float:
     """1 - plain's value / drafting's (every request drafting 2) at ``requests``."""
     assert s.cost is not None
     line = s.cost.line(requests, 3 * requests)
@@ -443,7 +433,7 @@ def test_a_new_bucket_is_explored_late_and_only_near_a_tie_once_another_has_cont
     at a time, the tail of a wave, pays no exploration for them). With no contrast
     anywhere, a bucket is explored at once, alternating, whatever the gap. (Each
     exploration: EXPLORE_RUN = 2 steps.)"""
-    s = Speculation(2, cost=OnlineStepCost(LINE))
+    s = AdaptiveDepth(2, cost=OnlineStepCost(LINE))
     _machine(s, 20, 1.0)  # one request: explored, three contrasts
     assert s.cost is not None and s.cost.contrasted() and s.cost.contrasted(2)
     assert not s.cost.contrasted(1)  # (but its own bucket's)
@@ -453,7 +443,7 @@ def test_a_new_bucket_is_explored_late_and_only_near_a_tie_once_another_has_cont
     plain = _runs(kinds, False)
     E = EXPLORE_EVERY
     assert plain == ([] if c == 1.0 else [E, E + 1, 2 * E + 2, 2 * E + 3]), kinds
-    fresh = Speculation(2, cost=OnlineStepCost(LINE))
+    fresh = AdaptiveDepth(2, cost=OnlineStepCost(LINE))
     assert not fresh.cost.contrasted()  # type: ignore[union-attr]
     assert _runs(_batch(fresh, 2, 20, c, as_expected=True), False) == [2, 3, 6, 7]
 
@@ -462,7 +452,7 @@ def test_a_drafting_step_dearer_than_profiled_turns_the_choice_to_plain() -> Non
     """Drafting steps take 3x their profiled time on this machine (plain steps as
     profiled): 2.54 / 3 = 0.85x a plain step's value. The contrasts of the first steps
     teach the model that, and the steps turn plain."""
-    s = Speculation(2, cost=OnlineStepCost(LINE))
+    s = AdaptiveDepth(2, cost=OnlineStepCost(LINE))
     kinds = _machine(s, 200, 3.0)
     drafted = _runs(kinds[10:], True)  # past the first exploration: re-explorations only
     assert _re_explored(drafted, EXPLORE_EVERY), drafted
@@ -476,7 +466,7 @@ def test_a_slow_spell_does_not_flip_the_plain_or_drafting_choice(draft_cost: flo
     profiled time, 0.85x plain's value; drafting, at 1.5x, 1.69x plain's) stays the
     choice, but for re-explorations (runs of EXPLORE_RUN) spaced by at least
     EXPLORE_EVERY."""
-    s = Speculation(2, cost=OnlineStepCost(LINE))
+    s = AdaptiveDepth(2, cost=OnlineStepCost(LINE))
     kinds = _machine(s, 800, draft_cost, speed=lambda t: 2.0 if (t // 100) % 2 else 1.0)
     wrong = _runs(kinds[100:], draft_cost > 2.54)  # the kind that is not right
     assert len(_spans(wrong)) <= 700 / EXPLORE_EVERY + 1, wrong
@@ -497,7 +487,7 @@ def test_drafting_must_be_predicted_a_margin_ahead_of_plain(ahead: float) -> Non
         requests=[1, 8], drafts=[0, 5], seconds=[[1.0, s5]] * 2, draft_seconds=[0.1] * 2
     )
     assert near.seconds_at(1, 3, 1) == pytest.approx(3 / ahead)
-    s = Speculation(2, cost=OnlineStepCost(near))
+    s = AdaptiveDepth(2, cost=OnlineStepCost(near))
     kinds = _machine(s, 400, 1.0, profile=near)
     wrong = _runs(kinds[10:], ahead < 1 + PLAIN_MARGIN)  # the kind the margin rules out
     assert len(_spans(wrong)) <= 390 / EXPLORE_EVERY + 1, wrong
@@ -507,12 +497,12 @@ def test_drafting_must_be_predicted_a_margin_ahead_of_plain(ahead: float) -> Non
 def test_observe_takes_a_given_step_time() -> None:
     """``seconds`` (a simulated machine's step time) is what the cost model takes in, not
     the wall clock."""
-    s = Speculation(2, cost=OnlineStepCost(LINE))
+    s = AdaptiveDepth(2, cost=OnlineStepCost(LINE))
     histories = [s.new_history()]
     assert s.depths([SamplingParams()], histories, [2]) == [2]
-    s.observe(histories, [2], [1], seconds=4.0)
+    s.learn(histories, [2], [1], seconds=4.0)
     assert s.cost.summary()["measured_ms_mean"] == pytest.approx(4000.0)  # type: ignore[union-attr]
-    assert s.kinds.steps(True, 1) == 1
+    assert s.exploration.kinds.steps(True, 1) == 1
 
 
 def test_drafting_steps_that_commit_less_than_expected_turn_the_choice_to_plain() -> None:
@@ -535,19 +525,19 @@ def test_drafting_steps_that_commit_less_than_expected_turn_the_choice_to_plain(
     for _ in range(30):
         y.observe(30, 10.0, 10)  # 30 requests (the bucket of 23-45): as expected
     assert y.factor(32) > 0.85 > y.factor(1)
-    s = Speculation(2, cost=OnlineStepCost(LINE))
+    s = AdaptiveDepth(2, cost=OnlineStepCost(LINE))
     params, histories = [SamplingParams()], [s.new_history()]
     assert s.depths(params, histories, [2]) == [2]
     s.yield_check = y
     kinds = []
     while s.acceptance.evidence("greedy") < MIN_EVIDENCE:  # (the next test)
         depths = s.depths(params, [None], [2])
-        s.observe([None], depths, [0], seconds=LINE.seconds_at(1, 1 + depths[0], depths[0]))
+        s.learn([None], depths, [0], seconds=LINE.seconds_at(1, 1 + depths[0], depths[0]))
         kinds.append(depths[0] > 0)
     assert kinds.count(False) <= 2  # the exploration of plain steps; else drafting
     for _ in range(4):  # plain from then on
         assert s.depths(params, [None], [2]) == [0]
-        s.observe([None], [0], [0], seconds=LINE.seconds_at(1, 1, 0))
+        s.learn([None], [0], [0], seconds=LINE.seconds_at(1, 1, 0))
 
 
 # four requests: a step costs 1 s plus 0.05 s per verify row beyond one per request, the
@@ -572,8 +562,8 @@ def test_plain_is_not_chosen_on_too_little_acceptance(
     evidence, as unlucky, turns them plain. Without the rule the first decision is
     plain."""
     if not rule:
-        monkeypatch.setattr(adaptive, "MIN_EVIDENCE", 0)
-    s = Speculation(5, cost=OnlineStepCost(FOUR))
+        monkeypatch.setattr(policy, "MIN_EVIDENCE", 0)
+    s = AdaptiveDepth(5, cost=OnlineStepCost(FOUR))
     params = [SamplingParams(temperature=0.8)] * 4
     for a in UNLUCKY:
         s.acceptance.observe("T=0.8", None, 5, a)
@@ -590,7 +580,7 @@ def test_plain_is_not_chosen_on_too_little_acceptance(
         d = s.depths(params, [None] * 4, [5] * 4)
         accepted = [min(k, UNLUCKY[(4 * t + r) % 8]) for r, k in enumerate(d)]
         rows, drafting = 4 + sum(d), sum(k > 0 for k in d)
-        s.observe([None] * 4, d, accepted, seconds=line(rows, drafting))
+        s.learn([None] * 4, d, accepted, seconds=line(rows, drafting))
         kinds.append(drafting > 0)
     assert kinds.count(True) >= len(kinds) - 2, kinds  # drafting, but two explorations
     assert len(kinds) <= MIN_EVIDENCE // 4 + 8  # MIN_EVIDENCE (decayed) / R + explorations
@@ -599,7 +589,7 @@ def test_plain_is_not_chosen_on_too_little_acceptance(
     for _ in range(EXPLORE_EVERY - 4):
         d = s.depths(params, [None] * 4, [5] * 4)
         assert d == [0] * 4
-        s.observe([None] * 4, d, [0] * 4, seconds=line(4, 0))
+        s.learn([None] * 4, d, [0] * 4, seconds=line(4, 0))
 
 
 def test_a_kind_of_step_shut_out_is_taken_again_now_and_then() -> None:
@@ -609,7 +599,7 @@ def test_a_kind_of_step_shut_out_is_taken_again_now_and_then() -> None:
     (drafting / plain seconds) / EXPLORE_BUDGET)`` steps, about 1400 here (what was
     learnt of a kind never taken would otherwise never change; spaced so, re-exploring
     costs at most EXPLORE_BUDGET of the time)."""
-    s = Speculation(2, cost=OnlineStepCost(LINE))
+    s = AdaptiveDepth(2, cost=OnlineStepCost(LINE))
     kinds = _machine(s, 7000, 4.0)
     gap = 1 - 2.54 / 4.0 / (1 + PLAIN_MARGIN)
     slower = LINE.seconds_at(1, 3, 1) * 4.0 / LINE.seconds_at(1, 1, 0)
@@ -629,7 +619,7 @@ def test_a_kind_shut_out_comes_back_when_it_pays_again() -> None:
     steps take their profiled time again: the next re-exploration's contrast brings it
     back, and it stays (plain only as its own re-explorations, runs of EXPLORE_RUN spaced
     by at least EXPLORE_EVERY)."""
-    s = Speculation(2, cost=OnlineStepCost(LINE))
+    s = AdaptiveDepth(2, cost=OnlineStepCost(LINE))
     kinds = _machine(s, 3000, lambda t: 4.0 if t < 300 else 1.0)
     assert sum(kinds[12:300]) <= EXPLORE_RUN, kinds[12:300]  # shut out
     back = next(i for i in range(300, len(kinds) - 2) if all(kinds[i : i + 3]))
@@ -641,20 +631,20 @@ def test_a_kind_shut_out_comes_back_when_it_pays_again() -> None:
 def test_a_kind_far_behind_is_not_re_explored() -> None:
     """Drafting at 10x its profiled time (0.25x a plain step, a gap beyond EXPLORE_WIDE):
     after the first contrasts, never re-explored."""
-    s = Speculation(2, cost=OnlineStepCost(LINE))
+    s = AdaptiveDepth(2, cost=OnlineStepCost(LINE))
     assert not any(_machine(s, 400, 10.0)[20:])
 
 
-def _explorations(s: Speculation, gaps: list[float]) -> list[int]:
+def _explorations(s: AdaptiveDepth, gaps: list[float]) -> list[int]:
     """Feed ``_explore`` one drafting choice per gap (plain predicted ``1 - gap`` of its
     value, in 0.6 of its seconds) after both kinds were measured; the steps it explored."""
     for kind in [False] * EXPLORE_STEPS + [True]:
-        s.kinds.observe(kind, 1)
+        s.exploration.kinds.observe(kind, 1)
     explored = []
     for t, gap in enumerate(gaps):
         choice = Choice([2], 1.0, [0], 1.0 - gap, 1.5, 0.0, seconds=1.0, other_seconds=0.6)
-        plain = s._explore(1, choice)
-        s.kinds.observe(not plain, 1)
+        plain = s.exploration.explore(1, choice)
+        s.exploration.kinds.observe(not plain, 1)
         if plain:
             explored.append(t)
     return explored
@@ -664,20 +654,20 @@ def test_one_steps_dip_of_the_gap_does_not_re_explore() -> None:
     """The gap goes by its bucket's EMA: at 0.6 (beyond EXPLORE_WIDE) with one step in 10
     at 0.3 (one request's bad step), the kind not taken is never re-explored; held at 0.3
     it is, in runs of EXPLORE_RUN spaced by the wait of that gap."""
-    s = Speculation(2, cost=OnlineStepCost(LINE))
+    s = AdaptiveDepth(2, cost=OnlineStepCost(LINE))
     assert _explorations(s, [0.3 if t % 10 == 9 else 0.6 for t in range(600)]) == []
-    explored = _explorations(Speculation(2, cost=OnlineStepCost(LINE)), [0.3] * 1200)
+    explored = _explorations(AdaptiveDepth(2, cost=OnlineStepCost(LINE)), [0.3] * 1200)
     wait = max(EXPLORE_EVERY, EXPLORE_RUN * 0.3 * 0.6 / EXPLORE_BUDGET)
     assert len(_spans(explored)) >= int(1200 / wait) - 1, explored  # at that pace
     assert _re_explored(explored, wait), explored
 
 
 def test_a_fresh_decision_keeps_the_settings_and_nothing_learnt() -> None:
-    """Speculation.fresh (benchmarks/bench_adaptive_paired.py): the same gamma, schedule,
+    """AdaptiveDepth.fresh (benchmarks/bench_adaptive_paired.py): the same gamma, schedule,
     trim, synchronize and profile; no step cost, acceptance, exploration or gap learnt."""
-    s = Speculation(2, cost=OnlineStepCost(LINE), gamma_schedule=[[1, 2], [8, 0]], trim=True)
+    s = AdaptiveDepth(2, cost=OnlineStepCost(LINE), gamma_schedule=[[1, 2], [8, 0]], trim=True)
     _machine(s, 40, 1.5)
-    assert s.cost is not None and s.cost.levels and s.acceptance.regimes and s.gaps
+    assert s.cost is not None and s.cost.levels and s.acceptance.regimes and s.exploration.gaps
     f = s.fresh()
     assert (f.gamma, f.gamma_schedule, f.trim_enabled, f.synchronize) == (
         2,
@@ -686,15 +676,15 @@ def test_a_fresh_decision_keeps_the_settings_and_nothing_learnt() -> None:
         s.synchronize,
     )
     assert f.cost is not None and f.cost.profile is LINE and f.cost is not s.cost
-    assert not (f.cost.levels or f.cost.relative or f.acceptance.regimes or f.gaps)
-    assert f.kinds.steps(True, 1) == f.kinds.steps(False, 1) == 0
+    assert not (f.cost.levels or f.cost.relative or f.acceptance.regimes or f.exploration.gaps)
+    assert f.exploration.kinds.steps(True, 1) == f.exploration.kinds.steps(False, 1) == 0
     assert f.yield_check.factor() == 1.0
-    assert Speculation(2, gamma_schedule=[[1, 1]]).fresh().cost is None
+    assert AdaptiveDepth(2, gamma_schedule=[[1, 1]]).fresh().cost is None
 
 
-def _flat(s: Speculation, c: float) -> Any:
+def _flat(s: AdaptiveDepth, c: float) -> Any:
     """A regime whose realised conditional acceptance is ``c`` at every position."""
-    from xspec.spec.adaptive import _Decayed
+    from xspec.spec.adaptive.acceptance import _Decayed
 
     counts = _Decayed(s.gamma, 1.0)
     counts.reached, counts.hits = [1e6] * s.gamma, [c * 1e6] * s.gamma
@@ -799,7 +789,7 @@ def test_online_step_cost_moves_from_the_profile_to_measured_times() -> None:
 def test_a_step_is_learnt_alike_from_the_decisions_line_or_a_fresh_read(
     line_of: Callable[[int], int],
 ) -> None:
-    """:meth:`Speculation.observe` hands the cost model the line the step was decided on
+    """:meth:`AdaptiveDepth.observe` hands the cost model the line the step was decided on
     (the profile's figures and the prediction are read once per step): what is learnt
     is what a fresh read of the model gives, and a line of another batch size (a caller
     that decided on another batch) is not taken for this one."""
@@ -930,7 +920,7 @@ def test_re_exploring_pays_for_the_switches_too() -> None:
     0.3 behind) loses 2 x 0.3 x 0.6 best steps by the gap, and 0.3 x 0.6 + 0.1 more
     by the switches (plain 1.3x, drafting 1.1x), so the re-explorations are spaced
     by (0.36 + 0.28) / EXPLORE_BUDGET steps (256, not the gap's 144)."""
-    s = Speculation(2, cost=OnlineStepCost(COST))
+    s = AdaptiveDepth(2, cost=OnlineStepCost(COST))
     assert s.cost is not None
     _switching(s.cost, 40)
     plain, drafting = s.cost.switch_cost(1, False), s.cost.switch_cost(1, True)
@@ -1015,7 +1005,7 @@ def test_online_step_cost_learns_factors_never_a_cost_per_row() -> None:
 def test_gamma_for_batch_and_caps() -> None:
     rule = [[1, 5], [8, 3], [16, 0]]
     assert [gamma_for_batch(rule, b) for b in (1, 7, 8, 15, 16, 64)] == [5, 5, 3, 3, 0, 0]
-    s = Speculation(4, gamma_schedule=rule)
+    s = AdaptiveDepth(4, gamma_schedule=rule)
     assert s.caps(2, [9, 1, 0]) == [4, 1, 0]  # gamma and the budgets bound the rule
     assert s.caps(20, [9]) == [0]
 
@@ -1028,7 +1018,7 @@ def test_a_file_with_several_regimes_picks_each_requests_fit(
 ) -> None:
     """Greedy and T=0.8 fits in one file: each request reads its own regime's
     temperatures (silently); T=0.5 has none, gets the nearest (0.8) with a warning."""
-    from xspec.spec.calibration import load_calibration
+    from xspec.spec.adaptive.calibration import load_calibration
 
     greedy = ConfidenceCalibration(temperatures=[1.0, 2.0], sampling_temperature=0.0)
     hot = ConfidenceCalibration(temperatures=[3.0, 4.0], sampling_temperature=0.8)
@@ -1042,7 +1032,7 @@ def test_a_file_with_several_regimes_picks_each_requests_fit(
     fit, why = cal.select(SamplingParams(temperature=0.5))
     assert fit == hot and why is not None and "none of its 2 fits" in why
     check = RegimeCheck(cal, path)
-    with caplog.at_level(logging.WARNING, logger="xspec.spec.calibration"):
+    with caplog.at_level(logging.WARNING, logger="xspec.spec.adaptive.calibration"):
         check([SamplingParams(), SamplingParams(temperature=0.8, seed=3)])
         assert caplog.records == []
         check([SamplingParams(temperature=0.5)])
@@ -1058,7 +1048,7 @@ def test_a_file_with_several_regimes_picks_each_requests_fit(
 
 def test_the_shipped_calibration_fits_greedy_and_sampled() -> None:
     from xspec.models.presets import ASSETS
-    from xspec.spec.calibration import CALIBRATION_FILE, load_calibration
+    from xspec.spec.adaptive.calibration import CALIBRATION_FILE, load_calibration
 
     cal = load_calibration(ASSETS / "dsv4_tiny_dspark" / CALIBRATION_FILE, 5, "asset")
     assert cal.select(SamplingParams())[1] is None
@@ -1109,7 +1099,7 @@ def test_regime_labels_given_by_the_caller_decide_as_the_sampling_parameters() -
     params = [SamplingParams(), SamplingParams(temperature=0.8, seed=1)] * 2
     assert [regime_of(p) for p in params[:2]] == ["greedy", "T=0.8"]
     labels = ["g", "s"] * 2
-    twins = [Speculation(2, cost=OnlineStepCost(LINE), trim=True) for _ in range(2)]
+    twins = [AdaptiveDepth(2, cost=OnlineStepCost(LINE), trim=True) for _ in range(2)]
     histories = [[s.new_history() for _ in params] for s in twins]
     for step in range(40):
         got = [
@@ -1120,10 +1110,10 @@ def test_regime_labels_given_by_the_caller_decide_as_the_sampling_parameters() -
         assert twins[1].last is not None and twins[1].last.regimes == labels
         accepted = [min(d, (step + b) % 3) for b, d in enumerate(got[0])]
         for s, h in zip(twins, histories):
-            s.observe(h, got[0], accepted, seconds=LINE.seconds_at(4, 4 + sum(got[0]), 4))
+            s.learn(h, got[0], accepted, seconds=LINE.seconds_at(4, 4 + sum(got[0]), 4))
     assert set(twins[0].acceptance.regimes) == {"greedy", "T=0.8"}
     assert set(twins[1].acceptance.regimes) == {"g", "s"}
-    plain = Speculation(2, gamma_schedule=[[1, 0]])
+    plain = AdaptiveDepth(2, gamma_schedule=[[1, 0]])
     assert plain.depths(params, [None] * 4, [2] * 4, regimes=labels) == [0] * 4
     assert plain.last is not None and plain.last.expected == [[]] * 4
 
@@ -1139,19 +1129,19 @@ def test_plain_steps_reuse_one_scan_and_decide_as_if_they_scanned(
     step, which verifies, is always followed by a scan). A batch of other requests
     scans at once."""
     scans: Counter[int] = Counter()
-    real = adaptive.scan_depths
+    real = policy.scan_depths
 
     def counted(*args: Any) -> Any:
-        scans[adaptive.RESCAN_EVERY] += 1
+        scans[policy.RESCAN_EVERY] += 1
         return real(*args)
 
-    monkeypatch.setattr(adaptive, "scan_depths", counted)
+    monkeypatch.setattr(policy, "scan_depths", counted)
     runs = {}
-    for every in (1, adaptive.RESCAN_EVERY):
-        monkeypatch.setattr(adaptive, "RESCAN_EVERY", every)
-        s = Speculation(2, cost=OnlineStepCost(LINE))
+    for every in (1, policy.RESCAN_EVERY):
+        monkeypatch.setattr(policy, "RESCAN_EVERY", every)
+        s = AdaptiveDepth(2, cost=OnlineStepCost(LINE))
         kinds = _machine(s, 600, 3.0, speed=lambda t: 1.6 if (t // 50) % 3 == 2 else 1.0)
-        runs[every] = (kinds, s.gaps, s)
+        runs[every] = (kinds, s.exploration.gaps, s)
     (kinds, gaps, _), (kinds_held, gaps_held, held) = runs.values()
     assert kinds == kinds_held
     assert 3 <= sum(kinds[100:]) <= 20  # re-explorations (each one drafting step)

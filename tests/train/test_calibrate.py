@@ -15,7 +15,7 @@ import torch
 
 from xspec.errors import ConfigError, OutputError
 from xspec.models.draft_heads import ConfidenceHead
-from xspec.spec.calibration import (
+from xspec.spec.adaptive.calibration import (
     CALIBRATION_FILE,
     ConfidenceCalibration,
     calibration_path,
@@ -157,11 +157,11 @@ def test_regime_check_warns_once_per_regime(caplog: pytest.LogCaptureFixture) ->
     import logging
 
     from xspec.sampling import SamplingParams
-    from xspec.spec.calibration import RegimeCheck
+    from xspec.spec.adaptive.calibration import RegimeCheck
 
     check = RegimeCheck(_cal(sampling_temperature=0.0), Path("/d/cal.json"))
     hot, warm = SamplingParams(temperature=0.8, seed=1), SamplingParams(temperature=0.5)
-    with caplog.at_level(logging.WARNING, logger="xspec.spec.calibration"):
+    with caplog.at_level(logging.WARNING, logger="xspec.spec.adaptive.calibration"):
         check([SamplingParams()] * 3)
         assert caplog.records == []
         for _ in range(3):
@@ -182,13 +182,13 @@ def test_an_older_file_without_a_regime_loads_and_warns(
     import logging
 
     from xspec.sampling import SamplingParams
-    from xspec.spec.calibration import RegimeCheck
+    from xspec.spec.adaptive.calibration import RegimeCheck
 
     path = tmp_path / "old.json"
     path.write_text(json.dumps({"format": "xspec.confidence_calibration.v1", "temperatures": [2]}))
     cal = load_calibration(path, 1, "here")
     assert cal.sampling_temperature is None and cal.fitted_regime() == "an unknown sampling regime"
-    with caplog.at_level(logging.WARNING, logger="xspec.spec.calibration"):
+    with caplog.at_level(logging.WARNING, logger="xspec.spec.adaptive.calibration"):
         RegimeCheck(cal, path)([SamplingParams()])
     assert "does not record the sampling regime" in caplog.text
 

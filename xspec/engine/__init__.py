@@ -1,3 +1,3 @@
 """The serving engine: continuous batching over the speculative step with memory-planned
-admission (:mod:`.engine`, :mod:`.memory`), the step-cost profile adaptive verification
-reads (:mod:`.step_cost`), and the data-parallel engine under torchrun (:mod:`.parallel`)."""
+admission (:mod:`.engine`, :mod:`.memory`), its thread loop (:mod:`.loop`), and the
+data-parallel engine under torchrun (:mod:`.parallel`)."""

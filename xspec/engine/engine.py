@@ -35,7 +35,7 @@ import time
 from collections import deque
 from collections.abc import Callable, Hashable, Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Literal
 
 from xspec.engine.memory import MemoryPlan, ReservationPool, allocated_bytes, context_problem
 from xspec.engine.stop import StopMatcher, stop_problem
@@ -43,9 +43,10 @@ from xspec.errors import RequestError, UserError
 from xspec.metrics import SpecDecodeMetrics
 from xspec.models.base import CapturePoint, TargetModel
 from xspec.sampling import SamplingParams, make_generator
-from xspec.spec.adaptive import Speculation
 from xspec.spec.drafter import Drafter
+from xspec.spec.policy import DepthPolicy
 from xspec.spec.step import (
+    FIXED_DEPTH,
     RunningSeq,
     StepResult,
     decode_step,
@@ -167,16 +168,18 @@ class Engine:
         plan: MemoryPlan | None = None,  # None: no memory limit (only model.max_context)
         decode: Callable[[list[int]], str] | None = None,  # the tokenizer's, for stop strings
         measure_memory: bool = False,  # record the peak of allocated state bytes (tests)
-        # spec.adaptive: drafts each request verifies, from the proposal's confidences
-        schedule: Callable[[Any, list[int]], list[int]] | None = None,
         lockstep: Lockstep | None = None,  # expert parallelism: iterations agreed across ranks
         # a calibration file's sampling regime against each request's (warns on a mismatch)
         check_sampling: Callable[[list[SamplingParams]], None] | None = None,
-        # spec.adaptive / spec.gamma_schedule: drafts per request, decided before drafting
-        speculation: Speculation | None = None,
+        # how many drafts each request drafts and verifies (xspec.spec.policy)
+        policy: DepthPolicy = FIXED_DEPTH,
     ) -> None:
-        self.schedule = schedule
-        self.speculation = speculation
+        if lockstep is not None and not policy.lockstep_safe:
+            raise ValueError(
+                f"{type(policy).__name__} cannot run under expert parallelism: every rank "
+                "must draft the iteration's agreed width (a lockstep-safe depth policy)"
+            )
+        self.policy = policy
         self.check_sampling = check_sampling
         self.target, self.drafter, self.capture = target, drafter, capture
         self.stop_ids = frozenset(stop_ids)  # a request ends at any of these (unless ignore_eos)
@@ -215,6 +218,13 @@ class Engine:
         self.prefill_s, self.prefills = 0.0, 0
         self.done = False
         self._t0 = time.perf_counter()
+
+    def reset_metrics(self, fresh: SpecDecodeMetrics | None = None) -> SpecDecodeMetrics:
+        """Start the spec-decode counters afresh (after a warm-up, between the settings a
+        benchmark compares), into ``fresh`` when given (e.g. one that also drives a
+        progress bar); returns the ones accumulated so far."""
+        previous, self.metrics = self.metrics, fresh if fresh is not None else SpecDecodeMetrics()
+        return previous
 
     def now(self) -> float:
         """Seconds on the engine's clock (after the device finished its queued work)."""
@@ -369,8 +379,7 @@ class Engine:
             self.capture,
             self.metrics,
             lockstep=lock,
-            schedule=self.schedule,
-            speculation=self.speculation,
+            policy=self.policy,
         )
         now = self.now()
         for j, i in enumerate(stepped):

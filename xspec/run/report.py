@@ -171,7 +171,7 @@ def progress_bar(
 
     total = repeats * sum(r.max_new_tokens - 1 for r in requests)  # the first comes from prefill
     with tqdm(total=total, unit="tok", desc="decoding", leave=False, file=sys.stderr) as bar:
-        built.engine.metrics = _ProgressMetrics(bar)
+        built.engine.reset_metrics(_ProgressMetrics(bar))
         yield
 
 
@@ -189,7 +189,7 @@ def warmup(built: Built, requests: list[Request], w: WorkloadConfig) -> None:
         for i in range(w.warmup_requests)
     ]
     built.engine.run(short, min(w.concurrency, len(short)))
-    built.engine.metrics = SpecDecodeMetrics()
+    built.engine.reset_metrics()
 
 
 def failed_requests(runs: list[list[Generation]]) -> str | None:
@@ -246,9 +246,7 @@ def plan_summary(built: Built) -> str:
             f"rank {', '.join(mib)} MiB (the plan above is rank 0's)"
         )
     if built.profile is not None:
-        from xspec.engine.step_cost import describe
-
-        text += "\n" + describe(built.profile) + "\n" + adaptive_summary(built)
+        text += "\n" + built.profile.describe() + "\n" + adaptive_summary(built)
     return text
 
 
@@ -267,11 +265,11 @@ def adaptive_summary(built: Built) -> str:
 
 def step_time_summary(built: Built) -> str | None:
     """After a run with ``spec.adaptive``: the step-cost model's predicted vs measured
-    decode-step time (None without it)."""
-    speculation = built.engine.speculation
-    if speculation is None or speculation.cost is None or not speculation.cost.num_steps:
+    decode-step time, from what the depth policy reports (None without it)."""
+    figures = built.engine.policy.summary() or {}
+    t = figures.get("step_time")
+    if not t or not t["steps"]:
         return None
-    t = speculation.cost.summary()
     relative = ", ".join(f"{k}: {v:.2f}" for k, v in t["relative_cost_drafting"].items())
     noise = ", ".join(f"{k}: {v:.2f}" for k, v in t["step_noise"].items())
     return (
@@ -283,5 +281,5 @@ def step_time_summary(built: Built) -> str | None:
         f"{noise or 'not measured'}; a switch's cost, of the step switched to: plain "
         f"{t['switch_cost']['plain']:.2f}, drafting {t['switch_cost']['drafting']:.2f}; "
         f"realised/expected tokens of drafting steps "
-        f"{speculation.yield_check.factor():.2f})"
+        f"{figures['yield_check']['yield_factor']:.2f})"
     )

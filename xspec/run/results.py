@@ -160,8 +160,7 @@ def _adaptive(built: Built) -> dict[str, Any] | None:
         return None
     calibration = built.drafter.calibration_file
     cal = built.drafter.calibration
-    speculation = built.engine.speculation
-    cost = speculation.cost if speculation is not None else None
+    figures = built.engine.policy.summary() or {}
     return {
         "profile": str(built.profile.path) if built.profile.path else None,
         "profile_source": built.profile.source,
@@ -169,9 +168,9 @@ def _adaptive(built: Built) -> dict[str, Any] | None:
         "calibrated": calibration is not None,
         "calibration_regimes": [f.fitted_regime() for f in cal.fits()] if cal else [],
         # the step-cost model's predicted vs measured decode-step time over the run
-        "step_time": cost.summary() if cost is not None else None,
-        # realised / expected committed tokens of drafting steps (YieldCheck)
-        "yield_check": speculation.yield_check.summary() if speculation is not None else None,
+        "step_time": figures.get("step_time"),
+        # realised / expected committed tokens of drafting steps (the yield check)
+        "yield_check": figures.get("yield_check"),
     }
 
 

@@ -23,7 +23,7 @@ layers. With the anchor ``a`` (last committed token) at position ``p``:
   sampler needs is exactly what each draft was drawn from. DFlash samples each row on
   its own. The confidence head, where the checkpoint has one, scores every position
   after the loop, in one batched call; a calibration file (per-position temperatures,
-  :mod:`xspec.spec.calibration`, the fit of each request's sampling regime) divides its
+  :mod:`xspec.spec.adaptive.calibration`, the fit of each request's sampling regime) divides its
   logits before the sigmoid.
 
 The model-specific half (DeepSeek-V4 DSpark stages, Qwen3 DSpark / DFlash layers)
@@ -41,7 +41,7 @@ from xspec.models.base import KvBytes
 from xspec.models.block_draft import BlockDraftModel, BlockLayout
 from xspec.models.draft_heads import MarkovHead
 from xspec.sampling import SamplingParams, draw_uniforms, logits_to_probs, sample
-from xspec.spec.calibration import ConfidenceCalibration
+from xspec.spec.adaptive.calibration import ConfidenceCalibration
 from xspec.spec.drafter import CommittedRows, Drafter, DraftProposal, DraftRequest
 
 log = logging.getLogger(__name__)

@@ -62,7 +62,7 @@ from xspec.sampling import SamplingParams
 if TYPE_CHECKING:
     from xspec.models.base import StepOptions, TargetModel
     from xspec.platforms.base import Platform
-    from xspec.spec.calibration import ConfidenceCalibration
+    from xspec.spec.adaptive.calibration import ConfidenceCalibration
 
 
 @dataclass

@@ -30,8 +30,8 @@ from xspec.errors import ConfigError
 from xspec.models.base import Footprint, StepOptions
 from xspec.models.block_draft import BlockDrafts, BlockLayout, LoadedDraft
 from xspec.registry import families_where, family_named
+from xspec.spec.adaptive.calibration import calibration_path, load_calibration
 from xspec.spec.block import BlockDrafter, resolve_gamma
-from xspec.spec.calibration import calibration_path, load_calibration
 
 CALIBRATION_KEY = "spec.adaptive.calibration"
 

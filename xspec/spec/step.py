@@ -1,9 +1,11 @@
 """The speculative decoding step, shared by every method (the baseline is gamma = 0).
 
 Read top to bottom: ``prefill`` starts sequences, ``decode_step`` is one
-draft -> verify -> accept -> commit -> observe round for a batch of running sequences
-(each at its own position, each accepting its own number of drafts). Both return what
-they committed (:class:`StepResult`); the engine decides what to do with it.
+decide -> draft -> verify -> accept -> commit -> observe round for a batch of running
+sequences (each at its own position, each accepting its own number of drafts), one short
+function per phase. How many drafts each sequence drafts and verifies is its depth
+policy's answer (:mod:`xspec.spec.policy`: fixed gamma by default). Both return what they
+committed (:class:`StepResult`); the engine decides what to do with it.
 
 Under expert parallelism (``lockstep``, :mod:`xspec.parallel.lockstep`) every rank runs
 the same MoE forwards per iteration: ``prefill`` tops its chunks up to the iteration's
@@ -18,7 +20,6 @@ from __future__ import annotations
 
 import itertools
 import math
-from collections.abc import Callable
 from dataclasses import dataclass
 from functools import cached_property
 from typing import TYPE_CHECKING, Any
@@ -26,11 +27,11 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from xspec.metrics import SpecDecodeMetrics
-from xspec.models.base import CapturePoint, DecodeState, ForwardBatch, TargetModel
+from xspec.models.base import CapturePoint, DecodeState, ForwardBatch, ModelOutput, TargetModel
 from xspec.sampling import SamplingParams, logits_to_probs, nonfinite_rows, regime_of, sample
-from xspec.spec.adaptive import AcceptanceHistory, Speculation
 from xspec.spec.drafter import CommittedRows, Drafter, DraftProposal, DraftRequest
-from xspec.spec.verify import rejection_sample
+from xspec.spec.policy import DepthPolicy, FixedDepth
+from xspec.spec.verify import VerifyResult, rejection_sample
 
 if TYPE_CHECKING:
     from xspec.parallel.lockstep import Lockstep
@@ -47,8 +48,8 @@ class RunningSeq:
     generator: torch.Generator | None
     max_len: int  # prompt + max_new_tokens: the step never grows token_ids past this
     error: str | None = None  # set when its logits turned non-finite; the engine drops it
-    # its realised acceptance per draft position (spec.adaptive's estimates), once stepped
-    history: AcceptanceHistory | None = None
+    # the depth policy's own state of this request (opaque here: xspec.spec.policy)
+    depth_state: Any = None
 
     @property
     def anchor(self) -> int:
@@ -56,10 +57,8 @@ class RunningSeq:
 
     @cached_property
     def regime(self) -> str:
-        """Its sampling regime's label (:func:`~xspec.sampling.regime_of`), once:
-        every step reads it for the metrics and ``spec.adaptive`` (at 32 requests,
-        hashing every request's sampling parameters twice cost the decision 0.04 ms of
-        its 0.29 a step)."""
+        """Its sampling regime's label (:func:`~xspec.sampling.regime_of`), computed once:
+        every step reads it for the metrics and the depth policy."""
         return regime_of(self.params)
 
     @property
@@ -225,6 +224,31 @@ def _draft(
     )
 
 
+FIXED_DEPTH = FixedDepth()  # the default depth policy (it keeps no state: one for all)
+
+
+@dataclass
+class _Drafts:
+    """Phase 1's result, laid out over every sequence of the step."""
+
+    tokens: torch.Tensor  # [B, width] int64, width = max(verified); zero rows for non-drafters
+    probs: torch.Tensor | None  # [B, width, V] the draft's full q, or None (one-hot q)
+    confidence: torch.Tensor | None  # [B, depth] the draft's confidences (untrimmed), or None
+    verified: list[int]  # [B] drafts each sequence verifies (the policy's trim of its depth)
+
+
+@dataclass
+class _Verified:
+    """Phases 2 and 3's result: the verify forward and what it accepted."""
+
+    out: ModelOutput  # the target's forward over every sequence's verify rows (ragged)
+    blocks: torch.Tensor  # [B, width+1] anchor + drafts, on the device
+    lens: list[int]  # [B] verify rows per sequence (verified + 1)
+    result: VerifyResult  # output_tokens [B, width+1] on the device
+    output: torch.Tensor  # [B, width+1] on the host: committed tokens, then -1
+    committed: list[int]  # [B] accepted drafts + 1
+
+
 @torch.no_grad()
 def decode_step(
     target: TargetModel,
@@ -233,66 +257,77 @@ def decode_step(
     capture: list[CapturePoint],
     metrics: SpecDecodeMetrics,
     lockstep: Lockstep | None = None,
-    schedule: Callable[[torch.Tensor, list[int]], list[int]] | None = None,
-    speculation: Speculation | None = None,
+    policy: DepthPolicy = FIXED_DEPTH,
 ) -> StepResult:
-    """One speculative step for every sequence in ``seqs`` (each with ``remaining >= 1``).
-
-    ``speculation`` (``spec.adaptive`` / ``spec.gamma_schedule``,
-    :class:`xspec.spec.adaptive.Speculation`): before drafting, how many drafts each
-    sequence drafts and verifies, 0 included; only the sequences given at least one run
-    the draft forward, and a step where none is has no draft forward at all (a plain
-    decode step: the drafter still observes the committed rows). After drafting it may
-    trim each verified prefix from the draft's confidences (one more small host sync).
-    ``schedule``: a trim of its own instead (from the confidences ``[B, gamma]`` and the
-    drafts each sequence may verify, how many it does verify), for tests and callers
-    that decide nothing before drafting. Not under ``lockstep`` (build refuses it)."""
-    B, device = len(seqs), target.device
-    params = [s.params for s in seqs]
-    regimes = [s.regime for s in seqs]
-    generators = [s.generator for s in seqs]
+    """One speculative step for every sequence in ``seqs`` (each with ``remaining >= 1``),
+    phase by phase. ``policy`` (:mod:`xspec.spec.policy`) says how many drafts each
+    sequence drafts and verifies; under ``lockstep`` every rank proposes the iteration's
+    draft count (the engine runs only a lockstep-safe policy there)."""
     n0 = [s.target_state.num_tokens for s in seqs]  # the anchor's position, per sequence
-    # Drafts per sequence: never more than its budget can commit (n drafts commit <= n+1).
-    max_drafts = [s.remaining - 1 for s in seqs]
-    gamma = step_gamma(drafter, seqs)  # this step's block width
-    n = [min(gamma, m) for m in max_drafts]  # [B] drafts verified per sequence
-    drafting = list(range(B))  # the sequences the draft forward runs for
-    if speculation is not None and lockstep is None:
-        for s in seqs:
-            if s.history is None:
-                s.history = speculation.new_history()
-        histories = [s.history for s in seqs]
-        n = speculation.depths(params, histories, n, regimes=regimes)  # before drafting
-        gamma = max(n, default=0)
-        drafting = [b for b, k in enumerate(n) if k > 0]
-    decided = list(n)
-    # drafts proposed: this step's, or the iteration's (>= gamma) under lockstep
-    proposed = gamma if lockstep is None else lockstep.plan.draft_tokens
+    # 0. decide: drafts per sequence, never more than it can commit (n drafts commit n + 1)
+    depths = policy.decide(seqs, [min(drafter.gamma, s.remaining - 1) for s in seqs])
+    # 1. draft: the drafting sequences propose; the policy trims what each one verifies
+    proposed = max(depths, default=0) if lockstep is None else lockstep.plan.draft_tokens
+    drafts = _draft_step(drafter, seqs, depths, policy, proposed, target.device)
+    # 2. verify: the target scores [anchor, d_1 .. d_n] (n + 1 rows) per sequence at once
+    # 3. accept: the accepted prefix + one correction (on rejection) or bonus token
+    verified = _verify(target, seqs, capture, drafts)
+    # 4. commit: the target keeps the anchor and the accepted drafts
+    new_tokens = _commit(target, seqs, n0, verified)
+    # 5. observe: the drafter catches up on the kept rows of the verify forward
+    _observe(drafter, seqs, n0, verified)
+    # 6. the policy learns from the step; metrics from the output matrix
+    accepted = [k - 1 for k in verified.committed]
+    policy.observe(seqs, drafts.verified, accepted)
+    metrics.observe_step(
+        verified.output,
+        torch.tensor(drafts.verified, dtype=torch.long),
+        policy.predicted(drafts.confidence),
+        depths=depths,
+        regimes=[s.regime for s in seqs],
+    )
+    return StepResult(new_tokens, num_drafts=drafts.verified, num_accepted=accepted)
 
-    # 1. draft: gamma tokens after each anchor (q: the draft's full distributions, if sampled)
-    anchors = torch.tensor([s.anchor for s in seqs], dtype=torch.long, device=device)  # [B]
-    drafts = torch.empty(B, 0, dtype=torch.long, device=device)  # [B, gamma]
-    draft_probs = None  # [B, gamma, V] or None (one-hot q)
-    confidence = None  # [B, gamma] or None
+
+def _draft_step(
+    drafter: Drafter,
+    seqs: list[RunningSeq],
+    depths: list[int],
+    policy: DepthPolicy,
+    proposed: int,
+    device: torch.device,
+) -> _Drafts:
+    """Phase 1: ``proposed`` drafts for the sequences the policy names (none when it is
+    0: a plain step, whose sequences verify nothing), the first ``max(depths)`` of them
+    kept; after drafting the policy trims each sequence's verified prefix."""
+    B, width = len(seqs), max(depths, default=0)  # width: this step's block
+    drafting = policy.drafting(depths)
+    tokens = torch.empty(B, 0, dtype=torch.long, device=device)  # [B, width]
+    probs = confidence = None
+    verified = depths
     if proposed > 0 and drafting:
-        proposal = _draft(drafter, seqs, drafting, max_drafts, proposed)
-        if gamma > 0:  # the first gamma of what was proposed
-            drafts = proposal.tokens[:, :gamma]
-            draft_probs = None if proposal.probs is None else proposal.probs[:, :gamma]
-            confidence = None if proposal.confidence is None else proposal.confidence[:, :gamma]
-        if schedule is not None:
-            if confidence is None:  # build() refuses this; a plugin drafter could
-                raise RuntimeError("spec.adaptive: the drafter proposed without confidences")
-            n = schedule(confidence, n)  # [B] verified prefix per sequence
-        elif speculation is not None and confidence is not None and speculation.trim_enabled:
-            n = speculation.trim(confidence, n)  # [B] verified prefix per sequence
-        width = max(n)  # drafts beyond every sequence's prefix are never scored
-        drafts = drafts[:, :width]
-        draft_probs = draft_probs[:, :width] if draft_probs is not None else None
+        proposal = _draft(drafter, seqs, drafting, [s.remaining - 1 for s in seqs], proposed)
+        if width > 0:  # (under lockstep a rank may propose for others' widths only)
+            tokens = proposal.tokens[:, :width]
+            probs = None if proposal.probs is None else proposal.probs[:, :width]
+            confidence = None if proposal.confidence is None else proposal.confidence[:, :width]
+        if confidence is not None:
+            verified = policy.trim(confidence, depths)  # [B] verified prefix per sequence
+        keep = max(verified)  # drafts beyond every sequence's prefix are never scored
+        tokens = tokens[:, :keep]
+        probs = probs[:, :keep] if probs is not None else None
+    return _Drafts(tokens, probs, confidence, verified)
 
-    # 2. verify: the target scores [anchor, d_1 .. d_n] (n + 1 rows) per sequence in one forward
-    blocks = torch.cat([anchors[:, None], drafts], dim=1)  # [B, max(n)+1]
-    lens = [k + 1 for k in n]
+
+def _verify(
+    target: TargetModel, seqs: list[RunningSeq], capture: list[CapturePoint], drafts: _Drafts
+) -> _Verified:
+    """Phases 2 and 3: one target forward over every sequence's ``[anchor, d_1 .. d_n]``,
+    the rejection sampler on it, and the step's one host sync (tokens and NaN flags)."""
+    device = target.device
+    anchors = torch.tensor([s.anchor for s in seqs], dtype=torch.long, device=device)  # [B]
+    blocks = torch.cat([anchors[:, None], drafts.tokens], dim=1)  # [B, max(n)+1]
+    lens = [k + 1 for k in drafts.verified]
     out = target.forward(
         ForwardBatch(
             torch.cat([blocks[b, :k] for b, k in enumerate(lens)]),  # [sum(lens)]
@@ -301,55 +336,53 @@ def decode_step(
             capture,
         )
     )
-    row_params = [p for p, k in zip(params, lens) for _ in range(k)]
+    row_params = [s.params for s, k in zip(seqs, lens) for _ in range(k)]
     logits, bad = _mask_nonfinite(out.logits, lens)  # [sum(lens), V], [B]
     p_rows = logits_to_probs(logits, row_params).split(lens)  # B x [n_b+1, V]
     p = torch.nn.utils.rnn.pad_sequence(list(p_rows), batch_first=True)  # [B, max(n)+1, V]
-
-    # 3. accept: the accepted prefix + one correction (on rejection) or bonus token
-    result = rejection_sample(p, drafts, draft_probs, generators, n, check_tokens=False)
+    generators = [s.generator for s in seqs]
+    result = rejection_sample(
+        p, drafts.tokens, drafts.probs, generators, drafts.verified, check_tokens=False
+    )
     host = torch.cat([result.output_tokens, bad.long()[:, None]], dim=1).cpu()  # one host sync
     output = host[:, :-1]  # [B, max(n)+1]
     _flag(seqs, host[:, -1].bool().tolist())
     committed = (output >= 0).sum(dim=1).tolist()  # [B] accepted + 1
+    return _Verified(out, blocks, lens, result, output, committed)
 
-    # 4. commit: keep the anchor and the accepted drafts in the target's state; the
-    #    correction/bonus token becomes the next anchor (not yet seen by the target)
+
+def _commit(
+    target: TargetModel, seqs: list[RunningSeq], n0: list[int], verified: _Verified
+) -> list[list[int]]:
+    """Phase 4: keep the anchor and the accepted drafts in the target's state (the rest is
+    rolled back); the correction/bonus token becomes the next anchor (not yet seen by the
+    target). Returns each sequence's committed tokens."""
     new_tokens = []
     for b, s in enumerate(seqs):
-        target.truncate(s.target_state, n0[b] + committed[b])
-        new_tokens.append(output[b, : committed[b]].tolist())
+        k = verified.committed[b]
+        target.truncate(s.target_state, n0[b] + k)
+        new_tokens.append(verified.output[b, :k].tolist())
         s.token_ids += new_tokens[-1]
+    return new_tokens
 
-    # 5. observe: the drafter catches up on the kept rows of the verify forward, selected
-    #    with one index (sequence b's first committed[b] of its lens[b] rows); also after
-    #    a step that drafted nothing (its context must hold every committed row)
+
+def _observe(drafter: Drafter, seqs: list[RunningSeq], n0: list[int], verified: _Verified) -> None:
+    """Phase 5: the drafter catches up on the kept rows of the verify forward, selected
+    with one index (sequence b's first committed[b] of its lens[b] rows); also after a
+    step that drafted nothing (its context must hold every committed row)."""
+    out, blocks, committed = verified.out, verified.blocks, verified.committed
+    device = blocks.device
     keep = [(b, j) for b, k in enumerate(committed) for j in range(k)]  # (sequence, column)
     seq, col = torch.tensor(keep, dtype=torch.long, device=device).reshape(-1, 2).T  # [N] each
-    anchor_row = torch.tensor([0, *itertools.accumulate(lens)], device=device)  # [B+1]
+    anchor_row = torch.tensor([0, *itertools.accumulate(verified.lens)], device=device)  # [B+1]
     row = anchor_row[seq] + col  # [N] rows of the verify forward
     aux = out.aux_hidden
     rows = CommittedRows(
         input_ids=blocks[seq, col],  # [N] anchor + accepted drafts
-        next_ids=result.output_tokens[seq, col],  # [N] accepted drafts + correction/bonus
+        next_ids=verified.result.output_tokens[seq, col],  # [N] accepted drafts + correction/bonus
         hidden=out.hidden[row],  # [N, ...]
         aux_hidden=None if aux is None else aux[row],  # [N, K*d]
         seq_lens=committed,
         starts=n0,
     )
     drafter.observe([s.draft_state for s in seqs], rows)
-    accepted = [k - 1 for k in committed]
-    predicted = confidence
-    if speculation is not None and speculation.last is not None and lockstep is None:
-        speculation.observe([s.history for s in seqs], n, accepted)
-        if speculation.last.corrected is not None or confidence is None:
-            predicted = speculation.last.predicted()  # what the decision / trim went by
-    # 6. metrics from the output matrix
-    metrics.observe_step(
-        output,
-        torch.tensor(n, dtype=torch.long),
-        predicted,
-        depths=decided,
-        regimes=regimes,
-    )
-    return StepResult(new_tokens, num_drafts=n, num_accepted=accepted)

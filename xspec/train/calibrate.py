@@ -23,7 +23,7 @@ by ``spec.adaptive.calibration=auto``) or to ``--out``. Acceptance depends on th
 sampling settings: calibrate at the temperatures the runs will use. Each fit records its
 regime (``sampling_temperature``, ``sampling_top_k``, ``sampling_top_p``); a run reads
 the fit of each request's regime, and requests that sample otherwise get a warning
-(:class:`xspec.spec.calibration.RegimeCheck`).
+(:class:`xspec.spec.adaptive.calibration.RegimeCheck`).
 """
 
 from __future__ import annotations
@@ -39,7 +39,7 @@ import torch
 from torch import Tensor
 
 from xspec.metrics import SpecDecodeMetrics
-from xspec.spec.calibration import (
+from xspec.spec.adaptive.calibration import (
     CALIBRATION_FILE,
     ConfidenceCalibration,
     save_calibration,

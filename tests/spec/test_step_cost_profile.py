@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from xspec.engine import step_cost
-from xspec.engine.step_cost import line_fit, median_interleaved, tree_digest
+from xspec.spec.adaptive import profile as step_cost
+from xspec.spec.adaptive.profile import line_fit, median_interleaved, tree_digest
 
 
 def test_line_through_the_drafting_points_keeps_the_plain_step() -> None:
@@ -73,3 +73,11 @@ def test_a_cached_profile_is_named_by_the_source_that_measured_it(
     assert path.parent == tmp_path / "cache" / "step_cost"
     monkeypatch.setattr(step_cost, "source_digest", lambda: edited)
     assert step_cost.cached_profile_path(key) != path
+
+
+def test_the_source_digest_covers_the_whole_package() -> None:
+    """A cached profile is named by every xspec module's source, wherever the profile
+    module itself sits in the package."""
+    import xspec
+
+    assert step_cost.source_digest() == tree_digest(Path(xspec.__file__).parent)

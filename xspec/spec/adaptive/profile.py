@@ -1,7 +1,6 @@
 """The step-cost profile ``spec.adaptive`` decides with: seconds per decode step against
-verify rows and drafting requests, measured on this platform
-(:class:`~xspec.spec.schedule.StepCost`), then corrected online
-(:class:`~xspec.spec.schedule.OnlineStepCost`).
+verify rows and drafting requests, measured on this platform and cached
+(:class:`~.cost.StepCost`), then corrected online (:class:`~.online.OnlineStepCost`).
 
 **What is timed**, per point (R requests, x drafts each, ``B = R (x + 1)`` rows), on
 dummy sequences of ``context`` random committed tokens (the workload's: its mean prompt
@@ -52,8 +51,8 @@ from xspec import atomic
 from xspec.errors import ConfigError
 from xspec.models.base import CapturePoint, ForwardBatch, TargetModel
 from xspec.sampling import SamplingParams, logits_to_probs
+from xspec.spec.adaptive.cost import StepCost
 from xspec.spec.drafter import CommittedRows, Drafter, DraftRequest
-from xspec.spec.schedule import StepCost
 from xspec.spec.verify import rejection_sample
 
 FORMAT = "xspec.step_cost.v4"  # v4: medians of interleaved runs; v3: the fastest
@@ -62,9 +61,25 @@ DEFAULT_CONTEXT = 64  # committed tokens of each dummy sequence when the workloa
 
 @dataclass(frozen=True)
 class Profile:
+    """A run's step-cost profile: the table, where it came from, and its file."""
+
     cost: StepCost
     source: str  # "measured in 1.2 s, cached to ..." / "loaded from ..."
     path: Path | None  # the file it was read from or written to
+
+    def describe(self) -> str:
+        """The start-up lines printed under the memory plan."""
+        cost = self.cost
+        lines = [
+            f"step-cost profile ({self.source}): ms per step, requests x drafts each "
+            "(verify), and the draft forward of that many drafting requests"
+        ]
+        head = "  requests " + "".join(f"{f'x={x}':>9}" for x in cost.drafts) + f"{'draft':>9}"
+        lines.append(head)
+        drafts = cost.draft_seconds or [0.0] * len(cost.requests)
+        for r, row, d in zip(cost.requests, cost.seconds, drafts):
+            lines.append(f"  {r:>8} " + "".join(f"{s * 1e3:>9.2f}" for s in [*row, d]))
+        return "\n".join(lines)
 
 
 def _sha256(path: Path) -> str | None:
@@ -114,10 +129,8 @@ def _sampling(cfg: Any) -> SamplingParams:
 @functools.cache
 def source_digest() -> str:
     """sha256 of this xspec's modules (names and bytes): part of a cached profile's name,
-    so that a change of the step's code between releases (a checkout, an edit) measures
-    afresh. On 2026-12-06 a sampled drafting step got 5 % cheaper with the version
-    unchanged, and the cache kept serving the old step costs."""
-    return tree_digest(Path(__file__).resolve().parents[1])  # the xspec package
+    so that a change of the step's code (a checkout, an edit) measures afresh."""
+    return tree_digest(Path(__file__).resolve().parents[2])  # the xspec package
 
 
 def tree_digest(root: Path) -> str:
@@ -214,17 +227,11 @@ def median_interleaved(
 ) -> list[float]:
     """The median of ``reps`` timed runs of each of ``fns`` after one untimed warm-up of
     each (allocations, first-call dispatch). The runs are interleaved, one of each per
-    round, so a slow spell of a shared machine (this 2-core VM's speed moves by tens of
-    percent within seconds) falls on every point alike instead of on one, which would
-    tilt the line through them: the per-row cost Algorithm 1 trims with.
-
-    The median, not the fastest: what the decision needs is the ratio between steps of
-    different shapes, and the fastest run of each is an outlier of its own. Measured on
-    this CPU, 8 interleaved rounds of a plain step and one of 5 drafts each at 32
-    requests, four setups: the ratio of the medians was 2.95-3.00, of the minima
-    2.95-3.44; a cached profile (the fastest of 5) had 2.3, and drafting steps at 32
-    requests then measured 1.3-1.4x their profiled time where plain steps measured 1.1x.
-    The online model scales the profile to what the running workload sees."""
+    round, so a slow spell of a shared machine falls on every point alike instead of on
+    one, which would tilt the line through them (the per-row cost Algorithm 1 trims
+    with). The median, not the fastest: the decision needs the ratio between steps of
+    different shapes, and the fastest run of each is an outlier of its own; the online
+    model scales the profile to what the running workload sees."""
     for fn in fns:
         fn()
     runs: list[list[float]] = [[] for _ in fns]
@@ -378,21 +385,6 @@ def step_cost_profile(
     spent = time.perf_counter() - t0
     save_profile(path, key, cost, spent, a.profile_reps)
     return Profile(cost, f"measured in {spent:.1f} s (not in any figure), cached to {path}", path)
-
-
-def describe(profile: Profile) -> str:
-    """The start-up lines printed under the memory plan."""
-    cost = profile.cost
-    lines = [
-        f"step-cost profile ({profile.source}): ms per step, requests x drafts each "
-        "(verify), and the draft forward of that many drafting requests"
-    ]
-    head = "  requests " + "".join(f"{f'x={x}':>9}" for x in cost.drafts) + f"{'draft':>9}"
-    lines.append(head)
-    drafts = cost.draft_seconds or [0.0] * len(cost.requests)
-    for r, row, d in zip(cost.requests, cost.seconds, drafts):
-        lines.append(f"  {r:>8} " + "".join(f"{s * 1e3:>9.2f}" for s in [*row, d]))
-    return "\n".join(lines)
 
 
 def workload_context(w: Any, encode: Callable[[str], list[int]], limit: int) -> int:
