@@ -458,3 +458,18 @@ def test_block_drafters_on_an_unsupported_target_family() -> None:
     assert "model.arch: qwen3" in problem
     assert DSparkDrafter.default_gamma(SpecConfig(method="dspark"), plugin) == 1
     assert DSparkDrafter.default_gamma(SpecConfig(method="dspark"), dsv4) == 5
+
+
+def test_a_target_family_without_the_drafter_is_an_error_not_a_value() -> None:
+    """Looking up the family a drafter needs raises a ConfigError naming the families that
+    have it (the constructor lets it through; preflight reports its message)."""
+    from xspec.errors import ConfigError
+    from xspec.models.block_draft import BlockLayout
+    from xspec.spec.dspark import _family
+    from xspec.spec.mtp import _mtp_family
+
+    with pytest.raises(ConfigError, match=r"spec=dflash needs .*\(model.arch: qwen3\)"):
+        _family(BlockLayout.DFLASH, "deepseek_v4")
+    assert _family(BlockLayout.DSPARK, "deepseek_v4") is not None
+    with pytest.raises(ConfigError, match="spec=mtp needs a DeepSeek-V4 target"):
+        _mtp_family("qwen3")

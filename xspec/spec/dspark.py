@@ -36,12 +36,12 @@ from xspec.spec.block import BlockDrafter, resolve_gamma
 CALIBRATION_KEY = "spec.adaptive.calibration"
 
 
-def _family(layout: BlockLayout, arch: str) -> BlockDrafts | str:
-    """The family's block drafts, or why this target has no such drafter."""
+def _family(layout: BlockLayout, arch: str) -> BlockDrafts:
+    """The family's block drafts; ConfigError when this target's family has none."""
     family = family_named(arch)
     if family is None or layout.value not in family.block_layouts:
         families = families_where(lambda f: layout.value in f.block_layouts)
-        return (
+        raise ConfigError(
             f"spec={layout.value} needs a target whose family has {layout.value} drafts "
             f"(model.arch: {', '.join(f.arch for f in families)}), not model.arch={arch}"
         )
@@ -57,8 +57,6 @@ class DSparkDrafter(BlockDrafter):
         self, cfg: Any, *, target: Any, model_cfg: Any, platform: Any, steps: StepOptions
     ) -> None:
         family = _family(self.method, model_cfg.arch)
-        if isinstance(family, str):
-            raise ConfigError(family)
         loaded: LoadedDraft = family.load_block_draft(
             self.method, cfg, target=target, model_cfg=model_cfg, platform=platform
         )
@@ -84,16 +82,18 @@ class DSparkDrafter(BlockDrafter):
         from its config.json (1 when unreadable: preflight reports the checkpoint)."""
         if spec_cfg.num_speculative_tokens is not None:
             return int(spec_cfg.num_speculative_tokens)
-        family = _family(cls.method, model_cfg.arch)
-        if isinstance(family, str):
+        try:
+            family = _family(cls.method, model_cfg.arch)
+        except ConfigError:
             return 1
         return family.trained_block_size(cls.method, spec_cfg, model_cfg) or 1
 
     @classmethod
     def preflight(cls, spec_cfg: Any, model_cfg: Any) -> list[str]:
-        family = _family(cls.method, model_cfg.arch)
-        if isinstance(family, str):
-            return [family]
+        try:
+            family = _family(cls.method, model_cfg.arch)
+        except ConfigError as e:
+            return [str(e)]
         problems = list(family.preflight_block_draft(cls.method, spec_cfg, model_cfg))
         if problems:
             return problems
@@ -101,12 +101,11 @@ class DSparkDrafter(BlockDrafter):
 
     @classmethod
     def footprint(cls, spec_cfg: Any, model_cfg: Any, gamma: int) -> Footprint | None:
-        family = _family(cls.method, model_cfg.arch)
-        return (
-            None
-            if isinstance(family, str)
-            else family.footprint(cls.method, spec_cfg, model_cfg, gamma)
-        )
+        try:
+            family = _family(cls.method, model_cfg.arch)
+        except ConfigError:
+            return None  # preflight reports it
+        return family.footprint(cls.method, spec_cfg, model_cfg, gamma)
 
     # spec.adaptive works with this drafter when its checkpoint has a confidence head
     supports_adaptive = True

@@ -74,8 +74,6 @@ class MtpDrafter(Drafter):
         steps: StepOptions,
     ) -> None:
         family = _mtp_family(model_cfg.arch)
-        if isinstance(family, str):
-            raise ConfigError(family)
         gamma = self.default_gamma(cfg, model_cfg)
         if problem := _gamma_problem(gamma):
             raise ConfigError(problem)
@@ -121,19 +119,19 @@ class MtpDrafter(Drafter):
         gamma = spec_cfg.num_speculative_tokens
         if gamma is not None and (problem := _gamma_problem(gamma)):
             problems.append(problem)
-        family = _mtp_family(model_cfg.arch)
-        if isinstance(family, str):
-            return [*problems, family]
+        try:
+            family = _mtp_family(model_cfg.arch)
+        except ConfigError as e:
+            return [*problems, str(e)]
         return problems + family.preflight_mtp(spec_cfg, model_cfg)
 
     @classmethod
     def footprint(cls, spec_cfg: Any, model_cfg: Any, gamma: int) -> Footprint | None:
-        family = _mtp_family(model_cfg.arch)
-        return (
-            None
-            if isinstance(family, str)
-            else family.footprint_mtp(spec_cfg, model_cfg, gamma=gamma)
-        )
+        try:
+            family = _mtp_family(model_cfg.arch)
+        except ConfigError:
+            return None  # preflight reports it
+        return family.footprint_mtp(spec_cfg, model_cfg, gamma=gamma)
 
     # -- Drafter protocol ---------------------------------------------------------------
 
@@ -229,15 +227,15 @@ def _gamma_problem(gamma: int) -> str | None:
     return None
 
 
-def _mtp_family(arch: str) -> ModelFamily | str:
-    """The target's family, or why it has no MTP layer."""
+def _mtp_family(arch: str) -> ModelFamily:
+    """The target's family; ConfigError when it has no MTP layer."""
     family = family_named(arch)
     if family is not None and family.offers_mtp:
         return family
     offering = families_where(lambda f: f.offers_mtp)
     names = " or ".join(f.display_name for f in offering) or "an MTP-carrying"
     archs = ", ".join(f.arch for f in offering)
-    return (
+    raise ConfigError(
         f"spec=mtp needs a {names} target (model.arch={archs}), not model.arch={arch}: only "
         f"{names} checkpoints carry an MTP layer"
     )
