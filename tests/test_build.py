@@ -7,12 +7,14 @@ import pytest
 
 from xspec import registry
 from xspec.__main__ import _override_sets, check_jobs
-from xspec.build import check, effective_gamma
+from xspec.build import check, resolve_gamma
 from xspec.compose import compose_run
 from xspec.errors import ConfigError
 from xspec.platforms.base import Capabilities
 from xspec.platforms.cpu import CpuPlatform
+from xspec.spec.baseline import NoDrafter
 from xspec.spec.drafter import Drafter
+from xspec.spec.dspark import DSparkDrafter
 from xspec.spec.mtp import MtpDrafter
 from xspec.spec.testing import OracleDrafter
 
@@ -49,16 +51,40 @@ def test_good_runs_have_no_problems() -> None:
         assert check(compose_run([*overrides, "platform=cpu"])) == [], overrides
 
 
-def test_effective_gamma_of_each_method() -> None:
+def test_gamma_is_resolved_from_what_each_drafter_states() -> None:
+    """One function resolves a run's gamma: the configured value, else the drafter's
+    default (its DraftDepth), checked against its maximum, the platform's and the gamma
+    schedule; a depth other than the trained one warns."""
     cfg = compose_run(["model=dsv4_tiny_random", "spec=oracle", "spec.num_speculative_tokens=null"])
-    assert effective_gamma(OracleDrafter, cfg.spec, cfg.model) == 3
-    assert effective_gamma(MtpDrafter, cfg.spec, cfg.model) == 1
+    cpu = CpuPlatform(cfg.platform)
+    assert resolve_gamma(cfg, OracleDrafter).value == 3
+    assert resolve_gamma(cfg, MtpDrafter) == resolve_gamma(cfg, MtpDrafter, cpu)
+    assert resolve_gamma(cfg, MtpDrafter).value == 1 and resolve_gamma(cfg, Drafter).value == 1
+    dspark = compose_run(["model=dsv4_tiny_random", "spec=dspark"])
+    assert resolve_gamma(dspark, DSparkDrafter).value == 5  # the draft's trained block size
+    assert resolve_gamma(cfg, NoDrafter).value == 0
     cfg.spec.num_speculative_tokens = 5
-    assert effective_gamma(MtpDrafter, cfg.spec, cfg.model) == 5
-    # the Drafter default: the config's value, else 1
-    assert effective_gamma(Drafter, cfg.spec, cfg.model) == 5
+    mtp = resolve_gamma(cfg, MtpDrafter)
+    assert mtp.value == 5 and mtp.problems == []
+    assert mtp.warning is not None and "trained to draft 1 per step" in mtp.warning
+    assert mtp.spec(cfg.spec).num_speculative_tokens == 5 and cfg.spec.num_speculative_tokens == 5
+    dspark.spec.num_speculative_tokens = 5
+    assert resolve_gamma(dspark, DSparkDrafter).warning is None
+    none = compose_run(["model=dsv4_tiny_random", "spec=none", "spec.num_speculative_tokens=5"])
+    assert resolve_gamma(none, NoDrafter).value == 0
+    assert "has no effect with spec=none" in resolve_gamma(none, NoDrafter).problems[0]
+    cfg.spec.num_speculative_tokens = 17
+    [over] = resolve_gamma(cfg, MtpDrafter).problems
+    assert "drafts between 1 and 16 tokens per step (1 = the trained setting)" in over
+    assert "limit of 16" in resolve_gamma(cfg, Drafter, cpu).problems[0]
+    cfg.spec.num_speculative_tokens = 0
+    assert resolve_gamma(cfg, Drafter).problems == [
+        "spec.num_speculative_tokens must be >= 1 (got 0)"
+    ]
     cfg.spec.num_speculative_tokens = None
-    assert effective_gamma(Drafter, cfg.spec, cfg.model) == 1
+    cfg.spec.gamma_schedule = [[1, 4], [8, 2]]
+    [schedule] = resolve_gamma(cfg, OracleDrafter).problems  # the default 3: not 4
+    assert "an entry's gamma exceeds spec.num_speculative_tokens=3" in schedule
 
 
 @pytest.mark.usefixtures("no_weights")

@@ -16,8 +16,9 @@ What it asks, it asks through two typed interfaces (plugins implement the same o
   whose config.json and tokenizer :func:`xspec.run.fit.context_fit` reads), and
   ``load(..., steps=...)``;
 * the method's :class:`~xspec.spec.drafter.Drafter` subclass
-  (``spec_methods.get(spec.method)``): ``preflight``, ``default_gamma`` (the gamma it
-  will draft when ``spec.num_speculative_tokens`` is null), ``footprint``,
+  (``spec_methods.get(spec.method)``): ``draft_depth`` (its default, maximum and trained
+  gamma, which :func:`resolve_gamma` resolves the run's gamma from, once), ``preflight``,
+  ``footprint``,
   ``supports_adaptive``, ``supports_expert_parallel``, then ``cls(spec_cfg, *, target, model_cfg, platform,
   steps)`` and the instance's ``calibration`` / ``calibration_file``.
 
@@ -27,6 +28,7 @@ The platform's step options are computed once and handed to both constructors.
 from __future__ import annotations
 
 import json
+import logging
 from collections.abc import Iterable
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -34,7 +36,7 @@ from typing import Any
 
 import torch
 
-from xspec.config import RunConfig, gamma_schedule_problems, validate
+from xspec.config import RunConfig, SpecConfig, gamma_schedule_problems, validate
 from xspec.engine.engine import Engine
 from xspec.engine.memory import LayoutPlan, MemoryPlan, budget_of, plan_memory, weight_bytes
 from xspec.engine.parallel import ParallelEngine
@@ -62,7 +64,9 @@ from xspec.spec.drafter import Drafter
 from xspec.spec.policy import DepthPolicy, FixedDepth
 from xspec.tokenizer import Tokenizer, load_tokenizer, missing_tokenizer
 
-# Rows a decoding state can roll back when the method's gamma is not set explicitly.
+log = logging.getLogger(__name__)
+
+# Rows a decoding state can roll back at least (more when the run's gamma is larger).
 DEFAULT_MAX_ROLLBACK = 8
 
 
@@ -80,9 +84,67 @@ class Built:
     expert_bytes: list[int] | None = None  # routed-expert bytes held by each rank
 
 
-def effective_gamma(drafter_cls: type[Drafter], spec_cfg: Any, model_cfg: Any) -> int:
-    """The gamma the drafter will really use (its default when the config leaves it null)."""
-    return int(drafter_cls.default_gamma(spec_cfg, model_cfg))
+@dataclass(frozen=True)
+class Gamma:
+    """A run's gamma (draft tokens per step), as :func:`resolve_gamma` resolved it."""
+
+    value: int  # what the drafter proposes per step (0: it never drafts)
+    problems: list[str]  # why the run cannot draft it (empty: fine)
+    warning: str | None = None  # not the depth the draft was trained for
+
+    def spec(self, spec_cfg: SpecConfig) -> SpecConfig:
+        """``spec_cfg`` with ``num_speculative_tokens`` resolved: what the drafter's hooks
+        and constructor read."""
+        return replace(spec_cfg, num_speculative_tokens=self.value)
+
+
+def resolve_gamma(
+    cfg: RunConfig, drafter_cls: type[Drafter], platform: Platform | None = None
+) -> Gamma:
+    """The one place a run's gamma is resolved and checked: ``spec.num_speculative_tokens``,
+    else the drafter's default (:meth:`~xspec.spec.drafter.Drafter.draft_depth`), against
+    the drafter's maximum, the platform's (``capabilities.max_speculative_tokens``) and
+    ``spec.gamma_schedule``'s entries; a warning when it is not the depth the draft was
+    trained for. A drafter that never drafts (maximum 0) has gamma 0."""
+    spec = cfg.spec
+    depth = drafter_cls.draft_depth(spec, cfg.model)
+    requested = spec.num_speculative_tokens
+    gamma = depth.default if requested is None else requested
+    key = f"spec.num_speculative_tokens={requested}"
+    problems = []
+    if requested is not None and requested < 1:
+        problems.append(f"spec.num_speculative_tokens must be >= 1 (got {requested})")
+    elif requested is not None and depth.maximum == 0:
+        problems.append(
+            f"{key} has no effect with spec={spec.method}; pick a drafter (spec=mtp) or drop "
+            "the override"
+        )
+    elif depth.maximum is not None and gamma > depth.maximum:
+        trained = f" ({depth.trained} = the trained setting)" if depth.trained else ""
+        problems.append(
+            f"{key}: spec={spec.method} drafts between 1 and {depth.maximum} tokens per step"
+            f"{trained}; pick a value in that range"
+        )
+    if depth.maximum == 0:
+        return Gamma(0, problems)
+    if platform is not None and gamma > (limit := platform.capabilities.max_speculative_tokens):
+        problems.append(
+            f"spec.num_speculative_tokens={gamma} exceeds platform={platform.name}'s limit of "
+            f"{limit}; lower it"
+        )
+    schedule = spec.gamma_schedule
+    if schedule and not gamma_schedule_problems(schedule) and any(e[1] > gamma for e in schedule):
+        problems.append(
+            f"spec.gamma_schedule: an entry's gamma exceeds spec.num_speculative_tokens="
+            f"{gamma} (got {schedule}); lower it or raise spec.num_speculative_tokens"
+        )
+    warning = None
+    if requested is not None and depth.trained is not None and requested != depth.trained:
+        warning = (
+            f"{key}: this spec={spec.method} draft was trained to draft {depth.trained} per "
+            "step; other values work but usually accept fewer tokens"
+        )
+    return Gamma(gamma, problems, warning)
 
 
 def check(cfg: RunConfig) -> list[str]:
@@ -111,41 +173,12 @@ def _checks(cfg: RunConfig) -> list[tuple[type[UserError], str]]:
         drafter_cls = spec_methods.get(cfg.spec.method)
     except UserError as e:  # a platform that cannot run here, a broken plugin
         return [*problems, (type(e), str(e))]
-    gamma = effective_gamma(drafter_cls, cfg.spec, cfg.model)
-    limits = platform.validate(dtype=cfg.model.dtype.value, num_speculative_tokens=gamma)
-    problems += [(ConfigError, p) for p in limits]
+    gamma = resolve_gamma(cfg, drafter_cls, platform)
+    problems += [(ConfigError, p) for p in platform.validate(dtype=cfg.model.dtype.value)]
+    problems += [(ConfigError, p) for p in gamma.problems]
     # drafter checkpoint checks, before the target is loaded
-    problems += [(ConfigError, p) for p in drafter_cls.preflight(cfg.spec, cfg.model)]
-    if cfg.spec.adaptive.enabled:
-        problems += [
-            (ConfigError, p) for p in _adaptive_problems(cfg, drafter_cls, platform, gamma)
-        ]
-    if cfg.spec.adaptive.enabled and (cfg.parallel.dp > 1 or cfg.parallel.ep > 1):
-        problems.append(
-            (
-                ConfigError,
-                "spec.adaptive=true is not supported with parallel.dp/ep > 1 yet (the "
-                "step-cost profile and the ragged verify widths are per process); run it "
-                "without torchrun, or set spec.adaptive=false",
-            )
-        )
-    schedule = cfg.spec.gamma_schedule
-    if schedule is not None:
-        if cfg.spec.num_speculative_tokens is None:  # validate() checked a configured gamma
-            problems += [
-                (ConfigError, p)
-                for p in gamma_schedule_problems(schedule, gamma)
-                if "drafts more than" in p
-            ]
-        if cfg.parallel.dp > 1 or cfg.parallel.ep > 1:
-            problems.append(
-                (
-                    ConfigError,
-                    "spec.gamma_schedule is not supported with parallel.dp/ep > 1 yet (every "
-                    "rank must draft the same block); run it without torchrun, or set "
-                    "spec.gamma_schedule=null",
-                )
-            )
+    problems += [(ConfigError, p) for p in drafter_cls.preflight(gamma.spec(cfg.spec), cfg.model)]
+    problems += [(ConfigError, p) for p in _depth_problems(cfg, drafter_cls, platform, gamma)]
     if cfg.parallel.ep > 1:
         problems += [(ConfigError, p) for p in expert_parallel_problems(cfg, family, drafter_cls)]
     if problems:
@@ -187,11 +220,12 @@ def layout_plan(
     launch's). Call it on a config whose checks passed."""
     family = models.get(cfg.model.arch)
     drafter_cls = spec_methods.get(cfg.spec.method)
-    gamma = effective_gamma(drafter_cls, cfg.spec, cfg.model)
+    resolved = resolve_gamma(cfg, drafter_cls)
+    gamma = resolved.value
     target = family.footprint(cfg.model, max_rollback=max(gamma, DEFAULT_MAX_ROLLBACK))
     if target is None:
         return None
-    draft = drafter_cls.footprint(cfg.spec, cfg.model, gamma)
+    draft = drafter_cls.footprint(resolved.spec(cfg.spec), cfg.model, gamma)
     budget, source = budget_of(cfg.engine, free_before, default_fraction)
     return LayoutPlan(
         target,
@@ -284,6 +318,30 @@ def expert_parallel_problems(
     return problems
 
 
+def _depth_problems(
+    cfg: RunConfig, drafter_cls: type[Drafter], platform: Platform, gamma: Gamma
+) -> list[str]:
+    """``spec.adaptive`` (:func:`_adaptive_problems`) and ``spec.gamma_schedule``: both
+    need every request's own depth, which lockstep under torchrun does not allow yet."""
+    problems = []
+    parallel = cfg.parallel.dp > 1 or cfg.parallel.ep > 1
+    if cfg.spec.adaptive.enabled:
+        problems += _adaptive_problems(cfg, drafter_cls, platform, gamma.value)
+        if parallel:
+            problems.append(
+                "spec.adaptive=true is not supported with parallel.dp/ep > 1 yet (the "
+                "step-cost profile and the ragged verify widths are per process); run it "
+                "without torchrun, or set spec.adaptive=false"
+            )
+    if cfg.spec.gamma_schedule is not None and parallel:
+        problems.append(
+            "spec.gamma_schedule is not supported with parallel.dp/ep > 1 yet (every "
+            "rank must draft the same block); run it without torchrun, or set "
+            "spec.gamma_schedule=null"
+        )
+    return problems
+
+
 def _adaptive_problems(
     cfg: RunConfig, drafter_cls: type[Drafter], platform: Platform, gamma: int
 ) -> list[str]:
@@ -321,9 +379,10 @@ def build(cfg: RunConfig, *, depth_policy: DepthPolicy | None = None) -> Built:
         index = platform.rank_device_index(launch().local_rank)
         platform = get_platform(replace(cfg.platform, device_index=index))
     drafter_cls = spec_methods.get(cfg.spec.method)
-    gamma = effective_gamma(drafter_cls, cfg.spec, cfg.model)
-
-    max_rollback = max(gamma, DEFAULT_MAX_ROLLBACK)
+    gamma = resolve_gamma(cfg, drafter_cls, platform)
+    if gamma.warning is not None:
+        log.warning(gamma.warning)
+    max_rollback = max(gamma.value, DEFAULT_MAX_ROLLBACK)
     shard: dict[str, Any] = {}  # this rank's experts only (the drafters follow the target)
     if parallel.topology.ep > 1:
         shard["expert_parallel"] = ExpertParallel(parallel)
@@ -333,13 +392,14 @@ def build(cfg: RunConfig, *, depth_policy: DepthPolicy | None = None) -> Built:
             cfg.model, device=platform.device(), max_rollback=max_rollback, steps=steps, **shard
         )
         drafter = drafter_cls(
-            cfg.spec, target=target, model_cfg=cfg.model, platform=platform, steps=steps
+            gamma.spec(cfg.spec), target=target, model_cfg=cfg.model, platform=platform, steps=steps
         )
     _freeze(target, drafter)
-    if drafter.gamma > max_rollback:
+    if drafter.gamma != gamma.value:  # a plugin that ignored the resolved spec section
         raise ConfigError(
-            f"spec.num_speculative_tokens: the drafter proposes {drafter.gamma} tokens but the caches "
-            f"were sized for {max_rollback}; set spec.num_speculative_tokens={drafter.gamma} explicitly"
+            f"spec={cfg.spec.method}: the drafter drafts {drafter.gamma} tokens per step, not "
+            f"the run's gamma {gamma.value} (spec.num_speculative_tokens, else its "
+            "draft_depth()); a drafter takes its gamma from spec_cfg.num_speculative_tokens"
         )
     capture = [platform.capture_point(layer_id) for layer_id in drafter.capture_layer_ids]
     tokenizer = _tokenizer(target, cfg.model)

@@ -63,7 +63,7 @@ def test_bad_step_settings_are_config_errors(key: str, value: str) -> None:
 
 def test_compile_on_where_the_platform_cannot_compile_is_refused() -> None:
     platform = NpuPolicyCpuPlatform(PlatformCfg(name="npu_emulated", compile="on"))
-    problems = platform.validate(dtype="float32", num_speculative_tokens=3)
+    problems = platform.validate(dtype="float32")
     assert any("platform.compile=on" in p and "cannot compile" in p for p in problems), problems
     auto = NpuPolicyCpuPlatform(PlatformCfg(name="npu_emulated")).step_options()
     assert auto.compile is None
@@ -71,7 +71,7 @@ def test_compile_on_where_the_platform_cannot_compile_is_refused() -> None:
 
 def test_native_sas_on_rejected_on_cpu() -> None:
     platform = CpuPlatform(PlatformCfg(name="cpu", native_sas=NativeSas.on))
-    problems = platform.validate(dtype="float32", num_speculative_tokens=3)
+    problems = platform.validate(dtype="float32")
     assert len(problems) == 1, problems
     assert "platform.native_sas=on" in problems[0] and "platform=cpu" in problems[0]
 
@@ -124,9 +124,9 @@ def test_bad_config_values_name_the_key() -> None:
 @pytest.mark.parametrize("name", ["cpu", "npu_emulated"])
 def test_host_platforms_have_one_device(name: str) -> None:
     ok = get_platform(PlatformCfg(name=name))
-    assert ok.validate(dtype="float32", num_speculative_tokens=1) == []
+    assert ok.validate(dtype="float32") == []
     bad = get_platform(PlatformCfg(name=name, device_index=1))
-    problems = bad.validate(dtype="float32", num_speculative_tokens=1)
+    problems = bad.validate(dtype="float32")
     assert any("platform.device_index=1: the host CPU is one device" in p for p in problems)
 
 

@@ -28,7 +28,7 @@ class TestCudaConformance(PlatformConformance):
     def test_device_index_out_of_range_is_reported(self) -> None:
         count = torch.cuda.device_count()
         platform = CudaPlatform(PlatformCfg(name="cuda", device_index=count))
-        problems = platform.validate(dtype="float32", num_speculative_tokens=1)
+        problems = platform.validate(dtype="float32")
         assert any(f"platform.device_index={count}" in p for p in problems), problems
 
 

@@ -66,9 +66,9 @@ def test_selected_by_name_and_really_used(installed: Path) -> None:
     assert Path(sys.modules[cls.__module__].__file__ or "").is_relative_to(installed)
     # Its own answers, different from the built-in cpu platform's.
     assert platform.capture_point(4) == CapturePoint(layer=5, site=CaptureSite.INPUT)
-    problems = platform.validate(dtype="bfloat16", num_speculative_tokens=5)
-    assert len(problems) == 2, problems
-    assert "platform=example_cpu" in problems[0] and "limit of 4" in problems[1]
+    problems = platform.validate(dtype="bfloat16")
+    assert len(problems) == 1 and "platform=example_cpu" in problems[0], problems
+    assert platform.capabilities.max_speculative_tokens == 4  # resolve_gamma checks it
 
 
 class TestExamplePluginConformance(PlatformConformance):

@@ -104,13 +104,13 @@ def test_sas_mode_table(native_sas: str, accepts: bool, expected: SasMode | None
         with pytest.raises(PlatformError, match=r"platform\.native_sas=on"):
             platform.sas_mode()
         assert not platform.capabilities.native_sparse_attention
-        problems = platform.validate(dtype="float32", num_speculative_tokens=3)
+        problems = platform.validate(dtype="float32")
         assert len(problems) == 1 and "does not accept ori_sparse_indices" in problems[0], problems
         return
     assert select_sas_mode(native_sas, accepts) is expected
     assert platform.sas_mode() is expected
     assert platform.capabilities.native_sparse_attention == (expected is SasMode.NATIVE)
-    assert platform.validate(dtype="float32", num_speculative_tokens=3) == []
+    assert platform.validate(dtype="float32") == []
 
 
 @pytest.mark.parametrize(
@@ -178,8 +178,8 @@ def test_real_npu_policy_capabilities() -> None:
 
 
 def test_native_sas_on_validates_only_where_supported() -> None:
-    assert emulated("on").validate(dtype="bfloat16", num_speculative_tokens=5) == []
+    assert emulated("on").validate(dtype="bfloat16") == []
     cpu_problems = CpuPlatform(PlatformCfg(name="cpu", native_sas=NativeSas.on)).validate(
-        dtype="bfloat16", num_speculative_tokens=5
+        dtype="bfloat16"
     )
     assert any("platform.native_sas=on is only supported on NPU" in p for p in cpu_problems)

@@ -114,7 +114,7 @@ def test_gamma_override_warns(caplog: pytest.LogCaptureFixture) -> None:
             overrides={"spec.num_speculative_tokens": 3},
         )
     assert llm._built.drafter.gamma == 3
-    assert "trained with block size 5" in caplog.text
+    assert "spec=dspark draft was trained to draft 5 per step" in caplog.text
 
 
 def test_capture_points_follow_the_platform() -> None:
@@ -456,8 +456,8 @@ def test_block_drafters_on_an_unsupported_target_family() -> None:
     dsv4 = ModelConfig(arch="deepseek_v4", preset="tiny_random")
     [problem] = DFlashDrafter.preflight(SpecConfig(method="dflash"), dsv4)
     assert "model.arch: qwen3" in problem
-    assert DSparkDrafter.default_gamma(SpecConfig(method="dspark"), plugin) == 1
-    assert DSparkDrafter.default_gamma(SpecConfig(method="dspark"), dsv4) == 5
+    assert DSparkDrafter.draft_depth(SpecConfig(method="dspark"), plugin).default == 1
+    assert DSparkDrafter.draft_depth(SpecConfig(method="dspark"), dsv4).trained == 5
 
 
 def test_a_target_family_without_the_drafter_is_an_error_not_a_value() -> None:

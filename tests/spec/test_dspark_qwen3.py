@@ -131,6 +131,8 @@ def test_deepspec_dflash_draft_runs_its_own_block_under_spec_dflash(
 
     def drafter(cls: type[DSparkDrafter]) -> BlockDrafter:
         spec = SpecConfig(method=cls.method.value, draft_path=path)
+        assert cls.draft_depth(spec, model_cfg).trained == 4  # its block_size
+        spec.num_speculative_tokens = 4  # what build resolves (xspec.build.resolve_gamma)
         return cls(spec, target=target, model_cfg=model_cfg, platform=platform, steps=EAGER_STEPS)
 
     dflash, dspark = drafter(DFlashDrafter), drafter(DSparkDrafter)

@@ -259,8 +259,10 @@ class Platform(abc.ABC):
             )
         return self._step_options
 
-    def validate(self, *, dtype: str, num_speculative_tokens: int) -> list[str]:
-        """Every limit of this platform the run would exceed, as messages naming the key."""
+    def validate(self, *, dtype: str) -> list[str]:
+        """Every limit of this platform the run would exceed, as messages naming the key
+        (the draft depth's, ``capabilities.max_speculative_tokens``, is checked with the
+        rest of gamma's by :func:`xspec.build.resolve_gamma`)."""
         caps = self.capabilities
         problems: list[str] = []
         if self.compile == "on" and caps.compile_backend is None:
@@ -272,13 +274,6 @@ class Platform(abc.ABC):
             problems.append(
                 f"model.dtype={dtype!r} is not supported on platform={self.name}; "
                 f"use one of {', '.join(sorted(caps.dtypes))}"
-            )
-        if num_speculative_tokens < 0:
-            problems.append(f"spec.num_speculative_tokens={num_speculative_tokens} must be >= 0")
-        elif num_speculative_tokens > caps.max_speculative_tokens:
-            problems.append(
-                f"spec.num_speculative_tokens={num_speculative_tokens} exceeds platform={self.name}'s "
-                f"limit of {caps.max_speculative_tokens}; lower it"
             )
         if self.native_sas == "on" and not self.supports_native_sas_option:
             problems.append(

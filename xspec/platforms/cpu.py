@@ -68,8 +68,8 @@ class CpuPlatform(HostDevice, Platform):
         kernels, line = native.load()
         return (kernels.ops() if kernels is not None else REFERENCE_OPS), line
 
-    def validate(self, *, dtype: str, num_speculative_tokens: int) -> list[str]:
-        problems = super().validate(dtype=dtype, num_speculative_tokens=num_speculative_tokens)
+    def validate(self, *, dtype: str) -> list[str]:
+        problems = super().validate(dtype=dtype)
         return problems + self._device_problems()
 
 

@@ -58,8 +58,8 @@ class CudaPlatform(Platform):
             return ModelOps(quant_linear=Fp8ScaledMM()), "FP8 linears (torch._scaled_mm)"
         return super().model_ops()
 
-    def validate(self, *, dtype: str, num_speculative_tokens: int) -> list[str]:
-        problems = super().validate(dtype=dtype, num_speculative_tokens=num_speculative_tokens)
+    def validate(self, *, dtype: str) -> list[str]:
+        problems = super().validate(dtype=dtype)
         count = torch.cuda.device_count()
         if self.device_index >= count:
             problems.append(

@@ -9,7 +9,7 @@ import json
 from collections.abc import Callable
 from pathlib import Path
 
-from xspec.build import Built, checkpoint_config, effective_gamma, trained_context
+from xspec.build import Built, checkpoint_config, resolve_gamma, trained_context
 from xspec.config import RunConfig
 from xspec.registry import models, spec_methods
 from xspec.run.workloads import ContextFit
@@ -28,7 +28,7 @@ def context_fit(cfg: RunConfig) -> ContextFit | None:
     limit = cfg.model.max_context or checkpoint_limit
     if limit is None:
         return None
-    gamma = effective_gamma(spec_methods.get(cfg.spec.method), cfg.spec, cfg.model)
+    gamma = resolve_gamma(cfg, spec_methods.get(cfg.spec.method)).value
     encode = None
     if ckpt_dir is not None and isinstance(config.get("vocab_size"), int):
         ids = json.dumps([config.get("bos_token_id"), config.get("eos_token_id")])

@@ -6,9 +6,8 @@ from typing import Any
 
 import torch
 
-from xspec.errors import ConfigError
 from xspec.models.base import Footprint, KvBytes, StepOptions
-from xspec.spec.drafter import CommittedRows, Drafter, DraftProposal, DraftRequest
+from xspec.spec.drafter import CommittedRows, DraftDepth, Drafter, DraftProposal, DraftRequest
 
 
 class NoDrafter(Drafter):
@@ -19,21 +18,10 @@ class NoDrafter(Drafter):
     ) -> None:
         self.gamma = 0
         self.capture_layer_ids: list[int] = []
-        if problems := self.preflight(cfg, None):
-            raise ConfigError(problems[0])
 
     @classmethod
-    def preflight(cls, spec_cfg: Any, model_cfg: Any) -> list[str]:
-        if spec_cfg.num_speculative_tokens not in (None, 0):
-            return [
-                f"spec.num_speculative_tokens={spec_cfg.num_speculative_tokens} has no effect with "
-                "spec=none; pick a drafter (spec=mtp) or drop the override"
-            ]
-        return []
-
-    @classmethod
-    def default_gamma(cls, spec_cfg: Any, model_cfg: Any = None) -> int:
-        return 0
+    def draft_depth(cls, spec_cfg: Any, model_cfg: Any) -> DraftDepth:
+        return DraftDepth(default=0, maximum=0)  # it never drafts
 
     @classmethod
     def footprint(cls, spec_cfg: Any, model_cfg: Any, gamma: int) -> Footprint:

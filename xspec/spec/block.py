@@ -32,7 +32,6 @@ implements :class:`~xspec.models.block_draft.BlockDraftModel`.
 
 from __future__ import annotations
 
-import logging
 from typing import Any
 
 import torch
@@ -43,24 +42,6 @@ from xspec.models.draft_heads import MarkovHead
 from xspec.sampling import SamplingParams, draw_uniforms, logits_to_probs, sample
 from xspec.spec.adaptive.calibration import ConfidenceCalibration
 from xspec.spec.drafter import CommittedRows, Drafter, DraftProposal, DraftRequest
-
-log = logging.getLogger(__name__)
-
-
-def resolve_gamma(requested: int | None, trained: int, method: str) -> int:
-    """``spec.num_speculative_tokens`` or the checkpoint's trained block size (with a
-    warning when the user picks another value)."""
-    if requested is None:
-        return trained
-    if requested != trained:
-        log.warning(
-            "spec.num_speculative_tokens=%d: this %s draft was trained with block size %d; "
-            "other values work but usually accept fewer tokens",
-            requested,
-            method,
-            trained,
-        )
-    return requested
 
 
 def sample_block(

@@ -25,9 +25,9 @@ allocates (``nbytes_allocated()``) never exceed what was planned for it.
 Every drafter subclasses :class:`Drafter`: the instance API above is abstract, and the
 class declares what :mod:`xspec.build` reads before anything is loaded, with defaults:
 ``preflight(spec_cfg, model_cfg) -> list[str]`` (checkpoint problems from headers),
-``default_gamma(spec_cfg, model_cfg) -> int`` (the gamma it will use when
-``spec.num_speculative_tokens`` is null; checked against the platform's limits),
-``footprint(spec_cfg, model_cfg, gamma)`` (its weights and cache from headers, for the
+``draft_depth(spec_cfg, model_cfg) -> DraftDepth`` (its default gamma, the most it can
+draft, the depth it was trained for: :func:`xspec.build.resolve_gamma` resolves and checks
+a run's gamma from it, once), ``footprint(spec_cfg, model_cfg, gamma)`` (its weights and cache from headers, for the
 memory check before loading),
 ``supports_adaptive`` (it can score its drafts for ``spec.adaptive``), and
 ``calibration`` / ``calibration_file`` (a loaded confidence calibration and its file).
@@ -38,7 +38,8 @@ drafter declares ``moe_module`` (the draft model, or None), ``observe_forwards``
 forwards per ``observe``) and ``propose_forwards(num_tokens)``.
 
 A drafter is constructed as ``cls(spec_cfg, *, target, model_cfg, platform, steps)``
-and passes ``steps`` (the platform's :class:`~xspec.models.base.StepOptions`: its ops and
+with ``spec_cfg.num_speculative_tokens`` set to the resolved gamma (never null: build
+resolves it before ``preflight`` and the constructor see the spec section), and passes ``steps`` (the platform's :class:`~xspec.models.base.StepOptions`: its ops and
 compiler) to the constructors of the modules it builds. Its model family comes from
 ``xspec.registry.family_named(model_cfg.arch)``; a drafter never names a family.
 
@@ -63,6 +64,16 @@ if TYPE_CHECKING:
     from xspec.models.base import StepOptions, TargetModel
     from xspec.platforms.base import Platform
     from xspec.spec.adaptive.calibration import ConfidenceCalibration
+
+
+@dataclass(frozen=True)
+class DraftDepth:
+    """What a drafter states about gamma (draft tokens per step) before anything is loaded;
+    :func:`xspec.build.resolve_gamma` resolves a run's gamma from it and checks it."""
+
+    default: int  # drafted when spec.num_speculative_tokens is null
+    maximum: int | None = None  # the most it can draft (0: never drafts; None: no own limit)
+    trained: int | None = None  # what its weights were trained to draft per step, if known
 
 
 @dataclass
@@ -157,9 +168,10 @@ class Drafter(abc.ABC):
         return []
 
     @classmethod
-    def default_gamma(cls, spec_cfg: Any, model_cfg: Any) -> int:
-        """The gamma it will draft: the configured value, else 1."""
-        return int(spec_cfg.num_speculative_tokens or 1)
+    def draft_depth(cls, spec_cfg: Any, model_cfg: Any) -> DraftDepth:
+        """Its default gamma (1 unless a drafter says otherwise), the most it can draft and
+        the depth it was trained for, from configs and headers only."""
+        return DraftDepth(default=1)
 
     @classmethod
     def footprint(cls, spec_cfg: Any, model_cfg: Any, gamma: int) -> Footprint | None:

@@ -31,7 +31,8 @@ from xspec.models.base import Footprint, StepOptions
 from xspec.models.block_draft import BlockDrafts, BlockLayout, LoadedDraft
 from xspec.registry import families_where, family_named
 from xspec.spec.adaptive.calibration import calibration_path, load_calibration
-from xspec.spec.block import BlockDrafter, resolve_gamma
+from xspec.spec.block import BlockDrafter
+from xspec.spec.drafter import DraftDepth
 
 CALIBRATION_KEY = "spec.adaptive.calibration"
 
@@ -60,7 +61,7 @@ class DSparkDrafter(BlockDrafter):
         loaded: LoadedDraft = family.load_block_draft(
             self.method, cfg, target=target, model_cfg=model_cfg, platform=platform
         )
-        gamma = resolve_gamma(cfg.num_speculative_tokens, loaded.trained_block_size, cfg.method)
+        gamma = int(cfg.num_speculative_tokens)  # resolved by build
         path = calibration_path(cfg.adaptive.calibration, loaded.path)
         calibration = None
         if path is not None and loaded.model.confidence is not None:
@@ -77,16 +78,16 @@ class DSparkDrafter(BlockDrafter):
         self.calibration_file = path if calibration is not None else None
 
     @classmethod
-    def default_gamma(cls, spec_cfg: Any, model_cfg: Any) -> int:
-        """gamma before anything is loaded: the user's, else the draft's trained block size
-        from its config.json (1 when unreadable: preflight reports the checkpoint)."""
-        if spec_cfg.num_speculative_tokens is not None:
-            return int(spec_cfg.num_speculative_tokens)
+    def draft_depth(cls, spec_cfg: Any, model_cfg: Any) -> DraftDepth:
+        """The draft's trained block size (its config.json) by default; 1 when it cannot
+        be read (preflight reports the checkpoint)."""
         try:
-            family = _family(cls.method, model_cfg.arch)
+            trained = _family(cls.method, model_cfg.arch).trained_block_size(
+                cls.method, spec_cfg, model_cfg
+            )
         except ConfigError:
-            return 1
-        return family.trained_block_size(cls.method, spec_cfg, model_cfg) or 1
+            trained = None
+        return DraftDepth(default=trained or 1, trained=trained)
 
     @classmethod
     def preflight(cls, spec_cfg: Any, model_cfg: Any) -> list[str]:
@@ -133,7 +134,7 @@ def _adaptive_problems(
     if found is None:
         return []
     try:
-        load_calibration(found, cls.default_gamma(spec_cfg, model_cfg), CALIBRATION_KEY)
+        load_calibration(found, spec_cfg.num_speculative_tokens, CALIBRATION_KEY)
     except ConfigError as e:
         return [str(e)]
     return []

@@ -23,7 +23,6 @@ The MTP consumes ``CommittedRows.hidden``, not aux captures: ``capture_layer_ids
 
 from __future__ import annotations
 
-import logging
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -34,14 +33,12 @@ from xspec.models.base import Footprint, KvBytes, StepOptions, TargetModel
 from xspec.models.family import ModelFamily
 from xspec.registry import families_where, family_named
 from xspec.sampling import logits_to_probs, sample
-from xspec.spec.drafter import CommittedRows, Drafter, DraftProposal, DraftRequest
+from xspec.spec.drafter import CommittedRows, DraftDepth, Drafter, DraftProposal, DraftRequest
 
 if TYPE_CHECKING:
     from xspec.models.deepseek_v4.mtp import MtpBlock
 
-log = logging.getLogger(__name__)
-
-DEFAULT_GAMMA = 1  # DeepSeek-V4 ships one MTP layer, trained to draft one token
+TRAINED_GAMMA = 1  # DeepSeek-V4 ships one MTP layer, trained to draft one token
 MAX_GAMMA = 16  # chained drafts beyond this are noise; also bounds the MTP's rollback ring
 
 
@@ -74,18 +71,8 @@ class MtpDrafter(Drafter):
         steps: StepOptions,
     ) -> None:
         family = _mtp_family(model_cfg.arch)
-        gamma = self.default_gamma(cfg, model_cfg)
-        if problem := _gamma_problem(gamma):
-            raise ConfigError(problem)
-        if gamma > DEFAULT_GAMMA:
-            log.warning(
-                "spec.num_speculative_tokens=%d: the MTP layer was trained to draft %d token; "
-                "drafts 2..%d chain its own hidden state (expect lower acceptance)",
-                gamma,
-                DEFAULT_GAMMA,
-                gamma,
-            )
-        self.gamma: int = gamma
+        # resolved by build; drafts 2..gamma chain the MTP's own hidden state
+        self.gamma: int = int(cfg.num_speculative_tokens)
         self.capture_layer_ids: list[int] = []
         self.target = target
         # built with the target's steps (``steps``: build shares one StepOptions)
@@ -108,22 +95,18 @@ class MtpDrafter(Drafter):
     # -- preflight (before any weights exist) ------------------------------------------
 
     @classmethod
-    def default_gamma(cls, spec_cfg: Any, model_cfg: Any) -> int:
-        """The gamma this drafter runs with: the configured one, else the trained 1."""
-        return int(spec_cfg.num_speculative_tokens or DEFAULT_GAMMA)
+    def draft_depth(cls, spec_cfg: Any, model_cfg: Any) -> DraftDepth:
+        """The trained depth by default, at most :data:`MAX_GAMMA` (chained drafts)."""
+        return DraftDepth(default=TRAINED_GAMMA, maximum=MAX_GAMMA, trained=TRAINED_GAMMA)
 
     @classmethod
     def preflight(cls, spec_cfg: Any, model_cfg: Any) -> list[str]:
         """Every problem of ``spec=mtp`` for this model, from configs and headers only."""
-        problems: list[str] = []
-        gamma = spec_cfg.num_speculative_tokens
-        if gamma is not None and (problem := _gamma_problem(gamma)):
-            problems.append(problem)
         try:
             family = _mtp_family(model_cfg.arch)
         except ConfigError as e:
-            return [*problems, str(e)]
-        return problems + family.preflight_mtp(spec_cfg, model_cfg)
+            return [str(e)]
+        return family.preflight_mtp(spec_cfg, model_cfg)
 
     @classmethod
     def footprint(cls, spec_cfg: Any, model_cfg: Any, gamma: int) -> Footprint | None:
@@ -216,15 +199,6 @@ class MtpDrafter(Drafter):
         ).to(tokens.device)
         ctx = BlockContext(tokens, positions, seq_lens, starts, [s.cache for s in states])
         return self.module.draft_hidden(hidden, tokens, ctx, own=own)
-
-
-def _gamma_problem(gamma: int) -> str | None:
-    if not 1 <= gamma <= MAX_GAMMA:
-        return (
-            f"spec.num_speculative_tokens={gamma}: spec=mtp drafts between 1 and {MAX_GAMMA} "
-            f"tokens per step ({DEFAULT_GAMMA} = the trained setting); pick a value in that range"
-        )
-    return None
 
 
 def _mtp_family(arch: str) -> ModelFamily:

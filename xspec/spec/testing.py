@@ -13,9 +13,7 @@ from typing import Any
 import torch
 
 from xspec.models.base import DecodeState, ForwardBatch, KvBytes, StepOptions, TargetModel
-from xspec.spec.drafter import CommittedRows, Drafter, DraftProposal, DraftRequest
-
-DEFAULT_GAMMA = 3
+from xspec.spec.drafter import CommittedRows, DraftDepth, Drafter, DraftProposal, DraftRequest
 
 
 class OracleDrafter(Drafter):
@@ -32,12 +30,12 @@ class OracleDrafter(Drafter):
     ) -> None:
         # the drafts run on ``target`` itself, whose steps its family configured
         self.target = target
-        self.gamma = self.default_gamma(cfg)
+        self.gamma = int(cfg.num_speculative_tokens)  # resolved by build
         self.capture_layer_ids: list[int] = []
 
     @classmethod
-    def default_gamma(cls, spec_cfg: Any, model_cfg: Any = None) -> int:
-        return int(spec_cfg.num_speculative_tokens or DEFAULT_GAMMA)
+    def draft_depth(cls, spec_cfg: Any, model_cfg: Any) -> DraftDepth:
+        return DraftDepth(default=3)
 
     def new_state(self, max_tokens: int | None = None) -> DecodeState:
         return self.target.new_state(max_tokens)

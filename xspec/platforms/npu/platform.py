@@ -167,8 +167,8 @@ class NpuPlatform(Platform):
             accepts = self.operator_accepts_ori_sparse_indices
         return select_sas_mode(self.native_sas, accepts)
 
-    def validate(self, *, dtype: str, num_speculative_tokens: int) -> list[str]:
-        problems = super().validate(dtype=dtype, num_speculative_tokens=num_speculative_tokens)
+    def validate(self, *, dtype: str) -> list[str]:
+        problems = super().validate(dtype=dtype)
         if self.native_sas == "on" and not self.operator_accepts_ori_sparse_indices:
             problems.append(_operator_rejects_message())
         problems.extend(self._device_problems())

@@ -169,9 +169,10 @@ def save_calibration(cal: ConfidenceCalibration, path: Path) -> None:
     atomic.write_json(path, body)
 
 
-def load_calibration(path: Path, gamma: int, where: str) -> ConfidenceCalibration:
-    """Read and check ``path`` for a run drafting ``gamma`` positions; ``where`` names the
-    setting that chose the file in errors. ConfigError says what is wrong and how to fix."""
+def load_calibration(path: Path, gamma: int | None, where: str) -> ConfidenceCalibration:
+    """Read and check ``path`` for a run drafting ``gamma`` positions (None: the count is
+    not checked); ``where`` names the setting that chose the file in errors. ConfigError
+    says what is wrong and how to fix."""
     fix = (
         "refit it for this draft and gamma (python -m xspec.train calibrate ...), or set "
         "spec.adaptive.calibration=off"
@@ -196,7 +197,7 @@ def load_calibration(path: Path, gamma: int, where: str) -> ConfidenceCalibratio
 
 
 def _fit(
-    raw: dict[str, Any], path: Path, gamma: int, where: str, fix: str
+    raw: dict[str, Any], path: Path, gamma: int | None, where: str, fix: str
 ) -> ConfidenceCalibration:
     """One fit of a calibration file (the top level or an entry of ``regimes``), checked."""
     temps = raw.get("temperatures")
@@ -207,7 +208,7 @@ def _fit(
         raise ConfigError(f"{where}: {path}: temperatures must be a list of numbers > 0; {fix}")
     if problem := _regime_problem(raw):
         raise ConfigError(f"{where}: {path}: {problem}; {fix}")
-    if len(temps) != gamma:
+    if gamma is not None and len(temps) != gamma:
         raise ConfigError(
             f"{where}: {path} has {len(temps)} temperatures (fitted for gamma={len(temps)}) "
             f"but this run drafts {gamma} positions; {fix}, or set "
