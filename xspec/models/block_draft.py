@@ -76,7 +76,7 @@ class LoadedDraft:
 
 
 class BlockDrafts(Protocol):
-    """A family's block-draft functions (its ``dspark.py`` module satisfies this).
+    """A family's block-draft functions (its ``block_drafts.py`` module satisfies this).
     ``layout`` is the method's; headers / config.json only, except ``load_block_draft``."""
 
     def preflight_block_draft(

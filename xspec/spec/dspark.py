@@ -3,7 +3,7 @@
 The algorithm lives in :mod:`xspec.spec.block`; a target family that lists the method's
 layout in ``ModelFamily.block_layouts`` provides its draft model through
 ``ModelFamily.block_drafts()`` (:class:`~xspec.models.block_draft.BlockDrafts`, its
-``dspark.py`` module, imported only when selected):
+``block_drafts.py`` module, imported only when selected):
 
 * ``preflight_block_draft(layout, spec_cfg, model_cfg) -> list[str]``: every problem of
   the draft checkpoint, from config.json and tensor headers only (nothing allocated);

@@ -21,13 +21,9 @@ from xspec.models.block_draft import BlockLayout
 from xspec.models.draft_heads import ConfidenceHead, MarkovHead
 from xspec.models.loading import Checkpoint, write_checkpoint
 from xspec.models.qwen3 import load_model
+from xspec.models.qwen3.block_drafts import load_block_draft
 from xspec.models.qwen3.draft_config import parse_config, trained_layout
-from xspec.models.qwen3.dspark import (
-    HEAD_PREFIXES,
-    DraftCache,
-    Qwen3BlockDraft,
-    load_block_draft,
-)
+from xspec.models.qwen3.dspark import HEAD_PREFIXES, DraftCache, Qwen3BlockDraft
 from xspec.models.qwen3.model import Qwen3Model
 from xspec.models.qwen3.tiny import tiny_draft_dir
 from xspec.platforms.cpu import CpuPlatform
@@ -355,7 +351,7 @@ def test_preflight_runs_before_the_target_is_loaded(
 
     # header checks may build shape-only (meta) modules; no weights may stream in
     monkeypatch.setattr("xspec.models.loading.load_params", refuse)
-    monkeypatch.setattr("xspec.models.qwen3.dspark.load_params", refuse)
+    monkeypatch.setattr("xspec.models.qwen3.block_drafts.load_params", refuse)
     path = rewrite(tiny_draft_dir(False, BlockLayout.DSPARK), tmp_path / "d", drop=("fc.weight",))
     with pytest.raises(ConfigError, match=r"no tensor provides 'fc\.weight'"):
         xspec.LLM(

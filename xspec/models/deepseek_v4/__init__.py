@@ -201,9 +201,9 @@ class DeepseekV4Family(ModelFamily):
         return footprint(cfg, max_rollback=max_rollback)
 
     def block_drafts(self) -> BlockDrafts:
-        from xspec.models.deepseek_v4 import dspark
+        from xspec.models.deepseek_v4 import block_drafts
 
-        return dspark
+        return block_drafts
 
     def preflight_mtp(self, spec_cfg: Any, model_cfg: Any) -> list[str]:
         """The MTP layer (the target's, or ``spec.draft_path``) against the target's

@@ -152,9 +152,9 @@ class Qwen3Family(ModelFamily):
         return footprint(cfg)  # full attention: rollback needs no extra rows
 
     def block_drafts(self) -> BlockDrafts:
-        from xspec.models.qwen3 import dspark
+        from xspec.models.qwen3 import block_drafts
 
-        return dspark
+        return block_drafts
 
 
 FAMILY = Qwen3Family()

@@ -93,7 +93,7 @@ def profile_key(cfg: Any, platform: Any, gamma: int, context: int | None) -> dic
     loaded), the sampling, the xspec and torch versions."""
     from importlib.metadata import version
 
-    from xspec import __version__
+    from xspec.version import __version__
 
     model, spec = cfg.model, cfg.spec
     ckpt = Path(model.path).resolve() if model.path else None
