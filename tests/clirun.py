@@ -21,15 +21,13 @@ class CliResult:
 
 def run_cli_in_process(*args: str, cwd: Path) -> CliResult:
     """Run ``xspec.__main__.main`` with ``args`` in ``cwd`` (where Hydra's outputs/ and
-    multirun/ go); the module's per-invocation state is reset first."""
+    multirun/ go); ``main`` starts its per-invocation state afresh."""
     import logging
 
     from hydra.core.global_hydra import GlobalHydra
 
     import xspec.__main__ as cli
 
-    for state in (cli._RESULTS, cli._SUMMARY_DIR, cli._FAILED, cli._EXPORTER):
-        state.clear()
     GlobalHydra.instance().clear()
     out, err = io.StringIO(), io.StringIO()
     old_argv, old_cwd = sys.argv, Path.cwd()

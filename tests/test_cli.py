@@ -164,6 +164,21 @@ def test_run_dir_is_overridable(tmp_path: Path, cache: Path) -> None:
     assert not (tmp_path / "outputs").exists()
 
 
+def test_each_invocation_in_one_process_keeps_its_own_jobs(tmp_path: Path, cache: Path) -> None:
+    """``main`` keeps its jobs' results and summary directory for one invocation: a second
+    run in the same process (the API, a notebook, these tests) summarises its own job, in
+    its own directory."""
+    for name in ("first", "second"):
+        out = tmp_path / name
+        r = run_cli(
+            *RUN, "workload.num_requests=1", f"hydra.run.dir={out}", cache=cache, cwd=tmp_path
+        )
+        assert r.returncode == 0, r.stderr
+        summary = json.loads((out / "summary.json").read_text())
+        assert [row["status"] for row in summary] == ["ok"], (name, summary)
+        assert f"summary in {out}" in r.stdout
+
+
 RESULT_KEYS = {
     "model", "spec", "platform", "gamma", "concurrency", "num_requests", "input_tokens_mean",
     "output_tokens_mean", "ttft_ms_mean", "tpot_ms_mean", "e2e_ms_mean", "output_tok_s",

@@ -25,6 +25,7 @@ import os
 import sys
 import tempfile
 import traceback
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -219,10 +220,18 @@ def _indent(text: str, prefix: str) -> str:
 # user's input, found before the run), and as ``xspec.bench serve`` with no success.
 NOTHING_SERVED_EXIT = 1
 
-_RESULTS: list[dict] = []  # one results.json content per job of this process (multirun)
-_SUMMARY_DIR: list[Path] = []  # where the summary goes: the sweep dir, or the run dir
-_EXPORTER: list = []  # the MetricsExporter of this process, when metrics.port is set
-_FAILED: list[dict[str, Any]] = []  # the multirun jobs that failed at run time
+@dataclass
+class _Invocation:
+    """What one ``main()`` keeps across the jobs Hydra runs in this process (one, or every
+    job of a multirun): Hydra calls the job function without arguments, so it lives here."""
+
+    results: list[dict] = field(default_factory=list)  # one results.json content per job
+    failed: list[dict[str, Any]] = field(default_factory=list)  # jobs failed at run time
+    summary_dir: Path | None = None  # where the summary goes: the sweep dir, or the run dir
+    exporter: Any = None  # the MetricsExporter of this process, when metrics.port is set
+
+
+_STATE = _Invocation()  # main() starts it afresh
 
 
 def run(cfg: RunConfig, choices: dict[str, str] | None = None, out_dir: Path | None = None) -> None:
@@ -238,7 +247,7 @@ def run(cfg: RunConfig, choices: dict[str, str] | None = None, out_dir: Path | N
     if main:  # flushed: a log file shows the plan at once, not when the run ends
         print(plan_summary(built), flush=True)
     model = (choices or {}).get("model", cfg.model.arch)
-    exporter = _EXPORTER[0] if _EXPORTER and main else None
+    exporter = _STATE.exporter if main else None
     if exporter is not None:
         exporter.follow(built.engine)
 
@@ -250,7 +259,7 @@ def run(cfg: RunConfig, choices: dict[str, str] | None = None, out_dir: Path | N
     if not main:
         return
     result = job_results(built, cfg.workload, runs, model)
-    _RESULTS.append(result)
+    _STATE.results.append(result)
     if out_dir is not None:
         atomic.write_json(out_dir / RESULTS_FILE, result)
         print(f"xspec: results in {out_dir / RESULTS_FILE}")
@@ -267,8 +276,8 @@ def _hydra_entry(cfg: DictConfig) -> None:
 
     hc = HydraConfig.get()
     multirun = hc.mode == RunMode.MULTIRUN
-    if not _SUMMARY_DIR:
-        _SUMMARY_DIR.append(Path(hc.sweep.dir if multirun else hc.runtime.output_dir))
+    if _STATE.summary_dir is None:
+        _STATE.summary_dir = Path(hc.sweep.dir if multirun else hc.runtime.output_dir)
     out_dir = Path(hc.runtime.output_dir)
     try:
         run(typed(cfg), dict(hc.runtime.choices), out_dir)
@@ -300,7 +309,7 @@ def _job_failed(hc: Any, out_dir: Path, e: Exception, traceback_text: str | None
             where = f" (traceback in {out_dir / 'error.txt'})"
         except OutputError:
             pass
-    _FAILED.append(
+    _STATE.failed.append(
         {
             "job": hc.job.num,
             "overrides": overrides,
@@ -319,6 +328,8 @@ def _job_failed(hc: Any, out_dir: Path, e: Exception, traceback_text: str | None
 def main() -> None:
     from xspec.compose import normalise_override
 
+    global _STATE
+    _STATE = state = _Invocation()
     overrides = set(overrides_of(sys.argv[1:]))  # shorthands (spec.adaptive=true), for Hydra too
     sys.argv[1:] = [normalise_override(a) if a in overrides else a for a in sys.argv[1:]]
     args = sys.argv[1:]
@@ -346,40 +357,43 @@ def main() -> None:
     try:
         _hydra_entry()
     finally:
-        if _EXPORTER:
-            _EXPORTER.pop().close()
+        if state.exporter is not None:
+            state.exporter.close()
     if "torch.distributed" in sys.modules:  # a torchrun run joined a process group
         from xspec.parallel.runtime import shutdown
 
         shutdown()
-    if _RESULTS or _FAILED:
+    results, failed = state.results, state.failed
+    if results or failed:
+        assert state.summary_dir is not None  # set by the first job
         try:
-            _summarize(_SUMMARY_DIR[0])
+            _summarize(state.summary_dir, results, failed)
         except OutputError as e:
             sys.exit(_fail(e))
-    if code := _exit_code():
+    if code := _exit_code(state):
         sys.exit(code)
 
 
-def _exit_code() -> int:
+def _exit_code(state: _Invocation) -> int:
     """0, or the invocation's failure: a job that failed (its exit code), a job in which
     every request failed (:data:`NOTHING_SERVED_EXIT`); a sweep says which."""
-    jobs = len(_FAILED) + len(_RESULTS)
-    if _FAILED:
-        done = f"; the summary of the {len(_RESULTS)} that finished" if _RESULTS else ""
+    results, failed = state.results, state.failed
+    jobs = len(failed) + len(results)
+    if failed:
+        done = f"; the summary of the {len(results)} that finished" if results else ""
         print(
-            f"xspec: error: {len(_FAILED)} of {jobs} jobs failed "
-            f"(job {', '.join(str(f['job']) for f in _FAILED)}){done} is in {_SUMMARY_DIR[0]}",
+            f"xspec: error: {len(failed)} of {jobs} jobs failed "
+            f"(job {', '.join(str(f['job']) for f in failed)}){done} is in {state.summary_dir}",
             file=sys.stderr,
         )
-    empty = [r for r in _RESULTS if all(q["error"] is not None for q in r["requests"])]
+    empty = [r for r in results if all(q["error"] is not None for q in r["requests"])]
     if empty and jobs > 1:  # a single run has said so under its figures
         print(
             f"xspec: error: in {len(empty)} of {jobs} jobs every request failed (their "
-            f"results.json hold the errors; the summary is in {_SUMMARY_DIR[0]})",
+            f"results.json hold the errors; the summary is in {state.summary_dir})",
             file=sys.stderr,
         )
-    return max([f["exit_code"] for f in _FAILED] + [NOTHING_SERVED_EXIT] * len(empty), default=0)
+    return max([f["exit_code"] for f in failed] + [NOTHING_SERVED_EXIT] * len(empty), default=0)
 
 
 def _start_exporter(cfg: RunConfig) -> None:
@@ -388,21 +402,20 @@ def _start_exporter(cfg: RunConfig) -> None:
 
     if cfg.metrics.port is None:
         return
-    exporter = MetricsExporter(cfg.metrics.host, cfg.metrics.port)
-    _EXPORTER.append(exporter)
+    exporter = _STATE.exporter = MetricsExporter(cfg.metrics.host, cfg.metrics.port)
     print(f"xspec: serving Prometheus metrics at {exporter.url}", flush=True)
 
 
-def _summarize(directory: Path) -> None:
+def _summarize(directory: Path, results: list[dict], failed: list[dict[str, Any]]) -> None:
     """The combined table (printed for a multirun or repeats) and summary files + plot."""
     from xspec.run.results import SUMMARY_PNG, plot, write_summary
 
-    table = write_summary(_RESULTS, directory, failed=_FAILED)
-    if len(_RESULTS) + len(_FAILED) > 1 or any(r["num_repeats"] > 1 for r in _RESULTS):
+    table = write_summary(results, directory, failed=failed)
+    if len(results) + len(failed) > 1 or any(r["num_repeats"] > 1 for r in results):
         print("\n" + table)
-    if not _RESULTS:
+    if not results:
         print(f"xspec: summary in {directory} (summary.md, summary.json)")
-    elif plot(_RESULTS, directory / SUMMARY_PNG):
+    elif plot(results, directory / SUMMARY_PNG):
         print(f"xspec: summary in {directory} (summary.md, summary.json, {SUMMARY_PNG})")
     else:
         print(
