@@ -125,3 +125,18 @@ def test_latency_means_leave_out_failed_requests() -> None:
     figures = run_figures([good, rejected])
     assert figures["ttft_ms_mean"] == pytest.approx(200.0)
     assert figures["e2e_ms_mean"] == pytest.approx(600.0) and figures["errors"] == 1
+
+
+def test_the_engine_starts_its_counters_afresh_itself() -> None:
+    """The warm-up and the progress bar reset the spec-decode counters through the engine
+    (``Engine.reset_metrics``), which returns what it had counted."""
+    from xspec.engine.engine import Request
+    from xspec.metrics import SpecDecodeMetrics
+    from xspec.sampling import SamplingParams
+
+    engine = xspec.LLM(model="qwen3_tiny", spec="oracle", platform="cpu").engine
+    engine.run([Request([1, 2, 3], 4, SamplingParams())], 1)
+    counted, mine = engine.metrics, SpecDecodeMetrics()
+    assert engine.reset_metrics(mine) is counted and engine.metrics is mine
+    assert counted.report().num_steps > 0 and mine.report().num_steps == 0
+    assert engine.reset_metrics() is mine and engine.metrics is not mine
