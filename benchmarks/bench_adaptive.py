@@ -1,93 +1,57 @@
-"""Speculation that never loses: ``spec=none`` vs fixed-gamma DSpark vs ``spec.adaptive``
-vs ``spec.gamma_schedule``, against concurrency, greedy and sampled.
+"""Adaptive speculation against its alternatives: ``spec=none`` vs fixed-gamma DSpark vs
+``spec.adaptive`` vs ``spec.gamma_schedule``, against concurrency, greedy and sampled; and
+(``--simulate``) the per-step plain / drafting choice on a synthetic machine.
 
     python benchmarks/bench_adaptive.py [--concurrency 1 4 8 16 32 64] [--temperatures 0 0.8]
-        [--reps 2] [--max-new 64] [--gamma 5] [--schedule '[[1,5],[8,3],[16,0]]']
-        [--warmup workload|two] [--out FILE.json] [--plot FILE.svg] [--replot FILE.json ...]
-        [--turns] [--twin] [--quick]
-        [key=value ...]                                   # e.g. model=dsv4_tiny
+        [--reps 2] [--max-new 64] [--max-new-spread S] [--min-requests N] [--gamma 5]
+        [--schedule '[[1,5],[8,3],[16,0]]'] [--warmup workload|two] [--turns] [--twin]
+        [--first-rep K] [--out FILE.json] [--plot FILE.svg] [--replot FILE.json ...]
+        [--quick] [key=value ...]                         # e.g. model=dsv4_tiny
+    python benchmarks/bench_adaptive.py --simulate [--seeds 8] [--steps 800] [--batch 32]
+        [--draft-bias 1.47] [--tail-every 60] [--tail 10] [--spells 20:1.0 20:1.7 ...]
+        [--spell-noise 0.08] [--switch-cost 0.08 0.05]
 
-Every (configuration, temperature, concurrency, repeat) runs in **its own process**
-(``--child``: build, one unmeasured warm-up, then the measured run of the workload;
-output tok/s = generated tokens / wall time of ``Engine.run``), and the
-configurations are **interleaved**: per repeat, temperature and concurrency the four
-run back to back, in an order rotated every time, so a slow spell of a shared machine
-falls on all of them. Figures are medians over ``--reps``. Repeat i samples with
-``sampling.seed=i`` (every configuration of the repeat alike): at T=0.8 a run's
-acceptance depends on the path its samples took, and one plain step changes every later
-sample, so with one seed for every repeat a configuration measured one path three times
-(at concurrency 4, tokens per drafting step moved from 11.0 to 12.7 between seeds; with
-seed 0 adaptive decided the same steps in every repeat and made 0.82x of fixed gamma in
-each, 0.90-1.03x over seeds 1-3).
+**The sweep.** Every (configuration, temperature, concurrency, repeat) runs in its own
+process (``--child``: build, one unmeasured warm-up, the measured run of the workload;
+output tok/s = generated tokens / the run's seconds), and the configurations of a cell
+are interleaved (an order rotated every cell), so a slow spell of a shared machine falls
+on all of them. With ``--turns`` (what docs/adaptive.md's table uses) the configurations
+of a cell are alive at once and stepped in turns over a pipe, a turn being engine
+iterations until ``--turn-ms`` of the process's own time; each counts only its own
+iterations' time. Repeat i samples with ``sampling.seed=i`` (every configuration alike:
+at T > 0 a run's steps depend on the path its samples took). Figures are medians over
+``--reps``; ``--twin`` runs fixed gamma twice per cell and prints their ratio (what the
+harness itself moves: the floor under every other ratio).
 
-The prompts are ``benchmarks/adaptive_prompts.jsonl``: 24 code prompts (``corpus.prompts``,
-seed 23) from held-out standard-library files that neither the default workload's prompts
-(``tty``, ``tracemalloc``, ``encodings/utf_16_le``, ``encodings/utf_32_le``) nor the
-shipped draft's calibration prompts come from: ``asyncio/taskgroups``,
-``asyncio/windows_utils``, ``ctypes/_endian``, ``enum``, ``importlib/_bootstrap``,
-``importlib/metadata/_meta``, ``importlib/resources/readers``,
-``lib2to3/fixes/fix_itertools``, ``lib2to3/fixes/fix_paren``, ``re/_compiler`` (the tiny
-model never trained on any held-out file: ``xspec/train/corpus.py``). Each run has
-``max(2 * concurrency, 8)`` requests of ``--max-new`` tokens (eos ignored;
-``--requests-per-slot`` sets the 2, ``--min-requests`` the 8). At T>0 and low
-concurrency, give more (``--min-requests 32``): a run of 8 requests at 4 is two waves,
-about 34 steps, 30-42 over seeds with the paths the samples took, and adaptive and fixed
-gamma never share a path (the trim changes which draws a request makes): over 24 seeds
-in one process adaptive took 34.0 steps and fixed gamma 33.6, at the same batch
-occupancy, where four repeats of a sweep had it 9-12 % ahead. ``--max-new-spread S`` gives
-the requests ``--max-new - S .. --max-new + S`` new tokens instead, evenly spaced, dealt
-out of order (the same tokens in all): without it, every request of a wave ends at the
-same step under ``spec=none`` (one batched prefill refills the batch, nothing runs at
-part occupancy), while a drafting run's requests end where their acceptance took them (a
-prefill iteration per newcomer, a tail of the last few). At 16 requests, T=0.8, in one
-process, a spread of 8 took ``spec=none`` from 484 to 459 tok/s and fixed gamma from 479
-to 479 (seeds 700-703): how much of ``spec=none``'s lead there is the lockstep of equal
-lengths, which a served workload does not have.
+The prompts are ``benchmarks/adaptive_prompts.jsonl``: 24 code prompts from held-out
+standard-library files that neither the default workload's prompts nor the shipped
+draft's calibration prompts come from. A run has ``max(--requests-per-slot *
+concurrency, --min-requests)`` requests of ``--max-new`` tokens (eos ignored);
+``--max-new-spread S`` spreads them over ``--max-new +- S`` (the same mean, dealt out of
+order), as a served workload's lengths are. The warm-up (``--warmup``) runs the workload
+once, unmeasured (``workload``: the steady state of a server, whose adaptive decision has
+learnt its step costs and acceptance by then), or two requests (``two``: a cold start).
 
-The warm-up (``--warmup``): ``workload`` (default) runs the same workload once, unmeasured,
-in every configuration: what a server under this load has learnt by the time anyone
-measures it (``spec.adaptive`` learns its step costs, value checks and acceptance online,
-and a measured run of 10-20 decode steps per wave would otherwise weigh its first
-steps' exploration as if a server restarted every few seconds); ``two``: two requests at
-concurrency 2 (the first calls' one-off costs only: a cold start).
+Printed: per temperature the median tok/s of each configuration and adaptive / best and
+schedule / best (best: the better of ``spec=none`` and fixed gamma), adaptive / best per
+repeat with its median and the 90 % bootstrap interval of the ratio of medians
+(``xspec.bench.stats.bootstrap_interval``), then per adaptive run its depths, steps
+without drafts and predicted / measured step time, where the time went, and whether greedy
+outputs equal ``spec=none``'s. ``--out`` keeps every run as JSON; ``--replot`` prints and
+plots saved runs (several pool their repeats); ``--quick`` is a smoke run (concurrency 1
+and 8, greedy, one repeat, 16 new tokens).
 
-Printed: the markdown tables of docs/adaptive.md (tok/s per configuration, and the
-ratios adaptive / best-of(none, fixed) and schedule / best-of(none, fixed); the issue's
-bar is >= 0.97 everywhere), then per adaptive run the depth histogram, the steps that
-drafted nothing and the cost model's predicted vs measured step time, and for fixed
-gamma and adaptive where the time went: decode steps, ms per decode step, seconds of
-decode and of prefill (at T=0.8 and 4 requests, in turns of one iteration, the gap was
-in the steps: adaptive took 37.8 against 33.9 over seeds 400-407, its steps 0.5-1 ms
-cheaper; in turns of 100 ms, 33.5 against 33). ``--out`` keeps
-every run's figures as JSON, ``--plot FILE.svg`` draws output tok/s against concurrency
-(``--replot FILE.json --plot FILE.svg`` prints the tables of a saved run and redraws it;
-give it the run's ``--max-new``, ``--gamma`` and ``--schedule`` for the headings; several
-files pool their repeats, e.g. a second sweep run with ``--first-rep 8``, whose repeats
-sample with seeds 8 and up, so that at T=0.8 the pooled repeats follow fresh paths).
-``--quick``: concurrency 1 and 8, greedy only, one repeat, 16 new tokens (a smoke run,
-minutes).
-
-The tables give adaptive / best as the ratio of the medians (the goal's figure), per
-repeat, and the 90 % bootstrap interval of the ratio of medians (the repeats resampled
-whole, ``xspec.bench.stats.bootstrap_interval``): how far the figure could move with
-other repeats of the same machine. ``--twin`` runs fixed gamma a second time in each
-cell, in a process of its own, and prints its ratio to the first: the same
-configuration, so whatever that ratio moves is the harness's own noise (a process's speed
-differs from another's by a few percent for the whole run, whatever it runs), the floor
-under every other ratio.
-
-``--turns``: the configurations of a cell alive at once, each in its own process, stepped
-in turns over a pipe; a turn is engine iterations until ``--turn-ms`` (100) of the
-process's own time, at least one. Each counts only its own iterations' time, and a slow
-spell of the machine (seconds long) falls on every configuration alike. A turn of one
-iteration (``--turn-ms 0``, the harness before 2026-12-05) charged every step the
-switch between processes, about 6 ms at 4 requests (the others' data in the caches, their
-threads' wake-ups): fixed depths 1..5 took 22.2-26.9 ms a step there against 16.3-21.8 in
-a process of its own, so it favoured fewer, larger steps and made a row look cheap
-against a step (``spec=none`` at T=0.8 and 4 requests: 207 tok/s in turns of one
-iteration, 271 in turns of 100 ms, the same seeds). A child done early stays alive
-until the last one is done (:func:`drive_turns`): until 2026-12-05 its exit ran beside
-the others' last turns and made four identical processes differ by up to 45 %.
+**--simulate.** :class:`~xspec.spec.adaptive.AdaptiveDepth` driven with step times from
+a known law, no model: a plain step of R requests takes 1.0 s by the profile, verifying 5
+drafts each 2.0 s, the draft forward 0.5 s; drafting steps of ``--batch`` requests really
+take ``--draft-bias`` times that (a cost the profile does not see), tail steps of 2
+requests 0.7 times (every ``--tail-every`` steps, ``--tail`` of them); the machine's
+speed switches every LEN steps between 1.0 and RATIO (``--spells LEN:RATIO``) with
+log-normal noise; each draft position is accepted with probability 0.7; ``--switch-cost
+P D``: a step of the other kind than the last costs ``1 + P`` (plain) or ``1 + D``
+(drafting) more. Printed per spell pattern: the share of the big-batch steps (after a
+warm-up) that drafted, per seed and the mean, against the right answer (0: plain, 1:
+drafting), and their tokens per second over the better fixed kind's on the same machine.
 """
 
 from __future__ import annotations
@@ -170,15 +134,15 @@ def child(spec: dict[str, Any], turns: TextIO | None = None) -> dict[str, Any]:
     import torch
 
     import xspec
-    from xspec.metrics import SpecDecodeMetrics
     from xspec.run.workloads import load_workload
     from xspec.sampling import SamplingParams
+    from xspec.spec.adaptive import AdaptiveDepth
 
     torch.set_num_threads(spec["threads"])
     o = dict(spec["overrides"])
     model, method = o.pop("model"), o.pop("spec")
     llm = xspec.LLM(model=model, spec=method, overrides=o)
-    built, engine = llm._built, llm._built.engine
+    built, engine = llm.built, llm.engine
     s, w = built.cfg.sampling, built.cfg.workload
     params = SamplingParams(temperature=s.temperature, top_k=s.top_k, top_p=s.top_p, seed=s.seed)
     requests = load_workload(w, built.tokenizer, built.target.vocab_size, params).requests
@@ -189,9 +153,9 @@ def child(spec: dict[str, Any], turns: TextIO | None = None) -> dict[str, Any]:
         engine.run(requests, w.concurrency)
     else:  # a cold start: the first calls' one-off costs only
         engine.run(requests[:2], 2)
-    engine.metrics = SpecDecodeMetrics()
-    if engine.speculation is not None and engine.speculation.cost is not None:
-        engine.speculation.cost.reset_report()  # predicted vs measured: the measured run
+    engine.reset_metrics()
+    if isinstance(engine.policy, AdaptiveDepth):
+        engine.policy.reset_report()  # predicted vs measured: the measured run only
     if turns is None:
         gens = engine.run(requests, w.concurrency)
         seconds = engine.run_s
@@ -215,9 +179,9 @@ def child(spec: dict[str, Any], turns: TextIO | None = None) -> dict[str, Any]:
         "regimes": r.regimes,
         "outputs": [g.token_ids for g in gens] if params.greedy else None,
     }
-    speculation = engine.speculation
-    if speculation is not None and speculation.cost is not None:
-        out["step_time"] = speculation.cost.summary()
+    figures = engine.policy.summary() or {}
+    if figures.get("step_time") is not None:
+        out["step_time"] = figures["step_time"]
     return out
 
 
@@ -292,15 +256,9 @@ def drive_turns(
 ) -> dict[str, dict[str, Any]]:
     """Turns to every process of ``procs`` (ready, in their order) until each is done;
     their JSON figures. A finished child stays alive until every one is done: it exits
-    when its stdin closes, and that comes after the last one's figures. Until
-    2026-12-05 a child exited as soon as it was done, and its exit (freeing its memory,
-    the interpreter's shutdown) ran beside the turns of those still measuring, so
-    whichever finished in a later turn paid for the exits before it. Four processes of
-    fixed gamma (greedy, 4 requests, seeds 616-619) took 21.8-22.5 ms a decode step
-    first in the turn order and 27.2-31.8 ms last on one core (``taskset -c 1``),
-    21.3-26.8 ms on the two, where their median steps were the same (23.7-24.2 ms): the
-    run's last steps took 12-17 ms in the first process and 30-66 ms in the others,
-    after its exit. Now 21.3-22.4 ms on one core and on two, whatever the position."""
+    when its stdin closes, after the last one's figures (an exit, freeing memory and
+    shutting the interpreter down, would otherwise run beside the turns of those still
+    measuring and slow whichever finishes later)."""
     results: dict[str, dict[str, Any]] = {}
     live = list(procs)
     while live:
@@ -477,8 +435,7 @@ def details(a: argparse.Namespace, runs: dict[tuple[str, float, int], list[dict]
 
 
 def time_split(runs: list[dict]) -> str | None:
-    """A configuration's decode / prefill split over its repeats (None: not recorded, a
-    run saved before 2026-12-05)."""
+    """A configuration's decode / prefill split over its repeats (None: not recorded)."""
     runs = [r for r in runs if r.get("decode_s") is not None]
     if not runs:
         return None
@@ -574,6 +531,151 @@ def pool_runs(
     return {k: [r for runs in saved for r in runs[k]] for k in saved[0]}
 
 
+# -- --simulate: the plain / drafting choice on a synthetic machine ---------------------------
+
+SIM_GAMMA = 5
+SIM_ACCEPT = 0.7  # each draft position accepted with this probability
+SIM_NOISE = 0.08  # log sd of a step's time outside the slow spells
+SIM_WARMUP = 120  # steps not counted
+SIM_TAIL_REQUESTS = 2
+SIM_TAIL_BIAS = 0.7  # a tail's drafting steps: this much of the profile's time
+
+
+def sim_profile() -> Any:
+    """The profile the decision is seeded with, and the machine's law before its biases."""
+    from xspec.spec.adaptive.cost import StepCost
+
+    return StepCost(
+        requests=[1, 64],
+        drafts=[0, SIM_GAMMA],
+        seconds=[[1.0, 2.0], [1.0, 2.0]],
+        draft_seconds=[0.5, 0.5],
+    )
+
+
+def simulate(
+    a: argparse.Namespace, seed: int, spell: int, ratio: float, kind: str = "adaptive"
+) -> tuple[float, float]:
+    """One run: the share of big-batch steps after the warm-up that drafted, and their
+    committed tokens per second. ``kind``: ``adaptive`` (the decision), or every step
+    ``plain`` or ``drafting`` (forced: the fixed choices to compare it with). The machine
+    (its spells and noise) is the same for every kind of one seed."""
+    import random
+
+    from xspec.sampling import SamplingParams
+    from xspec.spec.adaptive import AdaptiveDepth
+    from xspec.spec.adaptive.online import OnlineStepCost
+
+    machine, accept = random.Random(seed), random.Random(seed + 10_000)
+    profile = sim_profile()
+    force = None
+    if kind != "adaptive":
+        force = (lambda caps: caps) if kind == "drafting" else (lambda caps: [0] * len(caps))
+    s = AdaptiveDepth(SIM_GAMMA, cost=OnlineStepCost(profile), force=force)
+    histories = {r: [s.new_history() for _ in range(r)] for r in (SIM_TAIL_REQUESTS, a.batch)}
+    params = [SamplingParams(temperature=0.8)] * a.batch
+    speed, drafted, counted, tokens, seconds_total = 1.0, 0, 0, 0, 0.0
+    last: dict[int, bool] = {}  # batch size -> whether its last step drafted
+    for t in range(a.steps):
+        if t % spell == 0:
+            speed = machine.choice([1.0, ratio])
+        sigma = a.spell_noise if speed != 1.0 else SIM_NOISE
+        noise = math.exp(machine.gauss(0.0, sigma))
+        tail = t % a.tail_every >= a.tail_every - a.tail
+        R = SIM_TAIL_REQUESTS if tail else a.batch
+        depths = s.depths(params[:R], histories[R], [SIM_GAMMA] * R)
+        drafting = sum(d > 0 for d in depths)
+        bias = (SIM_TAIL_BIAS if tail else a.draft_bias) if drafting else 1.0
+        seconds = profile.seconds_at(R, R + sum(depths), drafting) * speed * bias * noise
+        if last.setdefault(R, drafting > 0) != (drafting > 0):  # a switch: its first step
+            seconds *= 1.0 + a.switch_cost[drafting > 0]
+        last[R] = drafting > 0
+        accepted = []
+        for d in depths:
+            k = 0
+            while k < d and accept.random() < SIM_ACCEPT:
+                k += 1
+            accepted.append(k)
+        s.learn(histories[R], depths, accepted, seconds=seconds)
+        if t >= SIM_WARMUP and not tail:
+            counted += 1
+            drafted += drafting > 0
+            tokens += R + sum(accepted)
+            seconds_total += seconds
+    return drafted / max(counted, 1), tokens / seconds_total
+
+
+def run_simulation(a: argparse.Namespace, spells: list[tuple[str, int, float]]) -> None:
+    """``--simulate``: per spell pattern, the share of drafting steps against the right
+    answer, and the tokens per second against the better fixed kind's."""
+    profile = sim_profile()
+    # a plain step: R tokens in its profiled time; a drafting step: R (1 + sum_j ACCEPT^j)
+    tokens = 1 + sum(SIM_ACCEPT**j for j in range(1, SIM_GAMMA + 1))
+    drafting = tokens / (profile.seconds_at(a.batch, a.batch * (SIM_GAMMA + 1)) * a.draft_bias)
+    value = drafting / (1 / profile.seconds_at(a.batch, a.batch, 0))  # drafting / plain
+    better = "drafting" if value > 1 else "plain"
+    print(
+        f"share of {a.batch}-request steps that drafted; drafting makes {value:.2f}x a plain "
+        f"step's value, so {better} is right (share {1 if value > 1 else 0}); per seed and mean"
+    )
+    for pattern, spell, slow in spells:
+        runs = [simulate(a, seed, spell, slow) for seed in range(a.seeds)]
+        shares = [share for share, _ in runs]
+        best = [
+            max(simulate(a, seed, spell, slow, kind)[1] for kind in ("plain", "drafting"))
+            for seed in range(a.seeds)
+        ]
+        ratio = statistics.fmean(v / b for (_, v), b in zip(runs, best))
+        per_seed = " ".join(f"{x:.2f}" for x in shares)
+        print(
+            f"  spells {pattern:>7}: mean {statistics.fmean(shares):.3f}  [{per_seed}]  "
+            f"tokens/s {ratio:.3f}x the better fixed kind's"
+        )
+
+
+def simulation_args(ap: argparse.ArgumentParser) -> None:
+    """The ``--simulate`` options."""
+    g = ap.add_argument_group("--simulate: the decision on a synthetic machine")
+    g.add_argument("--simulate", action="store_true", help="run the simulation only")
+    g.add_argument("--seeds", type=int, default=8)
+    g.add_argument("--steps", type=int, default=800)
+    g.add_argument("--batch", type=int, default=32)
+    g.add_argument("--draft-bias", type=float, default=1.47)
+    g.add_argument("--tail-every", type=int, default=60)
+    g.add_argument("--tail", type=int, default=10)
+    g.add_argument("--spells", nargs="+", default=["20:1.0", "20:1.7", "8:1.7", "50:1.7"])
+    g.add_argument("--spell-noise", type=float, default=SIM_NOISE)
+    g.add_argument(
+        "--switch-cost",
+        type=float,
+        nargs=2,
+        default=[0.0, 0.0],
+        metavar=("PLAIN", "DRAFTING"),
+        help="the first step of a kind after the other kind costs 1 + this more",
+    )
+
+
+def simulation_spells(ap: argparse.ArgumentParser, a: argparse.Namespace) -> list:
+    """The ``--spells`` patterns, checked with the other ``--simulate`` options."""
+    if min(a.switch_cost) < 0:
+        ap.error(f"--switch-cost {a.switch_cost} must be >= 0")
+    if a.spell_noise < 0:
+        ap.error(f"--spell-noise {a.spell_noise} must be >= 0 (a log sd)")
+    if not 0 <= a.tail < a.tail_every:
+        ap.error(f"--tail {a.tail} must be below --tail-every {a.tail_every}")
+    spells = []
+    for pattern in a.spells:
+        try:
+            length, speed = pattern.split(":")
+            spell, slow = int(length), float(speed)
+        except ValueError:
+            ap.error(f"--spells {pattern!r}: expected LEN:RATIO, e.g. 20:1.7")
+        if spell < 1 or slow <= 0:
+            ap.error(f"--spells {pattern!r}: LEN must be >= 1 and RATIO > 0")
+        spells.append((pattern, spell, slow))
+    return spells
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 8, 16, 32, 64])
@@ -650,7 +752,11 @@ def main() -> None:
     )
     ap.add_argument("--child", default=None, help=argparse.SUPPRESS)
     ap.add_argument("overrides", nargs="*", help="key=value, e.g. model=dsv4_tiny")
+    simulation_args(ap)
     a = ap.parse_args()
+    if a.simulate:
+        run_simulation(a, simulation_spells(ap, a))
+        return
     if a.requests_per_slot < 1:
         ap.error(f"--requests-per-slot must be at least 1, got {a.requests_per_slot}")
     if a.min_requests < 1:

@@ -27,73 +27,7 @@ import argparse
 from collections.abc import Callable
 
 import torch
-from bench_verify_step import interleaved
-
-import xspec
-from xspec.models.base import ForwardBatch
-from xspec.sampling import SamplingParams, make_generator
-from xspec.spec.drafter import CommittedRows, DraftRequest
-from xspec.spec.step import RunningSeq as Running
-from xspec.spec.step import prefill
-
-
-def setup(
-    spec: str,
-    gamma: int | None,
-    context: int,
-    batch: int,
-    kernels: str = "auto",
-    temperature: float = 0.0,
-) -> tuple[xspec.LLM, list]:
-    overrides: dict = {"platform.kernels": kernels}
-    if gamma:
-        overrides["spec.num_speculative_tokens"] = gamma
-    llm = xspec.LLM(model="dsv4_tiny", spec=spec, platform="cpu", overrides=overrides)
-    b = llm._built
-    gen = torch.Generator().manual_seed(0)
-    params = [SamplingParams(temperature=temperature, seed=i) for i in range(batch)]
-    seqs = [
-        Running(
-            token_ids=torch.randint(2, 511, (context,), generator=gen).tolist(),
-            target_state=b.target.new_state(),
-            draft_state=b.drafter.new_state(),
-            params=p,
-            generator=make_generator(p),
-            max_len=context + 1_000_000,
-        )
-        for p in params
-    ]
-    prefill(b.target, b.drafter, seqs, b.capture, 2048)
-    return llm, seqs
-
-
-def timers(llm: xspec.LLM, seqs: list, name: str) -> dict[str, Callable[[], None]]:
-    b = llm._built
-    target, drafter = b.target, b.drafter
-    gamma = drafter.gamma
-    requests = [DraftRequest(s.anchor, s.params, s.generator, gamma) for s in seqs]
-    anchors = torch.tensor([s.anchor for s in seqs])
-    n0 = [s.target_state.num_tokens for s in seqs]
-    out = target.forward(
-        ForwardBatch(anchors, [1] * len(seqs), [s.target_state for s in seqs], b.capture)
-    )
-    for s, n in zip(seqs, n0):
-        target.truncate(s.target_state, n)
-    rows = CommittedRows(anchors, anchors, out.hidden, out.aux_hidden, [1] * len(seqs), n0)
-    states = [s.draft_state for s in seqs]
-
-    def target_step() -> None:
-        target.forward(ForwardBatch(anchors, [1] * len(seqs), [s.target_state for s in seqs]))
-        for s, n in zip(seqs, n0):
-            target.truncate(s.target_state, n)
-
-    def propose() -> None:
-        drafter.propose(states, requests, gamma)
-
-    def observe() -> None:  # not undone: the draft context grows by one row per call
-        drafter.observe(states, rows)
-
-    return {"target": target_step, f"{name} propose": propose, f"{name} observe": observe}
+from step_setup import interleaved, setup, timers  # (the script's folder is on sys.path)
 
 
 def main() -> None:

@@ -90,13 +90,13 @@ def throughput_vs_hf(
         for name, o in variants.items()
     }
     first = next(iter(llms.values()))
-    path = first._built.target.checkpoint_dir  # the same official-layout directory
+    path = first.built.target.checkpoint_dir  # the same official-layout directory
     hf = DeepseekV4ForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-    layers = first._built.target.num_layers
+    layers = first.built.target.num_layers
     for batch in batches:
         gen = torch.Generator().manual_seed(batch)
         prompts = torch.randint(
-            4, first._built.target.vocab_size, (batch, prompt_len), generator=gen
+            4, first.built.target.vocab_size, (batch, prompt_len), generator=gen
         )
         med = interleaved(generators(hf, llms, prompts, new_tokens), reps)
         tokens = batch * new_tokens
@@ -108,7 +108,7 @@ def throughput_vs_hf(
             print(f"    {name:<14} {tokens / t:8.1f}  {med['transformers'] / t:5.2f}x")
         print("    target: xspec >= 2x transformers")
     for name, llm in llms.items():
-        print(f"    steps of '{name}': {llm._built.platform.step_options().summary()}")
+        print(f"    steps of '{name}': {llm.built.platform.step_options().summary()}")
 
 
 def generators(
@@ -161,7 +161,7 @@ def main() -> None:
     llm = xspec.LLM(
         model="dsv4_tiny", spec="none", platform="cpu", overrides={"model.max_context": 8192}
     )
-    model = llm._built.target
+    model = llm.built.target
     reps = 5 if a.quick else 15
     decode_step_ratio(model, reps * 2, (256, 4096))
     # a shared CPU is noisy: several interleaved repetitions, the median reported

@@ -39,7 +39,7 @@ def main() -> None:
     )
     a = ap.parse_args()
     torch.set_num_threads(1)
-    engine = xspec.LLM(model="dsv4_tiny", spec=a.spec, platform="cpu")._built.engine
+    engine = xspec.LLM(model="dsv4_tiny", spec=a.spec, platform="cpu").engine
     gen = torch.Generator().manual_seed(0)
     requests = [
         Request(

@@ -26,26 +26,9 @@ import time
 from collections.abc import Callable
 
 import torch
-from bench_draft_step import setup, timers
+from step_setup import scorer, setup, timers  # (the script's folder is on sys.path)
 from torch.profiler import ProfilerActivity, profile
 from torch.utils._python_dispatch import TorchDispatchMode
-
-import xspec
-from xspec.models.base import ForwardBatch
-
-
-def verify_timer(llm: xspec.LLM, seqs: list, rows: int) -> Callable[[], None]:
-    """One target forward of ``rows`` rows per sequence at the current position, rolled back."""
-    target = llm._built.target
-    ids = torch.tensor([s.anchor for s in seqs for _ in range(rows)])
-    n0 = [s.target_state.num_tokens for s in seqs]
-
-    def fn() -> None:
-        target.forward(ForwardBatch(ids, [rows] * len(seqs), [s.target_state for s in seqs]))
-        for s, n in zip(seqs, n0):
-            target.truncate(s.target_state, n)
-
-    return fn
 
 
 class _OpCounter(TorchDispatchMode):
@@ -114,7 +97,12 @@ def main() -> None:
         fns = timers(mtp, mseqs, "mtp") | timers(dspark, dseqs, f"dspark g={a.gamma}")
         steps = {
             "decode": fns["target"],
-            f"verify {a.gamma + 1}": verify_timer(mtp, mseqs, a.gamma + 1),
+            f"verify {a.gamma + 1}": scorer(
+                mtp.built.target,
+                [s.target_state for s in mseqs],
+                a.gamma + 1,
+                torch.Generator().manual_seed(0),
+            ),
             "mtp observe": fns["mtp observe"],
             "mtp propose": fns["mtp propose"],
             "dspark observe": fns[f"dspark g={a.gamma} observe"],

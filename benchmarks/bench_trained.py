@@ -123,7 +123,7 @@ def main() -> None:
                 )
                 print(f"greedy outputs identical across methods: {same}")
             if a.hf and temperature == 0:
-                path = llms["none"]._built.target.checkpoint_dir
+                path = llms["none"].built.target.checkpoint_dir
                 hf = hf_tpot(path, prompts, a, conc, max(1, a.reps // 2))
                 print(
                     f"transformers generate TPOT {hf * 1e3:.2f} ms: dspark {hf / tpot['dspark']:.2f}x, "

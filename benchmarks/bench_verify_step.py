@@ -16,11 +16,10 @@ is asserted. ``--kernels`` / ``--compile`` are the ``platform.kernels`` /
 from __future__ import annotations
 
 import argparse
-import statistics
-import time
 from collections.abc import Callable
 
 import torch
+from step_setup import interleaved, scorer  # (the script's folder is on sys.path)
 
 from xspec.config import DType, ModelConfig, PlatformConfig, StepCompile, StepKernels
 from xspec.models.base import ForwardBatch
@@ -28,21 +27,6 @@ from xspec.models.deepseek_v4 import load_model
 from xspec.models.deepseek_v4.model import DeepseekV4Model
 from xspec.models.deepseek_v4.state import DeepseekV4State
 from xspec.platforms import get_platform
-
-
-def interleaved(
-    fns: dict[str, Callable[[], None]], reps: int, sync: Callable[[], None]
-) -> dict[str, float]:
-    """Median seconds per call of each fn, calling them round-robin ``reps`` times."""
-    times: dict[str, list[float]] = {k: [] for k in fns}
-    for _ in range(reps):
-        for k, fn in fns.items():
-            sync()
-            t = time.perf_counter()
-            fn()
-            sync()
-            times[k].append(time.perf_counter() - t)
-    return {k: statistics.median(v) for k, v in times.items()}
 
 
 def prefilled(
@@ -55,21 +39,6 @@ def prefilled(
             chunk = ids[lo : lo + 1024]
             model.forward(ForwardBatch(chunk, [len(chunk)], [s]))
     return states
-
-
-def scorer(
-    model: DeepseekV4Model, states: list[DeepseekV4State], rows: int, gen: torch.Generator
-) -> Callable[[], None]:
-    """One forward of ``rows`` rows per sequence at the states' position, then rollback."""
-    ids = torch.randint(2, model.vocab_size, (rows * len(states),), generator=gen)
-    n0 = [s.num_tokens for s in states]
-
-    def fn() -> None:
-        model.forward(ForwardBatch(ids, [rows] * len(states), states))
-        for s, n in zip(states, n0):
-            model.truncate(s, n)
-
-    return fn
 
 
 def decode_cycle(

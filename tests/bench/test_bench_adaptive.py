@@ -236,3 +236,35 @@ def test_a_spread_outside_0_to_max_new_is_refused(
         e.value.code == 2
         and "--max-new-spread must be in [0, --max-new)" in capsys.readouterr().err
     )
+
+
+def test_the_simulation_mode_finds_plain_right_on_its_default_machine(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``--simulate``: the decision on a synthetic machine where plain steps are right
+    (the defaults) drafts only a few exploring steps of the big batch."""
+    argv = ["bench_adaptive.py", "--simulate", "--seeds", "1", "--steps", "300"]
+    monkeypatch.setattr(sys, "argv", [*argv, "--spells", "20:1.0"])
+    bench_adaptive.main()
+    out = capsys.readouterr().out
+    assert "so plain is right (share 0)" in out
+    share = float(out.split("mean ")[1].split()[0])
+    assert share < 0.1, out
+
+
+def test_no_benchmark_reaches_into_private_state() -> None:
+    """Benchmarks use the public API (``xspec.LLM``'s ``engine`` and ``built``), never
+    ``llm._built`` or another object's private attributes."""
+    import re
+
+    root = Path(__file__).resolve().parents[2] / "benchmarks"
+    private = re.compile(r"\b(?!self\b|torch\b)[a-z_]\w*\.(_[a-z]\w*)")
+    hits = [
+        f"{p.name}:{i}: {m.group(0)}"
+        for p in sorted(root.glob("*.py"))
+        for i, line in enumerate(p.read_text(encoding="utf-8").splitlines(), 1)
+        if not line.lstrip().startswith(("import ", "from "))  # module paths, not objects
+        for m in private.finditer(line)
+        if not m.group(1).startswith("__")
+    ]
+    assert hits == []

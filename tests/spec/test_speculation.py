@@ -662,26 +662,6 @@ def test_one_steps_dip_of_the_gap_does_not_re_explore() -> None:
     assert _re_explored(explored, wait), explored
 
 
-def test_a_fresh_decision_keeps_the_settings_and_nothing_learnt() -> None:
-    """AdaptiveDepth.fresh (benchmarks/bench_adaptive_paired.py): the same gamma, schedule,
-    trim, synchronize and profile; no step cost, acceptance, exploration or gap learnt."""
-    s = AdaptiveDepth(2, cost=OnlineStepCost(LINE), gamma_schedule=[[1, 2], [8, 0]], trim=True)
-    _machine(s, 40, 1.5)
-    assert s.cost is not None and s.cost.levels and s.acceptance.regimes and s.exploration.gaps
-    f = s.fresh()
-    assert (f.gamma, f.gamma_schedule, f.trim_enabled, f.synchronize) == (
-        2,
-        [[1, 2], [8, 0]],
-        True,
-        s.synchronize,
-    )
-    assert f.cost is not None and f.cost.profile is LINE and f.cost is not s.cost
-    assert not (f.cost.levels or f.cost.relative or f.acceptance.regimes or f.exploration.gaps)
-    assert f.exploration.kinds.steps(True, 1) == f.exploration.kinds.steps(False, 1) == 0
-    assert f.yield_check.factor() == 1.0
-    assert AdaptiveDepth(2, gamma_schedule=[[1, 1]]).fresh().cost is None
-
-
 def _flat(s: AdaptiveDepth, c: float) -> Any:
     """A regime whose realised conditional acceptance is ``c`` at every position."""
     from xspec.spec.adaptive.acceptance import _Decayed

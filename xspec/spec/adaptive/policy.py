@@ -138,19 +138,6 @@ class AdaptiveDepth(DepthPolicy):
         self._scanned: tuple[tuple[tuple[int, ...], tuple[int, ...]], Choice, int] | None = None
         self.last: StepRecord | None = None
 
-    def fresh(self) -> AdaptiveDepth:
-        """A decision with this one's settings and nothing learnt: its step-cost model back
-        at the profile, no acceptance, correction, yield or exploration history (what a
-        process that just built would decide with)."""
-        return AdaptiveDepth(
-            self.gamma,
-            cost=None if self.cost is None else OnlineStepCost(self.cost.profile),
-            gamma_schedule=self.gamma_schedule,
-            trim=self.trim_enabled,
-            synchronize=self.synchronize,
-            force=self.force,
-        )
-
     # -- the DepthPolicy the step asks --------------------------------------------------
 
     def decide(self, seqs: Sequence[PolicySeq], caps: list[int]) -> list[int]:
