@@ -457,11 +457,8 @@ class DSparkDraft(nn.Module):
         They are held back until their sequence drafts (:class:`DSparkCache`); with
         ``hold_window`` no K/V is computed here. The rows that fit in the held buffers go
         in with one scatter (the buffers' :class:`Ring` stack, which stays as long as the
-        batch does): a copy per sequence cost a steady 32-request plain step 32 small
-        ops. Until 2026-12-04 a full buffer was written then: a batch of K/V every 8 plain
-        steps, on average 1 ms of a 30 ms step of 32 requests that had stopped drafting
-        (as it still is without ``hold_window``: the rows that do not fit are written
-        now)."""
+        batch does), not a copy per sequence. Without ``hold_window`` the rows that do not
+        fit are written now."""
         due: list[tuple[DSparkCache, torch.Tensor | None]] = []
         picked: list[int] = []  # rows of aux that fit in their cache's held buffer ...
         slots: list[int] = []  # ... and where, in the stack of every cache's buffer
