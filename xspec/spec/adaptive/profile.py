@@ -3,32 +3,23 @@ verify rows and drafting requests, measured on this platform and cached
 (:class:`~.cost.StepCost`), then corrected online (:class:`~.online.OnlineStepCost`).
 
 **What is timed**, per point (R requests, x drafts each, ``B = R (x + 1)`` rows), on
-dummy sequences of ``context`` random committed tokens (the workload's: its mean prompt
-length plus half its ``max_new_tokens``, or ``spec.adaptive.profile_context``), sampling
-as the workload does (``sampling.*``): the drafter's ``propose`` for the R requests at
-full gamma, timed on its own (``draft_seconds``: a step where only D requests draft pays
-the draft forward of D; a step where none does pays none), and the target's verify
-forward of the B rows with their ``logits_to_probs`` and the rejection sampler
-(``seconds``). The median of ``spec.adaptive.profile_reps`` timed runs after one untimed
-warm-up, the points of one R interleaved round by round (:func:`median_interleaved`: a
-slow spell falls on all of them), and one untimed pass over the smallest batch first (the
-first forwards of a process pay one-off costs); R runs over powers of two up to
-``min(spec.adaptive.max_requests, the memory plan's sequences)``, x over
-``{0, 1, gamma // 2, gamma}``. With drafts the time is close to linear in the rows, so
-each R's drafting points are replaced by their robust line (:func:`line_fit`: a timing
-spike moves neither slope nor intercept); the plain point keeps its own time (no
-rejection sampler: below the line). A smaller batch is never slower than a larger one
-(:func:`monotone_in_requests`); :class:`StepCost` interpolates. Not timed: the drafter's
-context write, small next to a forward.
+dummy sequences of ``context`` random committed tokens (the workload's mean prompt length
+plus half its ``max_new_tokens``, or ``spec.adaptive.profile_context``), sampling as the
+workload does: the drafter's ``propose`` for the R requests at full gamma on its own
+(``draft_seconds``: a step where D requests draft pays the draft forward of D, none
+where none does), and the target's verify forward of the B rows with ``logits_to_probs``
+and the rejection sampler (``seconds``). The median of ``spec.adaptive.profile_reps``
+runs of each point, interleaved (:func:`median_interleaved`), after a warm-up pass; R
+over powers of two up to ``min(spec.adaptive.max_requests, the memory plan's
+sequences)``, x over ``{0, 1, gamma // 2, gamma}``. Each R's drafting points become their
+robust line (:func:`line_fit`); a smaller batch is never slower than a larger one
+(:func:`monotone_in_requests`).
 
 **Where it comes from**: ``spec.adaptive.profile=<file>`` reuses a saved profile (refused
-when it was measured for another model, draft, gamma, dtype, platform, context, sampling,
-xspec or torch version); null looks for the cached profile of this key and of this
-xspec's source (:func:`source_digest`: a cached profile never outlives a change of the
-code it timed) under ``$XSPEC_CACHE_DIR/step_cost/``, and otherwise measures at engine
-start and caches it.
-Profiling happens in ``build``, before any measured run, so it never counts in TTFT /
-TPOT / throughput; its duration is printed with the memory plan.
+when measured for another model, draft, gamma, dtype, platform, context, sampling, xspec
+or torch version); null looks for the cached profile of this key and of this xspec's
+source (:func:`source_digest`) under ``$XSPEC_CACHE_DIR/step_cost/``, else measures it in
+``build`` (never counted in TTFT / TPOT / throughput) and caches it.
 """
 
 from __future__ import annotations
