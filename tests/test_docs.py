@@ -36,3 +36,19 @@ def test_markdown_links_resolve() -> None:
         (ROOT / "docs" / n).is_file()
         for n in ("architecture.md", "checkpoints.md", "npu.md", "metrics.md")
     )
+
+
+def test_the_docs_are_a_manual() -> None:
+    """The README is the door (quickstart, usage, the config table, links: no table row
+    over ~200 characters); docs/adaptive.md is a feature page, not a notebook; no page
+    keeps a measurement history; no page runs past ~400 lines."""
+    readme = (ROOT / "README.md").read_text(encoding="utf-8").splitlines()
+    assert len(readme) <= 180
+    assert max(len(line) for line in readme if line.startswith("|")) <= 200
+    assert len((ROOT / "docs" / "adaptive.md").read_text(encoding="utf-8").splitlines()) <= 250
+    assert list((ROOT / "docs").glob("*history*")) == []
+    pages = {
+        f.name: len(f.read_text(encoding="utf-8").splitlines())
+        for f in (ROOT / "docs").glob("*.md")
+    }
+    assert {name: n for name, n in pages.items() if n > 400} == {}
