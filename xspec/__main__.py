@@ -220,6 +220,7 @@ def _indent(text: str, prefix: str) -> str:
 # user's input, found before the run), and as ``xspec.bench serve`` with no success.
 NOTHING_SERVED_EXIT = 1
 
+
 @dataclass
 class _Invocation:
     """What one ``main()`` keeps across the jobs Hydra runs in this process (one, or every

@@ -58,7 +58,6 @@ from xspec.engine.engine import Delta, Engine, Generation
 from xspec.engine.engine import Request as EngineRequest
 from xspec.engine.loop import EngineLoop, LoopStopped, QueueFull
 from xspec.errors import RequestError
-from xspec.metrics import SpecDecodeMetrics
 from xspec.run.exporter import RequestMetrics
 from xspec.sampling import SamplingParams
 from xspec.serve.protocol import (
@@ -122,7 +121,7 @@ def warm_up(engine: Engine) -> None:
     """One short generation before serving (first-call costs: kernels, allocations);
     its counters are dropped. Under torchrun every rank runs it together."""
     engine.run([EngineRequest([1, 2, 3, 4], 4, SamplingParams(), ignore_eos=True)], 1)
-    engine.metrics = SpecDecodeMetrics()
+    engine.reset_metrics()
 
 
 def start_chat(

@@ -218,7 +218,7 @@ def calibrate(
         work = load_workload(w, built.tokenizer, built.target.vocab_size, params)
         tap = LogitTap()
         recorder = ConfidenceRecorder(tap)
-        built.engine.metrics = recorder
+        built.engine.reset_metrics(recorder)
         with tap.installed(drafter.model.confidence):
             built.engine.run(work.requests, w.concurrency)
         logits, drafted, accepted = recorder.samples(drafter.gamma)
