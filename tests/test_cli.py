@@ -67,11 +67,17 @@ def bad(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     shard.write_bytes(shard.read_bytes()[:-100])
     jsonl = root / "bad.jsonl"
     jsonl.write_text('{"prompt": "ok"}\n{"prompt": \n{"prompt": "a", "prompt_token_ids": [1]}\n')
-    return out | {"bad_cache": root / "bad_cache", "bad_preset": preset, "bad_jsonl": jsonl}
+    fifo = root / "fifo.json"  # reading it would wait forever for a writer
+    os.mkfifo(fifo)
+    deep = root / "deep.json"
+    deep.write_text("[" * 100_000 + "]" * 100_000)
+    out |= {"bad_cache": root / "bad_cache", "bad_preset": preset, "bad_jsonl": jsonl}
+    return out | {"fifo": fifo, "deep": deep}
 
 
 RUN = ["model=qwen3_tiny", "spec=none", "platform=cpu", "workload.max_new_tokens=2"]
 QWEN3 = ["model=qwen3", "spec=none", "platform=cpu", "workload.max_new_tokens=2"]
+ADAPTIVE = ["model=qwen3_tiny", "spec=dspark", "spec.adaptive=true", "platform=cpu"]
 
 
 # Every bad input reachable from the command line: (arguments, substrings of the message).
@@ -90,6 +96,11 @@ QWEN3 = ["model=qwen3", "spec=none", "platform=cpu", "workload.max_new_tokens=2"
         (["workload.prompts=[]"], ["workload.prompts"]),
         (["workload.num_requests=0"], ["workload.num_requests must be >= 1 (got 0)"]),
         (["workload.concurrency=-1"], ["workload.concurrency must be >= 1 (got -1)"]),
+        (["workload.num_requests=10000000000"], ["workload.num_requests must be <= 1,000,000"]),
+        (["workload.warmup_requests=2000000"], ["workload.warmup_requests must be <= 1,000,000"]),
+        ([*ADAPTIVE, "spec.adaptive.calibration={fifo}"], ["spec.adaptive.calibration", "{fifo} is not a regular file"]),
+        ([*ADAPTIVE, "spec.adaptive.calibration={deep}"], ["{deep} nests JSON too deeply"]),
+        ([*ADAPTIVE, "spec.adaptive.profile={fifo}"], ["spec.adaptive.profile", "not a regular file"]),
         (["workload=synthetic", "workload.input_len=0"], ["workload.input_len must be >= 1"]),
         (["workload.prompts_file=/no/such.jsonl"], ["/no/such.jsonl does not exist"]),
         (["workload.prompts_file={bad_jsonl}"], ["{bad_jsonl}:2: not valid JSON", "{bad_jsonl}:3: give exactly one"]),

@@ -385,6 +385,10 @@ def to_typed(cfg: DictConfig) -> RunConfig:
 # largest accelerator's and far above any host's RAM; a budget beyond it is a typo, and
 # 1e300 GiB in bytes is not even a finite float.
 MAX_MEMORY_GIB = 1 << 20
+# A workload's requests are planned (prompts, seeds, lengths) before the first step, so
+# their count is bounded like any other size: a million requests is hours of serving.
+MAX_WORKLOAD_REQUESTS = 1_000_000
+MAX_WORKLOAD_REPEATS = 1000
 
 
 def engine_problems(e: EngineConfig) -> list[str]:
@@ -551,6 +555,14 @@ def validate(cfg: RunConfig, *, world: int | None = None) -> None:
     ):
         if value < 1:
             problems.append(f"{key} must be >= 1 (got {value})")
+    for key, value, most in (
+        ("workload.num_requests", w.num_requests, MAX_WORKLOAD_REQUESTS),
+        ("workload.warmup_requests", w.warmup_requests, MAX_WORKLOAD_REQUESTS),
+        ("workload.concurrency", w.concurrency, MAX_WORKLOAD_REQUESTS),
+        ("workload.repeats", w.repeats, MAX_WORKLOAD_REPEATS),
+    ):
+        if value > most:  # each request is planned up front: a typo must not exhaust memory
+            problems.append(f"{key} must be <= {most:,} (got {value:,}); split the run")
     for i, prompt in enumerate(w.prompts):
         if not prompt:
             problems.append(

@@ -36,7 +36,6 @@ unknown; ``sampling_top_k`` / ``sampling_top_p`` absent: not compared.
 
 from __future__ import annotations
 
-import json
 import logging
 import math
 from collections.abc import Iterable
@@ -46,6 +45,7 @@ from typing import Any
 
 from xspec import atomic
 from xspec.errors import ConfigError
+from xspec.jsonfile import JSONFileError, read_json
 from xspec.sampling import SamplingParams, regime_of
 
 log = logging.getLogger(__name__)
@@ -178,11 +178,9 @@ def load_calibration(path: Path, gamma: int | None, where: str) -> ConfidenceCal
         "spec.adaptive.calibration=off"
     )
     try:
-        raw: Any = json.loads(path.read_text(encoding="utf-8"))
-    except FileNotFoundError:
-        raise ConfigError(f"{where}: {path} does not exist; {fix}") from None
-    except (OSError, ValueError) as e:
-        raise ConfigError(f"{where}: {path} is not a readable JSON file ({e}); {fix}") from None
+        raw: Any = read_json(path)
+    except JSONFileError as e:
+        raise ConfigError(f"{where}: {e}; {fix}") from None
     if not isinstance(raw, dict) or raw.get("format") != FORMAT:
         raise ConfigError(
             f"{where}: {path} is not an xspec confidence calibration ({FORMAT}); {fix}"

@@ -40,6 +40,7 @@ import torch
 
 from xspec import atomic
 from xspec.errors import ConfigError
+from xspec.jsonfile import JSONFileError, read_json
 from xspec.models.base import CapturePoint, ForwardBatch, TargetModel
 from xspec.sampling import SamplingParams, logits_to_probs
 from xspec.spec.adaptive.cost import StepCost
@@ -163,11 +164,9 @@ def read_profile(path: Path, key: dict[str, Any]) -> StepCost:
     where = f"spec.adaptive.profile={path}"
     fix = "delete it, or set spec.adaptive.profile=null to measure one for this run"
     try:
-        raw = json.loads(path.read_text(encoding="utf-8"))
-    except FileNotFoundError:
-        raise ConfigError(f"{where}: no such file; {fix}") from None
-    except (OSError, ValueError) as e:
-        raise ConfigError(f"{where}: not a readable JSON file ({e}); {fix}") from None
+        raw = read_json(path)
+    except JSONFileError as e:
+        raise ConfigError(f"{where}: {e}; {fix}") from None
     if not isinstance(raw, dict) or raw.get("format") != FORMAT:
         raise ConfigError(f"{where}: not an xspec step-cost profile ({FORMAT}); {fix}")
     theirs = raw.get("key")
@@ -356,11 +355,11 @@ def step_cost_profile(
     if path.is_file():
         try:
             cost = read_profile(path, key)
-            reps = json.loads(path.read_text(encoding="utf-8")).get("reps", 0)
+            reps = read_json(path).get("reps", 0)
             # reused when it covers this run's batch sizes at least as carefully
             if cost.requests[-1] >= max_requests and reps >= a.profile_reps:
                 return Profile(cost, f"cached, loaded from {path}", path)
-        except ConfigError:
+        except (ConfigError, JSONFileError):
             pass  # a stale or damaged cache entry: measure again
     t0 = time.perf_counter()
     cost = measure_step_cost(
