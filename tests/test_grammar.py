@@ -1,0 +1,166 @@
+"""xspec.grammar: specs checked, grammars compiled once per tokenizer, and the masks a
+speculative step reads along a draft path equal the masks of the committed path."""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import pytest
+import torch
+
+from xspec.errors import RequestError
+from xspec.grammar import CACHE_SIZE, MAX_SPEC_CHARS, GrammarCompiler, GrammarSpec
+from xspec.tokenizer import ByteTokenizer, load_tokenizer
+
+TINY = Path(__file__).resolve().parents[1] / "xspec" / "assets" / "dsv4_tiny"
+SCHEMA = {
+    "type": "object",
+    "properties": {"name": {"type": "string", "maxLength": 6}, "age": {"type": "integer"}},
+    "required": ["name", "age"],
+    "additionalProperties": False,
+}
+
+
+@pytest.fixture(scope="module")
+def byte() -> GrammarCompiler:
+    return GrammarCompiler(ByteTokenizer(512, 0, [1, 2]), 512)
+
+
+@pytest.fixture(scope="module")
+def bpe() -> GrammarCompiler:
+    return GrammarCompiler(load_tokenizer(TINY, 1024, 0, 1), 1024)
+
+
+def _walk(compiler: GrammarCompiler, spec: GrammarSpec, seed: int, steps: int = 40) -> list[int]:
+    """Tokens drawn uniformly from each mask until a stop token or ``steps``."""
+    g = torch.Generator().manual_seed(seed)
+    c, out = compiler.compile(spec).constraint(), []
+    for _ in range(steps):
+        allowed = c.allowed().nonzero().flatten()
+        token = int(allowed[torch.randint(len(allowed), (1,), generator=g)])
+        c.commit([token])
+        out.append(token)
+        if token in compiler.tokenizer.stop_ids:
+            break
+    return out
+
+
+@pytest.mark.parametrize("which", ["byte", "bpe"])
+def test_path_masks_are_the_committed_paths_masks(
+    which: str, request: pytest.FixtureRequest
+) -> None:
+    compiler: GrammarCompiler = request.getfixturevalue(which)
+    spec = GrammarSpec.json_schema(SCHEMA)
+    for seed in range(4):
+        path = _walk(compiler, spec, seed)
+        c = compiler.compile(spec).constraint()
+        before = c.allowed()
+        masks = c.path_masks(path[:-1])
+        assert torch.equal(c.allowed(), before)  # the matcher ends where it started
+        fresh = compiler.compile(spec).constraint()
+        for j in range(len(path)):
+            assert torch.equal(masks[j], fresh.allowed()), (seed, j)
+            assert masks[j, path[j]]
+            fresh.commit([path[j]])
+
+
+def test_a_forbidden_draft_ends_the_reachable_rows(byte: GrammarCompiler) -> None:
+    tok = byte.tokenizer
+    c = byte.compile(GrammarSpec.regex("[0-9]{3}-ok")).constraint()
+    drafts = tok.encode("12x-ok")  # 'x' is forbidden at row 2
+    masks = c.path_masks(drafts)
+    assert masks[0, drafts[0]] and masks[1, drafts[1]] and not masks[2, drafts[2]]
+    assert all(torch.equal(masks[j], masks[2]) for j in range(3, len(drafts) + 1))
+    assert torch.equal(c.allowed(), masks[0])
+    assert c.path_masks([10_000])[1].equal(masks[0])  # an id outside the vocabulary too
+
+
+def test_samples_under_the_mask_satisfy_the_grammar(byte: GrammarCompiler) -> None:
+    tok = byte.tokenizer
+    for seed in range(8):
+        obj = json.loads(
+            tok.decode(
+                [
+                    t
+                    for t in _walk(byte, GrammarSpec.json_schema(SCHEMA), seed, 200)
+                    if t not in tok.stop_ids
+                ]
+            )
+        )
+        assert list(obj) == ["name", "age"] and isinstance(obj["age"], int)
+        text = tok.decode(_walk(byte, GrammarSpec.regex("(ab|cd)[0-9]{2}"), seed))
+        assert re.fullmatch("(ab|cd)[0-9]{2}", text), text
+        assert tok.decode(_walk(byte, GrammarSpec.choice(["yes", "no", "maybe"]), seed)) in {
+            "yes",
+            "no",
+            "maybe",
+        }
+        out = tok.decode(_walk(byte, GrammarSpec.grammar('root ::= "x" [0-9]+ "y"'), seed, 12))
+        assert re.fullmatch("x[0-9]+y?", out), out
+    assert json.loads(tok.decode(_walk(byte, GrammarSpec.json_object(), 0, 400)[:-1])) is not None
+
+
+def test_forced_tokens_and_the_end(byte: GrammarCompiler) -> None:
+    tok = byte.tokenizer
+    c = byte.compile(GrammarSpec.regex("[0-9]{3}-ok")).constraint()
+    assert c.forced(4) == []  # a digit: a choice, nothing forced
+    c.commit(tok.encode("123"))
+    assert tok.decode(c.forced(8)) == "-ok" and c.forced(2) == tok.encode("-o")
+    assert c.forced(0) == []
+    c.commit(tok.encode("-ok"))
+    assert c.finished and set(c.allowed().nonzero().flatten().tolist()) == {1, 2}
+    c.commit([2])  # the stop token that ends it
+    assert c.error is None
+
+
+def test_compiled_once_and_evicted_least_recent_first(byte: GrammarCompiler) -> None:
+    spec = GrammarSpec.regex("a+")
+    assert byte.compile(spec) is byte.compile(GrammarSpec.regex("a+"))
+    for i in range(CACHE_SIZE):
+        byte.compile(GrammarSpec.regex(f"b{i}"))
+    assert spec not in byte._cache
+    a, b = byte.compile(spec).constraint(), byte.compile(spec).constraint()
+    a.commit(byte.tokenizer.encode("aa"))
+    assert not torch.equal(a.allowed(), b.allowed())  # requests do not share a matcher
+
+
+@pytest.mark.parametrize(
+    ("make", "needle"),
+    [
+        (lambda: GrammarSpec.json_schema([1]), "must be a JSON Schema object, got list"),
+        (lambda: GrammarSpec.regex(""), "regex must be a non-empty string"),
+        (lambda: GrammarSpec.regex(None), "got null"),
+        (lambda: GrammarSpec.choice([]), "non-empty list of non-empty strings"),
+        (lambda: GrammarSpec.choice(["a", 1]), "non-empty list of non-empty strings"),
+        (lambda: GrammarSpec.grammar("  "), "non-empty Lark or GBNF"),
+        (lambda: GrammarSpec.regex("a" * (MAX_SPEC_CHARS + 1)), "at most 1,048,576"),
+    ],
+)
+def test_bad_specs_are_request_errors(make, needle: str) -> None:  # type: ignore[no-untyped-def]
+    with pytest.raises(RequestError, match=re.escape(needle)):
+        make()
+
+
+@pytest.mark.parametrize(
+    ("spec", "needle"),
+    [
+        (GrammarSpec.regex("[0-9"), "unclosed character class"),
+        (
+            GrammarSpec.json_schema({"type": "nonsense"}),
+            "json_schema: the grammar cannot be compiled",
+        ),
+        (GrammarSpec.grammar("root ::= undefined_rule"), "grammar"),
+    ],
+)
+def test_grammars_that_do_not_compile_are_request_errors(
+    byte: GrammarCompiler, spec: GrammarSpec, needle: str
+) -> None:
+    with pytest.raises(RequestError, match=re.escape(needle)):
+        byte.compile(spec)
+
+
+def test_a_model_without_a_stop_token_cannot_be_constrained() -> None:
+    with pytest.raises(RequestError, match="needs a stop token"):
+        GrammarCompiler(ByteTokenizer(512, 0, []), 512).compile(GrammarSpec.json_object())

@@ -1,0 +1,264 @@
+"""Grammars that constrain generation: JSON, JSON Schema, regex, a choice, Lark / GBNF.
+
+A request's constraint is a :class:`GrammarSpec` (what the user asked for, checked);
+:class:`GrammarCompiler` turns it into a :class:`Grammar` for one tokenizer, once (an LRU
+of compiled grammars keyed by the spec); each request then takes its own
+:class:`Constraint` (the matcher's state along the committed tokens).
+
+The engine is llguidance (a lexer/parser split that computes a token mask in tens of
+microseconds for a 128k vocabulary; its matcher rolls back, which speculation needs).
+What speculation asks of a constraint:
+
+- :meth:`Constraint.path_masks`: the mask at every verify row of a draft path (the
+  committed prefix, then each draft prefix). The matcher walks the drafts as far as the
+  grammar allows and rolls back, so after the call it is where it was. A draft the grammar
+  forbids has masked probability 0 and is rejected for certain: the rows past it are
+  never sampled (they repeat the last reachable mask, so every row stays a distribution).
+- :meth:`Constraint.forced`: the tokens the grammar forces from here (JSON punctuation,
+  a schema's keys): a step can propose them instead of the drafter's guesses.
+- :meth:`Constraint.commit`: the tokens the step committed.
+
+Limits: a grammar is compiled under llguidance's parser limits (grammar size, lexer fuel
+per token), so a pathological schema is refused when compiled or fails its request, never
+stalls a step; a spec's text is bounded by :data:`MAX_SPEC_CHARS`.
+"""
+
+from __future__ import annotations
+
+import json
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import torch
+
+from xspec.errors import RequestError
+from xspec.tokenizer import ByteTokenizer, HFTokenizer, Tokenizer
+
+GrammarKind = Literal["json_object", "json_schema", "regex", "choice", "grammar"]
+KINDS: tuple[GrammarKind, ...] = ("json_object", "json_schema", "regex", "choice", "grammar")
+MAX_SPEC_CHARS = 1 << 20  # a schema or grammar's text; larger is a 400, not a compile
+MAX_CHOICES = 4096
+CACHE_SIZE = 64  # compiled grammars kept per tokenizer
+
+
+@dataclass(frozen=True)
+class GrammarSpec:
+    """What a request constrains its output to. ``source``: the JSON Schema (as canonical
+    JSON text), the regex, the choices (a JSON list) or the Lark / GBNF grammar; empty
+    for ``json_object``. Build with the class methods, which check their input."""
+
+    kind: GrammarKind
+    source: str = ""
+
+    @classmethod
+    def json_object(cls) -> GrammarSpec:
+        return cls("json_object")
+
+    @classmethod
+    def json_schema(cls, schema: Any, where: str = "json_schema") -> GrammarSpec:
+        if isinstance(schema, bool):  # JSON Schema's true / false schemas
+            schema = {} if schema else {"not": {}}
+        if not isinstance(schema, dict):
+            raise RequestError(f"{where} must be a JSON Schema object, got {_kind(schema)}")
+        return cls("json_schema", _bounded(json.dumps(schema), where))  # key order is output order
+
+    @classmethod
+    def regex(cls, pattern: Any, where: str = "regex") -> GrammarSpec:
+        if not isinstance(pattern, str) or not pattern:
+            raise RequestError(f"{where} must be a non-empty string, got {_kind(pattern)}")
+        return cls("regex", _bounded(pattern, where))
+
+    @classmethod
+    def choice(cls, choices: Any, where: str = "choice") -> GrammarSpec:
+        if (
+            not isinstance(choices, list)
+            or not choices
+            or not all(isinstance(c, str) and c for c in choices)
+        ):
+            raise RequestError(f"{where} must be a non-empty list of non-empty strings")
+        if len(choices) > MAX_CHOICES:
+            raise RequestError(f"{where} has {len(choices)} choices; at most {MAX_CHOICES}")
+        return cls("choice", _bounded(json.dumps(choices), where))
+
+    @classmethod
+    def grammar(cls, text: Any, where: str = "grammar") -> GrammarSpec:
+        if not isinstance(text, str) or not text.strip():
+            raise RequestError(f"{where} must be a non-empty Lark or GBNF grammar string")
+        return cls("grammar", _bounded(text, where))
+
+    def llguidance(self) -> str:
+        """The grammar in llguidance's input form; RequestError if it cannot be read."""
+        from llguidance import LLMatcher
+        from llguidance.gbnf_to_lark import any_to_lark
+
+        if self.kind == "json_object":
+            return LLMatcher.grammar_from_json_schema({"type": "object"})
+        if self.kind == "json_schema":
+            return LLMatcher.grammar_from_json_schema(self.source)
+        if self.kind == "regex":
+            return LLMatcher.grammar_from_regex(self.source)
+        if self.kind == "choice":
+            alternatives = " | ".join(json.dumps(c) for c in json.loads(self.source))
+            return LLMatcher.grammar_from_lark(f"start: {alternatives}")
+        try:
+            lark = any_to_lark(self.source)  # GBNF converted; Lark passes through
+        except Exception as e:  # the converter raises bare Exceptions on bad GBNF
+            raise RequestError(f"grammar: cannot read it as Lark or GBNF ({e})") from None
+        return LLMatcher.grammar_from_lark(lark)
+
+
+def _kind(value: Any) -> str:
+    return "null" if value is None else type(value).__name__
+
+
+def _bounded(text: str, where: str) -> str:
+    if len(text) > MAX_SPEC_CHARS:
+        raise RequestError(f"{where} is {len(text):,} characters; at most {MAX_SPEC_CHARS:,}")
+    return text
+
+
+class Grammar:
+    """One compiled grammar for one tokenizer; :meth:`constraint` starts a request's."""
+
+    def __init__(
+        self, spec: GrammarSpec, prototype: Any, vocab_size: int, stop_ids: frozenset[int]
+    ) -> None:
+        self.spec, self._prototype = spec, prototype
+        self.vocab_size, self.stop_ids = vocab_size, stop_ids
+
+    def constraint(self) -> Constraint:
+        return Constraint(self._prototype.deep_copy(), self.vocab_size, self.stop_ids)
+
+
+class GrammarCompiler:
+    """Compiles specs for one tokenizer and model vocabulary (``vocab_size`` logits; ids
+    past the tokenizer's own vocabulary are never allowed). The compiled grammars are
+    kept, least recently used first out, :data:`CACHE_SIZE` of them."""
+
+    def __init__(self, tokenizer: Tokenizer, vocab_size: int) -> None:
+        self.tokenizer, self.vocab_size = tokenizer, vocab_size
+        self._ll: Any = None
+        self._cache: OrderedDict[GrammarSpec, Grammar] = OrderedDict()
+
+    def _lltokenizer(self) -> Any:
+        if self._ll is None:
+            self._ll = _lltokenizer(self.tokenizer, self.vocab_size)
+        return self._ll
+
+    def compile(self, spec: GrammarSpec) -> Grammar:
+        """The grammar of ``spec``; RequestError (llguidance's message: where in the
+        schema or grammar, what is wrong) when it cannot be compiled."""
+        if (hit := self._cache.get(spec)) is not None:
+            self._cache.move_to_end(spec)
+            return hit
+        from llguidance import LLMatcher
+
+        source = spec.llguidance()
+        matcher = LLMatcher(self._lltokenizer(), source, log_level=0)
+        if matcher.is_error():
+            raise RequestError(
+                f"{spec.kind}: the grammar cannot be compiled: {matcher.get_error()}"
+            )
+        grammar = Grammar(spec, matcher, self.vocab_size, self.tokenizer.stop_ids)
+        self._cache[spec] = grammar
+        if len(self._cache) > CACHE_SIZE:
+            self._cache.popitem(last=False)
+        return grammar
+
+
+def _lltokenizer(tokenizer: Tokenizer, vocab_size: int) -> Any:
+    from llguidance import LLTokenizer, TokenizerWrapper
+
+    stops = sorted(tokenizer.stop_ids)
+    if not stops:
+        raise RequestError(
+            "constrained generation needs a stop token (the grammar ends in one); this "
+            "model's config names no eos_token_id"
+        )
+    if isinstance(tokenizer, HFTokenizer):
+        text = tokenizer.path.read_text(encoding="utf-8")
+        return LLTokenizer(text, n_vocab=vocab_size, eos_token=stops)
+    if isinstance(tokenizer, ByteTokenizer):
+        return LLTokenizer(TokenizerWrapper(_ByteVocab(tokenizer, vocab_size)), eos_token=stops)
+    raise RequestError(f"constrained generation does not support {type(tokenizer).__name__}")
+
+
+class _ByteVocab:
+    """The byte tokenizer in the shape llguidance's TokenizerWrapper reads: each id's
+    bytes (special ids get a name no text produces) and an encoder."""
+
+    def __init__(self, tokenizer: ByteTokenizer, vocab_size: int) -> None:
+        self._tok = tokenizer
+        low, high = tokenizer.offset, tokenizer.offset + 256
+        self.tokens = [
+            bytes([i - low]) if low <= i < high else f"<|xspec_{i}|>".encode()
+            for i in range(vocab_size)
+        ]
+        self.special_token_ids = [i for i in range(vocab_size) if not low <= i < high]
+        self.eos_token_id = tokenizer.eos_id
+        self.bos_token_id = tokenizer.bos_id
+
+    def __call__(self, text: bytes | str) -> list[int]:
+        data = text if isinstance(text, bytes) else text.encode("utf-8")
+        return [b + self._tok.offset for b in data]
+
+
+class Constraint:
+    """One request's place in its grammar: the matcher after the committed tokens."""
+
+    def __init__(self, matcher: Any, vocab_size: int, stop_ids: frozenset[int]) -> None:
+        self._m, self.vocab_size, self.stop_ids = matcher, vocab_size, stop_ids
+        self._words = (vocab_size + 31) // 32
+        self._shifts = torch.arange(32, dtype=torch.int32)
+
+    @property
+    def finished(self) -> bool:
+        """The grammar is complete and admits nothing more (only a stop token)."""
+        return bool(self._m.is_stopped())
+
+    @property
+    def error(self) -> str | None:
+        return self._m.get_error() or None
+
+    def _mask_into(self, words: torch.Tensor) -> None:
+        self._m.unsafe_compute_mask_ptr(words.data_ptr(), words.numel() * 4)
+
+    def _unpack(self, words: torch.Tensor) -> torch.Tensor:
+        bits = (words.unsqueeze(-1) >> self._shifts) & 1
+        return bits.reshape(*words.shape[:-1], -1)[..., : self.vocab_size].bool()
+
+    def allowed(self) -> torch.Tensor:
+        """[vocab] bool: the tokens the grammar admits next."""
+        return self.path_masks([])[0]
+
+    def path_masks(self, drafts: list[int]) -> torch.Tensor:
+        """[len(drafts) + 1, vocab] bool: row j is the mask after the committed tokens and
+        ``drafts[:j]``. Past the first draft the grammar forbids, rows repeat the last
+        reachable one (that draft is rejected for certain; those rows are never sampled).
+        The matcher ends where it started."""
+        words = torch.zeros(len(drafts) + 1, self._words, dtype=torch.int32)
+        self._mask_into(words[0])
+        walked = 0
+        for j, token in enumerate(drafts, 1):
+            allowed = 0 <= token < self.vocab_size and (words[j - 1, token // 32] >> token % 32) & 1
+            if not allowed or not self._m.consume_token(token):
+                words[j:] = words[j - 1]
+                break
+            walked += 1
+            self._mask_into(words[j])
+        if walked:
+            self._m.rollback(walked)
+        return self._unpack(words)
+
+    def forced(self, limit: int) -> list[int]:
+        """Up to ``limit`` tokens the grammar forces from here (may be empty)."""
+        return list(self._m.compute_ff_tokens()[:limit]) if limit > 0 else []
+
+    def commit(self, tokens: list[int]) -> None:
+        """Advance past tokens the step committed (each was sampled under the mask).
+        A stop token at the end of a finished grammar is taken as its end."""
+        if tokens and self._m.is_stopped() and tokens[-1] in self.stop_ids:
+            tokens = tokens[:-1]  # the stop token that ends a finished grammar
+        if tokens and not self._m.consume_tokens(tokens):
+            raise RuntimeError(f"grammar matcher refused committed tokens: {self._m.get_error()}")
