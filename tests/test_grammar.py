@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from xspec.errors import RequestError
-from xspec.grammar import CACHE_SIZE, MAX_SPEC_CHARS, GrammarCompiler, GrammarSpec
+from xspec.grammar import CACHE_SIZE, MAX_SPEC_CHARS, GrammarCompiler, GrammarSpec, request_spec
 from xspec.tokenizer import ByteTokenizer, load_tokenizer
 
 TINY = Path(__file__).resolve().parents[1] / "xspec" / "assets" / "dsv4_tiny"
@@ -111,7 +111,25 @@ def test_forced_tokens_and_the_end(byte: GrammarCompiler) -> None:
     assert c.forced(0) == []
     c.commit(tok.encode("-ok"))
     assert c.finished and set(c.allowed().nonzero().flatten().tolist()) == {1, 2}
+    masks = c.path_masks([2, 1, 5])  # drafts past the end: rows never sampled
+    assert all(set(m.nonzero().flatten().tolist()) == {1, 2} for m in masks)
+    assert c.finished and c.error is None  # the matcher is where it was
     c.commit([2])  # the stop token that ends it
+    assert c.error is None
+
+
+def test_a_stop_token_drafted_where_the_grammar_may_end(byte: GrammarCompiler) -> None:
+    """``ab+`` after ``ab`` may end or go on: a drafted stop token ends the walk, the
+    matcher keeps every committed token (its rollback history counts no stop)."""
+    tok = byte.tokenizer
+    c = byte.compile(GrammarSpec.regex("ab+")).constraint()
+    c.commit(tok.encode("ab"))
+    before = c.allowed()
+    assert set(before.nonzero().flatten().tolist()) == {1, 2, *tok.encode("b")}
+    masks = c.path_masks([2, 1])
+    assert torch.equal(masks[1], before) and torch.equal(masks[2], before)
+    assert torch.equal(c.allowed(), before) and not c.finished
+    c.commit([*tok.encode("b"), 2])
     assert c.error is None
 
 
@@ -164,3 +182,45 @@ def test_grammars_that_do_not_compile_are_request_errors(
 def test_a_model_without_a_stop_token_cannot_be_constrained() -> None:
     with pytest.raises(RequestError, match="needs a stop token"):
         GrammarCompiler(ByteTokenizer(512, 0, []), 512).compile(GrammarSpec.json_object())
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "expected"),
+    [
+        ({}, None),
+        ({"response_format": {"type": "text"}}, None),
+        ({"response_format": {"type": "json_object"}}, GrammarSpec.json_object()),
+        (
+            {"response_format": {"type": "json_schema", "json_schema": {"name": "p", "schema": SCHEMA, "strict": True}}},
+            GrammarSpec.json_schema(SCHEMA),
+        ),
+        ({"structured_outputs": {"json": SCHEMA}}, GrammarSpec.json_schema(SCHEMA)),
+        ({"structured_outputs": {"json": json.dumps(SCHEMA)}}, GrammarSpec.json_schema(SCHEMA)),
+        ({"structured_outputs": {"regex": "a+"}}, GrammarSpec.regex("a+")),
+        ({"structured_outputs": {"choice": ["a", "b"]}}, GrammarSpec.choice(["a", "b"])),
+        ({"structured_outputs": {"grammar": 'root ::= "a"'}}, GrammarSpec.grammar('root ::= "a"')),
+        ({"structured_outputs": {"json_object": True}}, GrammarSpec.json_object()),
+        ({"structured_outputs": {}}, None),
+    ],
+)  # fmt: skip
+def test_request_fields_to_specs(kwargs: dict, expected: GrammarSpec | None) -> None:
+    assert request_spec(**kwargs) == expected
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "needle"),
+    [
+        ({"response_format": {"type": "yaml"}}, "response_format.type='yaml'"),
+        ({"response_format": "json"}, "response_format must be an object"),
+        ({"response_format": {"type": "json_schema"}}, "must be an object with a 'schema'"),
+        ({"response_format": {"type": "json_schema", "json_schema": {"schema": 3}}}, "response_format.json_schema.schema must be a JSON Schema object"),
+        ({"structured_outputs": {"regex": "a", "choice": ["b"]}}, "sets regex and choice; set exactly one"),
+        ({"structured_outputs": {"xml": "a"}}, "structured_outputs.xml is not supported"),
+        ({"structured_outputs": {"json": "{not json"}}, "structured_outputs.json is a string that is not a JSON Schema"),
+        ({"structured_outputs": {"choice": []}}, "structured_outputs.choice must be a non-empty list"),
+        ({"response_format": {"type": "json_object"}, "structured_outputs": {"regex": "a"}}, "not both"),
+    ],
+)  # fmt: skip
+def test_bad_request_fields_name_the_field(kwargs: dict, needle: str) -> None:
+    with pytest.raises(RequestError, match=re.escape(needle)):
+        request_spec(**kwargs)

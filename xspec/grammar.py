@@ -12,8 +12,9 @@ What speculation asks of a constraint:
 - :meth:`Constraint.path_masks`: the mask at every verify row of a draft path (the
   committed prefix, then each draft prefix). The matcher walks the drafts as far as the
   grammar allows and rolls back, so after the call it is where it was. A draft the grammar
-  forbids has masked probability 0 and is rejected for certain: the rows past it are
-  never sampled (they repeat the last reachable mask, so every row stays a distribution).
+  forbids has masked probability 0 and is rejected for certain, and a stop token ends the
+  request: the rows past either are never sampled (they repeat the last reachable mask,
+  so every row stays a distribution).
 - :meth:`Constraint.forced`: the tokens the grammar forces from here (JSON punctuation,
   a schema's keys): a step can propose them instead of the drafter's guesses.
 - :meth:`Constraint.commit`: the tokens the step committed.
@@ -106,6 +107,71 @@ class GrammarSpec:
         except Exception as e:  # the converter raises bare Exceptions on bad GBNF
             raise RequestError(f"grammar: cannot read it as Lark or GBNF ({e})") from None
         return LLMatcher.grammar_from_lark(lark)
+
+
+def request_spec(response_format: Any = None, structured_outputs: Any = None) -> GrammarSpec | None:
+    """The constraint of a request's OpenAI ``response_format`` (``text``, ``json_object``,
+    ``json_schema`` with its ``schema``; ``strict`` or not, the schema is enforced) or vLLM's
+    ``structured_outputs`` (exactly one of ``json``, ``regex``, ``choice``, ``grammar``,
+    ``json_object``); None when neither constrains. RequestError names the field."""
+    if response_format is not None and structured_outputs is not None:
+        raise RequestError("set response_format or structured_outputs, not both")
+    if structured_outputs is not None:
+        return _structured_outputs(structured_outputs)
+    if response_format is None:
+        return None
+    if not isinstance(response_format, dict):
+        raise RequestError("response_format must be an object with a 'type'")
+    kind = response_format.get("type")
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return GrammarSpec.json_object()
+    if kind == "json_schema":
+        body = response_format.get("json_schema")
+        if not isinstance(body, dict) or "schema" not in body:
+            raise RequestError(
+                "response_format.json_schema must be an object with a 'schema' (and a 'name')"
+            )
+        return GrammarSpec.json_schema(body["schema"], "response_format.json_schema.schema")
+    raise RequestError(f"response_format.type={kind!r}: use 'text', 'json_object' or 'json_schema'")
+
+
+_STRUCTURED = ("json", "regex", "choice", "grammar", "json_object")
+
+
+def _structured_outputs(body: Any) -> GrammarSpec | None:
+    if not isinstance(body, dict):
+        raise RequestError(
+            f"structured_outputs must be an object with one of {', '.join(_STRUCTURED)}"
+        )
+    if unknown := sorted(set(body) - set(_STRUCTURED)):
+        raise RequestError(
+            f"structured_outputs.{unknown[0]} is not supported; use one of {', '.join(_STRUCTURED)}"
+        )
+    given = [k for k in _STRUCTURED if body.get(k) not in (None, False)]
+    if len(given) > 1:
+        raise RequestError(f"structured_outputs sets {' and '.join(given)}; set exactly one")
+    if not given:
+        return None
+    key, value = given[0], body[given[0]]
+    where = f"structured_outputs.{key}"
+    if key == "json":
+        if isinstance(value, str):  # vLLM takes the schema as JSON text too
+            try:
+                value = json.loads(value)
+            except (ValueError, RecursionError):
+                raise RequestError(f"{where} is a string that is not a JSON Schema") from None
+        return GrammarSpec.json_schema(value, where)
+    if key == "regex":
+        return GrammarSpec.regex(value, where)
+    if key == "choice":
+        return GrammarSpec.choice(value, where)
+    if key == "grammar":
+        return GrammarSpec.grammar(value, where)
+    if value is not True:
+        raise RequestError(f"{where} must be true or unset")
+    return GrammarSpec.json_object()
 
 
 def _kind(value: Any) -> str:
@@ -242,7 +308,8 @@ class Constraint:
         walked = 0
         for j, token in enumerate(drafts, 1):
             allowed = 0 <= token < self.vocab_size and (words[j - 1, token // 32] >> token % 32) & 1
-            if not allowed or not self._m.consume_token(token):
+            # a stop token ends the request: rows past it are never sampled either
+            if not allowed or token in self.stop_ids or not self._m.consume_token(token):
                 words[j:] = words[j - 1]
                 break
             walked += 1
@@ -256,9 +323,11 @@ class Constraint:
         return list(self._m.compute_ff_tokens()[:limit]) if limit > 0 else []
 
     def commit(self, tokens: list[int]) -> None:
-        """Advance past tokens the step committed (each was sampled under the mask).
-        A stop token at the end of a finished grammar is taken as its end."""
-        if tokens and self._m.is_stopped() and tokens[-1] in self.stop_ids:
-            tokens = tokens[:-1]  # the stop token that ends a finished grammar
+        """Advance past tokens the step committed (each was sampled under the mask), up
+        to a stop token."""
+        # a stop token ends the request (the mask admits one only where the grammar is
+        # complete); the matcher is not fed it: its rollback history counts no stop
+        end = next((i for i, t in enumerate(tokens) if t in self.stop_ids), len(tokens))
+        tokens = tokens[:end]
         if tokens and not self._m.consume_tokens(tokens):
             raise RuntimeError(f"grammar matcher refused committed tokens: {self._m.get_error()}")
