@@ -41,6 +41,10 @@ KINDS: tuple[GrammarKind, ...] = ("json_object", "json_schema", "regex", "choice
 MAX_SPEC_CHARS = 1 << 20  # a schema or grammar's text; larger is a 400, not a compile
 MAX_CHOICES = 4096
 CACHE_SIZE = 64  # compiled grammars kept per tokenizer
+# JSON is written as Python's json.dumps writes it: ", " and ": ", no other whitespace
+# (flexible whitespace lets a model pad forever). A schema's own "x-guidance" object
+# overrides this (llguidance's JSON options, e.g. {"whitespace_flexible": true}).
+JSON_LAYOUT: Any = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 
 
 @dataclass(frozen=True)
@@ -94,9 +98,9 @@ class GrammarSpec:
         from llguidance.gbnf_to_lark import any_to_lark
 
         if self.kind == "json_object":
-            return LLMatcher.grammar_from_json_schema({"type": "object"})
+            return LLMatcher.grammar_from_json_schema({"type": "object"}, JSON_LAYOUT)
         if self.kind == "json_schema":
-            return LLMatcher.grammar_from_json_schema(self.source)
+            return LLMatcher.grammar_from_json_schema(self.source, JSON_LAYOUT)
         if self.kind == "regex":
             return LLMatcher.grammar_from_regex(self.source)
         if self.kind == "choice":
@@ -309,14 +313,23 @@ class Constraint:
         for j, token in enumerate(drafts, 1):
             allowed = 0 <= token < self.vocab_size and (words[j - 1, token // 32] >> token % 32) & 1
             # a stop token ends the request: rows past it are never sampled either
-            if not allowed or token in self.stop_ids or not self._m.consume_token(token):
+            if not allowed or token in self.stop_ids or not self.push(token):
                 words[j:] = words[j - 1]
                 break
             walked += 1
             self._mask_into(words[j])
-        if walked:
-            self._m.rollback(walked)
+        self.pop(walked)
         return self._unpack(words)
+
+    def push(self, token: int) -> bool:
+        """Advance by one (not a stop) token the mask allows, tentatively; False if the
+        grammar refuses it. :meth:`pop` takes pushed tokens back."""
+        return bool(self._m.consume_token(token))
+
+    def pop(self, count: int) -> None:
+        """Take back the last ``count`` pushed tokens."""
+        if count:
+            self._m.rollback(count)
 
     def forced(self, limit: int) -> list[int]:
         """Up to ``limit`` tokens the grammar forces from here (may be empty)."""

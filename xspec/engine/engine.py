@@ -56,6 +56,7 @@ from xspec.spec.step import (
 )
 
 if TYPE_CHECKING:
+    from xspec.grammar import Grammar
     from xspec.parallel.lockstep import Lockstep
 
 log = logging.getLogger(__name__)
@@ -78,6 +79,8 @@ class Request:
     # the output ends at the first of these strings (the string itself not kept in
     # ``text``; the token that completed it is the last of ``token_ids``)
     stop: list[str] = field(default_factory=list)
+    # structured output: every token is sampled under this grammar's mask (None: free)
+    grammar: Grammar | None = None
 
 
 # why a generation ended: a stop id or stop string ("stop"), max_new_tokens ("length"),
@@ -475,6 +478,13 @@ class Engine:
             raise RequestError(f"{where}: stop strings need a tokenizer; this engine has none")
         if problems := req.params.problems():
             raise RequestError(f"{where}: " + "; ".join(problems))
+        if req.grammar is not None and req.ignore_eos:
+            raise RequestError(
+                f"{where}: ignore_eos cannot go with structured output (the grammar ends "
+                "in a stop token); drop one of them"
+            )
+        if req.grammar is not None and req.grammar.vocab_size != vocab:
+            raise RequestError(f"{where}: the grammar was compiled for another vocabulary")
 
     def capacity_problem(self, req: Request) -> str | None:
         """Why a well-formed request can never run here (None: it fits an empty pool)."""
@@ -585,6 +595,7 @@ class Engine:
             params=req.params,
             generator=make_generator(req.params),
             max_len=len(req.prompt_ids) + req.max_new_tokens,
+            constraint=None if req.grammar is None else req.grammar.constraint(),
         )
 
     def _take(self, rid: Hashable, new_tokens: list[int], gen: Generation, now: float) -> bool:

@@ -29,11 +29,13 @@ import torch
 from xspec.metrics import SpecDecodeMetrics
 from xspec.models.base import CapturePoint, DecodeState, ForwardBatch, ModelOutput, TargetModel
 from xspec.sampling import SamplingParams, logits_to_probs, nonfinite_rows, regime_of, sample
+from xspec.spec.constrained import constrain_drafts
 from xspec.spec.drafter import CommittedRows, Drafter, DraftProposal, DraftRequest
 from xspec.spec.policy import DepthPolicy, FixedDepth
 from xspec.spec.verify import VerifyResult, rejection_sample
 
 if TYPE_CHECKING:
+    from xspec.grammar import Constraint
     from xspec.parallel.lockstep import Lockstep
 
 
@@ -50,6 +52,8 @@ class RunningSeq:
     error: str | None = None  # set when its logits turned non-finite; the engine drops it
     # the depth policy's own state of this request (opaque here: xspec.spec.policy)
     depth_state: Any = None
+    # its grammar's state after the committed tokens (structured output), or None
+    constraint: Constraint | None = None
 
     @property
     def anchor(self) -> int:
@@ -162,6 +166,8 @@ def prefill(
         )
     # the first generated token comes from the last prompt row
     logits, bad = _mask_nonfinite(torch.stack(last_logits), [1] * len(seqs))  # [B, V], [B]
+    first_masks = [None if s.constraint is None else s.constraint.allowed()[None] for s in seqs]
+    logits = _grammar_rows(logits, first_masks, [1] * len(seqs))
     probs = logits_to_probs(logits, [s.params for s in seqs])  # [B, V]
     first = sample(probs, [s.generator for s in seqs], check_greedy=False)  # [B] on the device
     # the drafter observes every prompt: the chunks' rows, gathered sequence by sequence
@@ -184,6 +190,8 @@ def prefill(
     new_tokens = [[t] for t, _ in host]
     for s, new in zip(seqs, new_tokens):
         s.token_ids += new
+        if s.constraint is not None:
+            s.constraint.commit(new)
     zeros = [0] * len(seqs)
     return StepResult(new_tokens, num_drafts=zeros, num_accepted=list(zeros))
 
@@ -235,6 +243,8 @@ class _Drafts:
     probs: torch.Tensor | None  # [B, width, V] the draft's full q, or None (one-hot q)
     confidence: torch.Tensor | None  # [B, depth] the draft's confidences (untrimmed), or None
     verified: list[int]  # [B] drafts each sequence verifies (the policy's trim of its depth)
+    # [B]: each constrained sequence's allowed set per verify row ([verified+1, V]), or None
+    masks: list[torch.Tensor | None] | None = None
 
 
 @dataclass
@@ -269,6 +279,8 @@ def decode_step(
     # 1. draft: the drafting sequences propose; the policy trims what each one verifies
     proposed = max(depths, default=0) if lockstep is None else lockstep.plan.draft_tokens
     drafts = _draft_step(drafter, seqs, depths, policy, proposed, target.device)
+    if any(s.constraint is not None for s in seqs):  # structured output: xspec.spec.constrained
+        drafts = _constrain(seqs, drafts, drafter.gamma)
     # 2. verify: the target scores [anchor, d_1 .. d_n] (n + 1 rows) per sequence at once
     # 3. accept: the accepted prefix + one correction (on rejection) or bonus token
     verified = _verify(target, seqs, capture, drafts)
@@ -319,6 +331,60 @@ def _draft_step(
     return _Drafts(tokens, probs, confidence, verified)
 
 
+def _constrain(seqs: list[RunningSeq], drafts: _Drafts, gamma: int) -> _Drafts:
+    """The drafts of the constrained sequences walked through their grammars
+    (:func:`~xspec.spec.constrained.constrain_drafts`: forced tokens first, then the
+    drafter's, each allowed; at most ``gamma`` and what the request can still commit),
+    with every verify row's mask; the other sequences' drafts unchanged."""
+    host = drafts.tokens.tolist()  # [B, width]: drafts are small; the walk is on the host
+    tokens: list[list[int]] = []
+    probs: list[torch.Tensor | None] = []
+    masks: list[torch.Tensor | None] = []
+    verified: list[int] = []
+    for b, s in enumerate(seqs):
+        n = drafts.verified[b]
+        q = None if drafts.probs is None else drafts.probs[b, :n]
+        if s.constraint is None:
+            tokens.append(host[b][:n])
+            probs.append(q)
+            masks.append(None)
+        else:
+            cap = min(gamma, s.remaining - 1)
+            walked = constrain_drafts(s.constraint, host[b][:n], q, cap, s.generator)
+            tokens.append(walked.tokens)
+            probs.append(walked.probs)
+            masks.append(walked.masks)
+        verified.append(len(tokens[-1]))
+    width, device = max(verified, default=0), drafts.tokens.device
+    padded = torch.zeros(len(seqs), width, dtype=torch.long)
+    for b, t in enumerate(tokens):
+        padded[b, : len(t)] = torch.tensor(t, dtype=torch.long)
+    q_all = None
+    if drafts.probs is not None:  # one-hot rows where a sequence's q is (forced) one-hot
+        q_all = drafts.probs.new_zeros(len(seqs), width, drafts.probs.shape[-1])
+        for b, (t, q) in enumerate(zip(tokens, probs)):
+            if q is not None:
+                q_all[b, : len(t)] = q
+            elif t:
+                q_all[b, torch.arange(len(t)), torch.tensor(t)] = 1.0
+    return _Drafts(padded.to(device), q_all, drafts.confidence, verified, masks)
+
+
+def _grammar_rows(
+    logits: torch.Tensor, masks: list[torch.Tensor | None], lens: list[int]
+) -> torch.Tensor:
+    """``logits [sum(lens), V]`` (sequence b's ``lens[b]`` rows) with each constrained
+    sequence's rows set to -inf where its grammar forbids (``masks[b] [lens[b], V]``
+    bool; None: no grammar)."""
+    if all(m is None for m in masks):
+        return logits
+    vocab = logits.shape[1]
+    allowed = torch.cat(
+        [torch.ones(n, vocab, dtype=torch.bool) if m is None else m for m, n in zip(masks, lens)]
+    ).to(logits.device)
+    return logits.masked_fill(~allowed, float("-inf"))
+
+
 def _verify(
     target: TargetModel, seqs: list[RunningSeq], capture: list[CapturePoint], drafts: _Drafts
 ) -> _Verified:
@@ -338,6 +404,8 @@ def _verify(
     )
     row_params = [s.params for s, k in zip(seqs, lens) for _ in range(k)]
     logits, bad = _mask_nonfinite(out.logits, lens)  # [sum(lens), V], [B]
+    if drafts.masks is not None:
+        logits = _grammar_rows(logits, drafts.masks, lens)
     p_rows = logits_to_probs(logits, row_params).split(lens)  # B x [n_b+1, V]
     p = torch.nn.utils.rnn.pad_sequence(list(p_rows), batch_first=True)  # [B, max(n)+1, V]
     generators = [s.generator for s in seqs]
@@ -363,6 +431,8 @@ def _commit(
         target.truncate(s.target_state, n0[b] + k)
         new_tokens.append(verified.output[b, :k].tolist())
         s.token_ids += new_tokens[-1]
+        if s.constraint is not None:
+            s.constraint.commit(new_tokens[-1])
     return new_tokens
 
 
