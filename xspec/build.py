@@ -41,6 +41,7 @@ from xspec.engine.engine import Engine
 from xspec.engine.memory import LayoutPlan, MemoryPlan, budget_of, plan_memory, weight_bytes
 from xspec.engine.parallel import ParallelEngine
 from xspec.errors import CheckpointError, ConfigError, MemoryBudgetError, UserError
+from xspec.grammar import GrammarCompiler
 from xspec.models.base import CapturePoint, TargetModel, modules_of
 from xspec.models.family import ModelFamily
 from xspec.parallel.expert import ExpertParallel, routed_expert_bytes
@@ -82,6 +83,8 @@ class Built:
     profile: Profile | None = None  # spec.adaptive: the step-cost profile it schedules with
     parallel: Parallel = SINGLE
     expert_bytes: list[int] | None = None  # routed-expert bytes held by each rank
+    # structured output: compiles a request's GrammarSpec for this tokenizer (cached)
+    grammars: GrammarCompiler | None = None
 
 
 @dataclass(frozen=True)
@@ -441,6 +444,7 @@ def build(cfg: RunConfig, *, depth_policy: DepthPolicy | None = None) -> Built:
         profile=profile,
         parallel=parallel,
         expert_bytes=per_rank,
+        grammars=GrammarCompiler(tokenizer, target.vocab_size, cfg.spec.forced_tokens),
     )
 
 

@@ -134,6 +134,9 @@ class SpecConfig:
     # [[min_batch, gamma], ...], ascending min_batch, the first at 1; a step of B requests
     # drafts the gamma of the last entry with min_batch <= B (0 = no draft); null = off
     gamma_schedule: list[list[int]] | None = None
+    # structured output: tokens the grammar forces are proposed without the drafter (one-hot
+    # drafts, accepted for certain; at most gamma a step); false = only the drafter's drafts
+    forced_tokens: bool = True
 
 
 @dataclass(kw_only=True)

@@ -192,22 +192,30 @@ class Grammar:
     """One compiled grammar for one tokenizer; :meth:`constraint` starts a request's."""
 
     def __init__(
-        self, spec: GrammarSpec, prototype: Any, vocab_size: int, stop_ids: frozenset[int]
+        self,
+        spec: GrammarSpec,
+        prototype: Any,
+        vocab_size: int,
+        stop_ids: frozenset[int],
+        forced_tokens: bool = True,
     ) -> None:
         self.spec, self._prototype = spec, prototype
-        self.vocab_size, self.stop_ids = vocab_size, stop_ids
+        self.vocab_size, self.stop_ids, self.forced_tokens = vocab_size, stop_ids, forced_tokens
 
     def constraint(self) -> Constraint:
-        return Constraint(self._prototype.deep_copy(), self.vocab_size, self.stop_ids)
+        m = self._prototype.deep_copy()
+        return Constraint(m, self.vocab_size, self.stop_ids, forced_tokens=self.forced_tokens)
 
 
 class GrammarCompiler:
     """Compiles specs for one tokenizer and model vocabulary (``vocab_size`` logits; ids
     past the tokenizer's own vocabulary are never allowed). The compiled grammars are
-    kept, least recently used first out, :data:`CACHE_SIZE` of them."""
+    kept, least recently used first out, :data:`CACHE_SIZE` of them. ``forced_tokens``
+    False: :meth:`Constraint.forced` offers none (``spec.forced_tokens``)."""
 
-    def __init__(self, tokenizer: Tokenizer, vocab_size: int) -> None:
+    def __init__(self, tokenizer: Tokenizer, vocab_size: int, forced_tokens: bool = True) -> None:
         self.tokenizer, self.vocab_size = tokenizer, vocab_size
+        self.forced_tokens = forced_tokens
         self._ll: Any = None
         self._cache: OrderedDict[GrammarSpec, Grammar] = OrderedDict()
 
@@ -230,7 +238,9 @@ class GrammarCompiler:
             raise RequestError(
                 f"{spec.kind}: the grammar cannot be compiled: {matcher.get_error()}"
             )
-        grammar = Grammar(spec, matcher, self.vocab_size, self.tokenizer.stop_ids)
+        grammar = Grammar(
+            spec, matcher, self.vocab_size, self.tokenizer.stop_ids, self.forced_tokens
+        )
         self._cache[spec] = grammar
         if len(self._cache) > CACHE_SIZE:
             self._cache.popitem(last=False)
@@ -277,8 +287,11 @@ class _ByteVocab:
 class Constraint:
     """One request's place in its grammar: the matcher after the committed tokens."""
 
-    def __init__(self, matcher: Any, vocab_size: int, stop_ids: frozenset[int]) -> None:
+    def __init__(
+        self, matcher: Any, vocab_size: int, stop_ids: frozenset[int], forced_tokens: bool = True
+    ) -> None:
         self._m, self.vocab_size, self.stop_ids = matcher, vocab_size, stop_ids
+        self.forced_tokens = forced_tokens
         self._words = (vocab_size + 31) // 32
         self._shifts = torch.arange(32, dtype=torch.int32)
 
@@ -332,8 +345,11 @@ class Constraint:
             self._m.rollback(count)
 
     def forced(self, limit: int) -> list[int]:
-        """Up to ``limit`` tokens the grammar forces from here (may be empty)."""
-        return list(self._m.compute_ff_tokens()[:limit]) if limit > 0 else []
+        """Up to ``limit`` tokens the grammar forces from here (may be empty; always
+        empty when the compiler was made with ``forced_tokens=False``)."""
+        if limit <= 0 or not self.forced_tokens:
+            return []
+        return list(self._m.compute_ff_tokens()[:limit])
 
     def commit(self, tokens: list[int]) -> None:
         """Advance past tokens the step committed (each was sampled under the mask), up

@@ -245,6 +245,7 @@ class _Drafts:
     verified: list[int]  # [B] drafts each sequence verifies (the policy's trim of its depth)
     # [B]: each constrained sequence's allowed set per verify row ([verified+1, V]), or None
     masks: list[torch.Tensor | None] | None = None
+    forced: list[int] | None = None  # [B] leading drafts its grammar forced (not drafted)
 
 
 @dataclass
@@ -290,7 +291,15 @@ def decode_step(
     _observe(drafter, seqs, n0, verified)
     # 6. the policy learns from the step; metrics from the output matrix
     accepted = [k - 1 for k in verified.committed]
-    policy.observe(seqs, drafts.verified, accepted)
+    if drafts.forced is None:
+        policy.observe(seqs, drafts.verified, accepted)
+    else:  # the policy judges its drafter: forced tokens are neither drafted nor its hits
+        forced = drafts.forced
+        policy.observe(
+            seqs,
+            [n - f for n, f in zip(drafts.verified, forced)],
+            [max(a - f, 0) for a, f in zip(accepted, forced)],
+        )
     metrics.observe_step(
         verified.output,
         torch.tensor(drafts.verified, dtype=torch.long),
@@ -341,6 +350,7 @@ def _constrain(seqs: list[RunningSeq], drafts: _Drafts, gamma: int) -> _Drafts:
     probs: list[torch.Tensor | None] = []
     masks: list[torch.Tensor | None] = []
     verified: list[int] = []
+    forced: list[int] = []
     for b, s in enumerate(seqs):
         n = drafts.verified[b]
         q = None if drafts.probs is None else drafts.probs[b, :n]
@@ -348,12 +358,14 @@ def _constrain(seqs: list[RunningSeq], drafts: _Drafts, gamma: int) -> _Drafts:
             tokens.append(host[b][:n])
             probs.append(q)
             masks.append(None)
+            forced.append(0)
         else:
             cap = min(gamma, s.remaining - 1)
             walked = constrain_drafts(s.constraint, host[b][:n], q, cap, s.generator)
             tokens.append(walked.tokens)
             probs.append(walked.probs)
             masks.append(walked.masks)
+            forced.append(walked.forced)
         verified.append(len(tokens[-1]))
     width, device = max(verified, default=0), drafts.tokens.device
     padded = torch.zeros(len(seqs), width, dtype=torch.long)
@@ -367,7 +379,7 @@ def _constrain(seqs: list[RunningSeq], drafts: _Drafts, gamma: int) -> _Drafts:
                 q_all[b, : len(t)] = q
             elif t:
                 q_all[b, torch.arange(len(t)), torch.tensor(t)] = 1.0
-    return _Drafts(padded.to(device), q_all, drafts.confidence, verified, masks)
+    return _Drafts(padded.to(device), q_all, drafts.confidence, verified, masks, forced)
 
 
 def _grammar_rows(
