@@ -224,3 +224,15 @@ def test_request_fields_to_specs(kwargs: dict, expected: GrammarSpec | None) -> 
 def test_bad_request_fields_name_the_field(kwargs: dict, needle: str) -> None:
     with pytest.raises(RequestError, match=re.escape(needle)):
         request_spec(**kwargs)
+
+
+def test_forced_tokens_can_be_turned_off() -> None:
+    """``spec.forced_tokens=false``: the constraint offers no forced tokens (masks alike)."""
+    tok = ByteTokenizer(512, 0, [1, 2])
+    on = GrammarCompiler(tok, 512).compile(GrammarSpec.regex("[0-9]{3}-ok")).constraint()
+    off = GrammarCompiler(tok, 512, forced_tokens=False).compile(GrammarSpec.regex("[0-9]{3}-ok"))
+    c = off.constraint()
+    for x in (on, c):
+        x.commit(tok.encode("123"))
+    assert on.forced(8) == tok.encode("-ok") and c.forced(8) == []
+    assert torch.equal(on.allowed(), c.allowed())
