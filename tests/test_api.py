@@ -277,3 +277,26 @@ def test_generate_after_a_stream_left_by_an_exception(base: xspec.LLM) -> None:
     with pytest.raises(RequestError, match="ended by a later generate"):
         next(stream)
     assert not base._built.engine.busy
+
+
+def test_generate_with_structured_output(base: xspec.LLM) -> None:
+    """``response_format`` / ``structured_outputs`` constrain every prompt's output; a
+    grammar that does not compile and ignore_eos with a grammar are RequestErrors."""
+    schema = {
+        "type": "object",
+        "properties": {"k": {"enum": ["a", "b"]}, "n": {"type": "integer", "maximum": 9}},
+        "required": ["k", "n"],
+        "additionalProperties": False,
+    }
+    fmt = {"type": "json_schema", "json_schema": {"name": "t", "schema": schema}}
+    outs = base.generate(["ab", [5, 6, 7]], max_new_tokens=30, response_format=fmt)
+    for g in outs:
+        assert g.finish_reason == "stop", g.text
+        obj = json.loads(g.text)
+        assert obj["k"] in ("a", "b") and 0 <= obj["n"] <= 9 and list(obj) == ["k", "n"]
+    sampled = base.generate("x", 12, temperature=1.0, structured_outputs={"regex": "[xy]{3}"})
+    assert sampled[0].text in {a + b + c for a in "xy" for b in "xy" for c in "xy"}
+    with pytest.raises(RequestError, match="unclosed character class"):
+        base.generate("x", structured_outputs={"regex": "[0-9"})
+    with pytest.raises(RequestError, match="ignore_eos cannot go with structured output"):
+        base.generate("x", ignore_eos=True, structured_outputs={"choice": ["a"]})

@@ -22,6 +22,7 @@ exception in the loop that read it); reading on from that stream raises RequestE
 
 from __future__ import annotations
 
+import dataclasses
 import numbers
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from typing import Any, Literal, cast, overload
@@ -33,6 +34,7 @@ from xspec.compose import compose_run, overrides_from
 from xspec.config import RunConfig
 from xspec.engine.engine import Delta, Engine, Generation, Request, seeded
 from xspec.errors import RequestError
+from xspec.grammar import request_spec
 from xspec.metrics import SpecDecodeMetrics
 from xspec.models.base import ForwardBatch
 from xspec.sampling import SamplingParams
@@ -100,6 +102,8 @@ class LLM:
         concurrency: int | None = ...,
         stop: Sequence[str] | None = ...,
         stream: Literal[False] = ...,
+        response_format: dict[str, Any] | None = ...,
+        structured_outputs: dict[str, Any] | None = ...,
     ) -> list[Generation]: ...
 
     @overload
@@ -116,6 +120,8 @@ class LLM:
         stop: Sequence[str] | None = ...,
         *,
         stream: Literal[True],
+        response_format: dict[str, Any] | None = ...,
+        structured_outputs: dict[str, Any] | None = ...,
     ) -> Iterator[Delta]: ...
 
     def generate(
@@ -130,6 +136,8 @@ class LLM:
         concurrency: int | None = None,
         stop: Sequence[str] | None = None,
         stream: bool = False,
+        response_format: dict[str, Any] | None = None,
+        structured_outputs: dict[str, Any] | None = None,
     ) -> list[Generation] | Iterator[Delta]:
         """One :class:`Generation` per prompt, in order. Request ``i`` samples with
         seed ``seed + i`` (reproducible; ``seed=None`` for fresh randomness). ``stop``:
@@ -142,10 +150,21 @@ class LLM:
         of each prompt has ``finished`` set and its final ``generation``, text
         included). The arguments are checked before the first delta; leaving the loop
         early aborts what is still running, and so does the next ``generate`` call (the
-        stream then raises RequestError if read on)."""
+        stream then raises RequestError if read on).
+
+        Structured output (docs/structured_output.md): ``response_format`` as OpenAI's
+        (``{"type": "json_schema", "json_schema": {"name": ..., "schema": {...}}}`` or
+        ``{"type": "json_object"}``) or ``structured_outputs`` as vLLM's (one of ``json``,
+        ``regex``, ``choice``, ``grammar``): every prompt's output follows it."""
         requests = self._requests(
             prompts, max_new_tokens, temperature, top_k, top_p, seed, ignore_eos, stop
         )
+        spec = request_spec(response_format, structured_outputs)
+        if spec is not None:
+            grammars = self._built.grammars
+            assert grammars is not None  # build() makes one for every run
+            grammar = grammars.compile(spec)
+            requests = [dataclasses.replace(r, grammar=grammar) for r in requests]
         if concurrency is not None:
             concurrency = _integer("concurrency", concurrency, minimum=1)
         if not isinstance(stream, bool):
