@@ -27,6 +27,7 @@ stalls a step; a spec's text is bounded by :data:`MAX_SPEC_CHARS`.
 from __future__ import annotations
 
 import json
+import threading
 from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -211,25 +212,29 @@ class GrammarCompiler:
     """Compiles specs for one tokenizer and model vocabulary (``vocab_size`` logits; ids
     past the tokenizer's own vocabulary are never allowed). The compiled grammars are
     kept, least recently used first out, :data:`CACHE_SIZE` of them. ``forced_tokens``
-    False: :meth:`Constraint.forced` offers none (``spec.forced_tokens``)."""
+    False: :meth:`Constraint.forced` offers none (``spec.forced_tokens``). Thread-safe: a
+    server compiles on worker threads (llguidance releases the GIL while it compiles)."""
 
     def __init__(self, tokenizer: Tokenizer, vocab_size: int, forced_tokens: bool = True) -> None:
         self.tokenizer, self.vocab_size = tokenizer, vocab_size
         self.forced_tokens = forced_tokens
         self._ll: Any = None
         self._cache: OrderedDict[GrammarSpec, Grammar] = OrderedDict()
+        self._lock = threading.Lock()
 
     def _lltokenizer(self) -> Any:
-        if self._ll is None:
-            self._ll = _lltokenizer(self.tokenizer, self.vocab_size)
-        return self._ll
+        with self._lock:
+            if self._ll is None:
+                self._ll = _lltokenizer(self.tokenizer, self.vocab_size)
+            return self._ll
 
     def compile(self, spec: GrammarSpec) -> Grammar:
         """The grammar of ``spec``; RequestError (llguidance's message: where in the
         schema or grammar, what is wrong) when it cannot be compiled."""
-        if (hit := self._cache.get(spec)) is not None:
-            self._cache.move_to_end(spec)
-            return hit
+        with self._lock:
+            if (hit := self._cache.get(spec)) is not None:
+                self._cache.move_to_end(spec)
+                return hit
         from llguidance import LLMatcher
 
         source = spec.llguidance()
@@ -241,9 +246,10 @@ class GrammarCompiler:
         grammar = Grammar(
             spec, matcher, self.vocab_size, self.tokenizer.stop_ids, self.forced_tokens
         )
-        self._cache[spec] = grammar
-        if len(self._cache) > CACHE_SIZE:
-            self._cache.popitem(last=False)
+        with self._lock:
+            self._cache[spec] = grammar
+            if len(self._cache) > CACHE_SIZE:
+                self._cache.popitem(last=False)
         return grammar
 
 
