@@ -14,9 +14,9 @@ XSPEC = Path(__file__).resolve().parents[1] / "xspec"
 # Bottom to top; a module belongs to the longest prefix listed. The same table is drawn
 # in docs/architecture.md.
 LAYERS: list[tuple[str, ...]] = [
-    ("xspec", "xspec.version", "xspec.errors", "xspec.atomic", "xspec.cache", "xspec.capture", "xspec.paths"),  # xspec: the package root
+    ("xspec", "xspec.version", "xspec.errors", "xspec.atomic", "xspec.cache", "xspec.capture", "xspec.paths", "xspec.jsonfile"),  # xspec: the package root
     ("xspec.config", "xspec.compose", "xspec.registry", "xspec.sampling", "xspec.tokenizer",
-     "xspec.chat", "xspec.metrics"),
+     "xspec.grammar", "xspec.chat", "xspec.metrics"),
     ("xspec.parallel",),
     ("xspec.models.ops", "xspec.models.quantized"),
     ("xspec.platforms",),
