@@ -12,6 +12,7 @@ import httpx
 import pytest
 
 from tests.serve.conftest import LiveServer, start_server
+from xspec.serve.protocol import IGNORED, REFUSED, Refused, extra_problems
 
 
 @pytest.fixture(scope="module")
@@ -68,7 +69,12 @@ def ok(live: LiveServer) -> None:
         ({"model": "M", "prompt": ""}, 400, "empty", "prompt"),
         ({"model": "M", "prompt": ["a", "b"]}, 400, "one prompt", "prompt"),
         ({"model": "M", "prompt": "a", "n": 2}, 400, "n=2", "n"),
-        ({"model": "M", "prompt": "a", "logprobs": 3}, 400, "logprobs", "logprobs"),
+        ({"model": "M", "prompt": "a", "logprobs": 3}, 400, "logprobs=3", "logprobs"),
+        ({"model": "M", "prompt": "a", "logprobs": 0}, 400, "logprobs=0", "logprobs"),  # not "off"
+        ({"model": "M", "prompt": "a", "max_token": 5}, 400, "unrecognized request field 'max_token'", "max_token"),
+        ({"model": "M", "prompt": "a", "stream_options": {"include_usage": True}}, 400, "stream: true", "stream_options"),
+        ({"model": "M", "prompt": "a", "top_k": -2}, 400, "top_k", "top_k"),
+        ({"model": "M", "prompt": "a", "seed": -1}, 400, "seed", "seed"),
         ({"model": "M", "prompt": "a", "stop": [""]}, 400, "stop", "stop"),
     ],
 )  # fmt: skip
@@ -107,25 +113,30 @@ def test_chat_errors_name_the_request_field(live: LiveServer) -> None:
     assert "max_tokens 1000000" in err["message"] and err["param"] == "max_tokens"
 
 
-NOT_NEUTRAL = [("response_format", {"type": "json_object"}), ("logit_bias", {"5": 10}),
-               ("presence_penalty", 0.5), ("frequency_penalty", -1.0), ("min_tokens", 3),
-               ("repetition_penalty", 1.2), ("min_p", 0.1)]  # fmt: skip
-NEUTRAL = {"response_format": {"type": "text"}, "logit_bias": {}, "presence_penalty": 0,
-           "frequency_penalty": 0.0, "min_tokens": 0, "repetition_penalty": 1, "min_p": 0}  # fmt: skip
+def test_every_refused_field_is_refused_by_name_unless_neutral(live: LiveServer) -> None:
+    """Each field of REFUSED, at a value that is not neutral, is a 400 naming it (they
+    were accepted with 200 and ignored: the client believed it got them); all of them at
+    once at their neutral values, and the IGNORED ones, are served."""
+    for kind, path in (("completions", "/v1/completions"), ("chat", "/v1/chat/completions")):
+        base: dict = {"model": live.name, "max_tokens": 2}
+        base |= (
+            {"messages": [{"role": "user", "content": "a"}]} if kind == "chat" else {"prompt": "a"}
+        )
+        neutral = {}
+        for name, rule in REFUSED[kind].items():
+            err = error_of(post(live, base | {name: 12345}, path), 400)
+            assert err["param"] == name and err["message"].startswith(f"{name}=12345: "), err
+            neutral[name] = rule.neutral[-1] if rule.neutral else None
+        r = post(live, base | neutral | {name: "x" for name in IGNORED}, path)
+        assert r.status_code == 200, r.text
 
 
-@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
-def test_fields_that_change_the_output_are_refused_unless_neutral(
-    live: LiveServer, path: str
-) -> None:
-    """They were accepted with 200 and ignored: the client believed it got them."""
-    base = {"model": live.name, "max_tokens": 2}
-    base |= {"messages": [{"role": "user", "content": "a"}]} if "chat" in path else {"prompt": "a"}
-    for name, value in NOT_NEUTRAL:
-        err = error_of(post(live, base | {name: value}, path), 400)
-        assert name in err["message"] and err["param"] == name, err
-    r = post(live, base | NEUTRAL, path)
-    assert r.status_code == 200, r.text
+def test_neutral_values_are_compared_as_json() -> None:
+    """0 is not false and 1 is not true (Python's 0 == False would let logprobs=0 in)."""
+    rules = {"logprobs": Refused((False,)), "n": Refused((1,)), "p": Refused((0,))}
+    assert extra_problems({"logprobs": False, "n": 1, "p": 0.0}, rules) == []
+    bad = extra_problems({"logprobs": 0, "n": True, "p": False}, rules)
+    assert [name for name, _ in bad] == ["logprobs", "n", "p"]
 
 
 def test_text_that_is_not_unicode_is_a_400(live: LiveServer) -> None:

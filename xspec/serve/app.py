@@ -338,7 +338,7 @@ def make_app(ctx: ServeContext) -> FastAPI:
 
 
 def _checked(ctx: ServeContext, body: _Sampling) -> None:
-    """The request's model and supported fields checked (404, 400)."""
+    """The request's model and fields checked (404, 400: :meth:`_Sampling.problems`)."""
     if body.model != ctx.model_name:
         raise ApiError(
             404,
@@ -346,9 +346,10 @@ def _checked(ctx: ServeContext, body: _Sampling) -> None:
             "not_found_error",
             "model",
         )
-    if problems := body.unsupported():
+    if problems := body.problems():
         text = "; ".join(why for _, why in problems)
         raise ApiError(400, text, "invalid_request_error", problems[0][0])
+    _sampling(body)  # before the prompt is tokenized
 
 
 def _as_400(fn: Callable[[], T], param: str) -> T:
@@ -384,20 +385,23 @@ def _tokens(
 
 
 def _engine_request(ctx: ServeContext, body: _Sampling, ids: list[int]) -> EngineRequest:
-    name, limit = body.limit()
-    if limit is not None and limit < 1:
-        raise ApiError(400, f"{name} must be >= 1 (got {limit})", "invalid_request_error", name)
+    _, limit = body.limit()
     max_tokens = ctx.default_max_tokens if limit is None else limit
     if limit is None:  # the default shrinks to what the context leaves
         max_tokens = max(1, min(max_tokens, ctx.max_context - len(ids) - 8))
+    stop = _as_400(body.stop_list, "stop")
+    return EngineRequest(ids, max_tokens, _sampling(body), body.ignore_eos, stop=stop)
+
+
+def _sampling(body: _Sampling) -> SamplingParams:
+    """The request's sampling parameters (400 naming the first bad one)."""
     top_k = 0 if body.top_k == -1 else body.top_k
     params = SamplingParams(
         temperature=body.temperature, top_k=top_k, top_p=body.top_p, seed=body.seed
     )
     if problems := [p.replace("sampling.", "", 1) for p in params.problems()]:
         raise ApiError(400, "; ".join(problems), "invalid_request_error", problems[0].split()[0])
-    stop = _as_400(body.stop_list, "stop")
-    return EngineRequest(ids, max_tokens, params, body.ignore_eos, stop=stop)
+    return params
 
 
 def _refused(e: RequestError, body: _Sampling, chat: bool) -> ApiError:

@@ -1,21 +1,150 @@
-"""The OpenAI request bodies xspec serves, as pydantic models, and the error body.
+"""The OpenAI request bodies xspec serves, as pydantic models, the policy for the fields
+it does not serve, and the error body.
 
 Fields follow OpenAI's API reference (``/v1/completions``, ``/v1/chat/completions``) with
-vLLM's extensions that load generators send (``top_k``, ``ignore_eos``). A field xspec
-cannot honour (``n > 1``, ``logprobs``, ``best_of``, ``echo``, tools, ``response_format``,
-``logit_bias``, the penalties, ``min_tokens``, ``min_p``) is refused with a 400 naming it
-rather than ignored: a client must not believe it got what it asked for; its neutral value
-(0, empty, ``{"type": "text"}``) changes nothing and is accepted. Unknown extra fields are
-ignored, as OpenAI's server does.
+the vLLM extensions clients send (``top_k``, ``ignore_eos``). Every field of a body is one
+of three kinds:
+
+* **served**: a declared field of the model below, range-checked (a value out of range is a
+  400 naming the field);
+* **refused by name** (:data:`REFUSED`): a field of OpenAI's or vLLM's API that xspec does
+  not honour. A value that changes nothing (``null``, or the field's neutral value: 0
+  penalties, ``n: 1``, ``{"type": "text"}``) is accepted; any other is a 400 naming the
+  field, so a client never believes it got what it asked for. ``logprobs: 0`` is not
+  "off": it asks for the sampled token's log-probability;
+* **ignored by name** (:data:`IGNORED`): fields that do not change the output (``user``,
+  ``metadata``, scheduling hints), accepted as OpenAI and vLLM accept them.
+
+Any other field is refused with a 400 naming it, as OpenAI's server does ("Unrecognized
+request argument"): a misspelt ``max_token`` must not run with the default length. (vLLM
+ignores unknown fields with a log warning; a client that sends a vendor field xspec lacks
+gets its name in the 400 and can drop it.)
 """
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from dataclasses import dataclass
+from typing import Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
 from xspec.errors import RequestError
+
+
+@dataclass(frozen=True)
+class Refused:
+    """A field xspec does not honour: the values that change nothing (``null`` always
+    does), and what the 400 tells the client."""
+
+    neutral: tuple[Any, ...] = ()
+    why: str = "not supported"
+
+
+# Fields of both endpoints. The sampling surface (n, logprobs, echo, the penalties,
+# logit_bias, min_tokens) is refused here until the engine applies it: a field the server
+# starts to honour becomes a declared field of _Sampling (or of one endpoint's request)
+# and leaves this table.
+_REFUSED_BOTH: dict[str, Refused] = {
+    "n": Refused((1,), "xspec generates one choice per request (n=1)"),
+    "presence_penalty": Refused((0,)),
+    "frequency_penalty": Refused((0,)),
+    "repetition_penalty": Refused((1,)),  # vLLM
+    "logit_bias": Refused(({},)),
+    "min_tokens": Refused((0,)),  # vLLM
+    "min_p": Refused((0,)),  # vLLM
+    "best_of": Refused((1,)),
+    "response_format": Refused(({"type": "text"},), "structured output is not supported"),
+    # vLLM's extensions
+    "stop_token_ids": Refused(([],)),
+    "include_stop_str_in_output": Refused((False,)),
+    "bad_words": Refused(([],)),
+    "allowed_token_ids": Refused(()),
+    "prompt_logprobs": Refused(()),
+    "truncate_prompt_tokens": Refused(()),
+    "use_beam_search": Refused((False,)),
+    "length_penalty": Refused((1,)),
+    "skip_special_tokens": Refused((True,)),
+    "spaces_between_special_tokens": Refused((True,)),
+    "return_tokens_as_token_ids": Refused((False,)),
+    "logits_processors": Refused(([],)),
+    "structured_outputs": Refused(()),
+    "guided_json": Refused(()),
+    "guided_regex": Refused(()),
+    "guided_choice": Refused(()),
+    "guided_grammar": Refused(()),
+    "guided_decoding_backend": Refused(()),
+    "guided_whitespace_pattern": Refused(()),
+    "prompt_embeds": Refused(()),
+}
+REFUSED: dict[str, dict[str, Refused]] = {
+    "completions": {
+        **_REFUSED_BOTH,
+        "logprobs": Refused((), "token log-probabilities are not supported"),
+        "echo": Refused((False,)),
+        "suffix": Refused(("",)),
+        "add_special_tokens": Refused((True,)),  # vLLM
+    },
+    "chat": {
+        **_REFUSED_BOTH,
+        "logprobs": Refused((False,), "token log-probabilities are not supported"),
+        "top_logprobs": Refused((0,), "token log-probabilities are not supported"),
+        "tools": Refused(([],), "tool calling is not supported"),
+        "tool_choice": Refused(("none", "auto"), "tool calling is not supported"),
+        "functions": Refused(([],), "function calling is not supported"),
+        "function_call": Refused(("none", "auto"), "function calling is not supported"),
+        "prediction": Refused(()),
+        "audio": Refused(()),
+        "modalities": Refused((["text"],)),
+        "web_search_options": Refused(()),
+        "reasoning_effort": Refused((), "use chat_template_kwargs instead"),
+        # vLLM's extensions
+        "echo": Refused((False,)),
+        "add_generation_prompt": Refused((True,)),
+        "continue_final_message": Refused((False,)),
+        "add_special_tokens": Refused((False,)),
+        "documents": Refused(()),
+        "chat_template": Refused((), "the server renders the model's own chat template"),
+    },
+}
+# Fields that do not change what is generated, accepted and ignored (as OpenAI and vLLM
+# do): who is asking, storage and tracing tags, scheduling hints.
+IGNORED = frozenset({
+    "user", "metadata", "store", "service_tier", "prompt_cache_key", "safety_identifier",
+    "parallel_tool_calls", "priority", "request_id", "cache_salt", "kv_transfer_params",
+    "vllm_xargs", "mm_processor_kwargs",
+})  # fmt: skip
+
+
+def _same(a: Any, b: Any) -> bool:
+    """``a == b`` without Python's ``0 == False`` and ``1 == True`` (a JSON number is not a
+    boolean); ints and floats compare as numbers."""
+    if isinstance(a, bool) or isinstance(b, bool):
+        return type(a) is type(b) and a == b
+    if isinstance(a, int | float) and isinstance(b, int | float):
+        return a == b
+    return type(a) is type(b) and a == b
+
+
+def _shown(value: Any) -> str:
+    return "true" if value is True else "false" if value is False else repr(value)
+
+
+def extra_problems(extra: dict[str, Any], refused: dict[str, Refused]) -> list[tuple[str, str]]:
+    """(field, message) for each field of ``extra`` (the body's undeclared fields) that
+    :data:`REFUSED` refuses at its value, or that xspec does not know."""
+    out = []
+    for name, value in extra.items():
+        if name in IGNORED:
+            continue
+        rule = refused.get(name)
+        if rule is None:
+            out.append((name, f"unrecognized request field {name!r}: this server does not "
+                        "know it and does not ignore what it does not know; remove it "
+                        "(docs/serving.md lists the fields)"))  # fmt: skip
+        elif value is not None and not any(_same(value, n) for n in rule.neutral):
+            unset = " or ".join(["unset (null)", *(_shown(n) for n in rule.neutral)])
+            out.append((name, f"{name}={_shown(value)}: {rule.why}; leave it {unset}"))
+    return out
 
 
 class StreamOptions(BaseModel):
@@ -23,9 +152,11 @@ class StreamOptions(BaseModel):
 
 
 class _Sampling(BaseModel):
-    """The fields both endpoints share."""
+    """The fields both endpoints serve; undeclared ones are kept (``model_extra``) for
+    :meth:`problems` to judge."""
 
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="allow")
+    kind: ClassVar[str] = "completions"  # its table in REFUSED
 
     model: str
     max_tokens: int | None = None
@@ -34,44 +165,25 @@ class _Sampling(BaseModel):
     top_k: int = 0  # vLLM extension; 0 or -1 = off
     seed: int | None = None
     stop: str | list[str] | None = None
-    n: int = 1
     stream: bool = False
     stream_options: StreamOptions | None = None
     ignore_eos: bool = False  # vLLM extension (benchmarks decode to max_tokens)
-    logprobs: Any = None
-    user: str | None = None
-    # refused unless unset (null) or neutral: xspec samples without them
-    response_format: dict[str, Any] | None = None
-    logit_bias: dict[str, Any] | None = None
-    presence_penalty: float | None = None
-    frequency_penalty: float | None = None
-    repetition_penalty: float | None = None  # vLLM extension
-    min_p: float | None = None  # vLLM extension
-    min_tokens: int | None = None  # vLLM extension
 
     def limit(self) -> tuple[str, int | None]:
         """The output length limit the request set, and the field it set it in."""
         return "max_tokens", self.max_tokens
 
-    def unsupported(self) -> list[tuple[str, str]]:
-        """(field, why) for each field set to something xspec cannot honour."""
+    def problems(self) -> list[tuple[str, str]]:
+        """(field, message) for each field the server refuses: out of range, refused
+        by name at its value, or unknown. The sampling values are checked when the
+        engine request is made (:class:`~xspec.sampling.SamplingParams`)."""
         out = []
-        if self.n != 1:
-            out.append(("n", f"n={self.n}: xspec generates one choice per request (n=1)"))
-        if self.logprobs not in (None, False):
-            out.append(("logprobs", "logprobs: not supported; leave it unset"))
-        kind = (self.response_format or {"type": "text"}).get("type")
-        if kind != "text":
-            out.append(("response_format", f"response_format type {kind!r}: structured output "
-                        'is not supported; leave it unset or {"type": "text"}'))  # fmt: skip
-        if self.logit_bias:
-            out.append(("logit_bias", "logit_bias: not supported; leave it unset or empty"))
-        for name, neutral in (("presence_penalty", 0), ("frequency_penalty", 0),
-                              ("repetition_penalty", 1), ("min_p", 0), ("min_tokens", 0)):  # fmt: skip
-            value = getattr(self, name)
-            if value not in (None, neutral):
-                out.append((name, f"{name}={value}: not supported; leave it unset or {neutral}"))
-        return out
+        name, limit = self.limit()
+        if limit is not None and limit < 1:
+            out.append((name, f"{name} must be >= 1 (got {limit})"))
+        if self.stream_options is not None and not self.stream:
+            out.append(("stream_options", "stream_options is only allowed with stream: true"))
+        return out + extra_problems(self.model_extra or {}, REFUSED[self.kind])
 
     def stop_list(self) -> list[str]:
         if self.stop is None:
@@ -86,19 +198,6 @@ class CompletionRequest(_Sampling):
     """``POST /v1/completions``: ``prompt`` is text or token ids (one prompt)."""
 
     prompt: str | list[int] | list[str] | list[list[int]]
-    echo: bool = False
-    best_of: int | None = None
-    suffix: str | None = None
-
-    def unsupported(self) -> list[tuple[str, str]]:
-        out = super().unsupported()
-        if self.echo:
-            out.append(("echo", "echo: not supported"))
-        if self.best_of not in (None, 1):
-            out.append(("best_of", f"best_of={self.best_of}: not supported"))
-        if self.suffix:
-            out.append(("suffix", "suffix: not supported"))
-        return out
 
     def single_prompt(self) -> str | list[int]:
         """The one prompt of this request (a batch of prompts is refused)."""
@@ -123,21 +222,16 @@ class ChatMessage(BaseModel):
 class ChatCompletionRequest(_Sampling):
     """``POST /v1/chat/completions``."""
 
+    kind: ClassVar[str] = "chat"
+
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = None
-    tools: list[Any] | None = None
     chat_template_kwargs: dict[str, Any] | None = None  # vLLM extension (enable_thinking)
 
     def limit(self) -> tuple[str, int | None]:
         if self.max_completion_tokens is not None:  # OpenAI's newer name wins
             return "max_completion_tokens", self.max_completion_tokens
         return super().limit()
-
-    def unsupported(self) -> list[tuple[str, str]]:
-        out = super().unsupported()
-        if self.tools:
-            out.append(("tools", "tools: tool calling is not supported"))
-        return out
 
 
 ErrorType = Literal[
