@@ -54,6 +54,8 @@ import torch
 from prometheus_client import CollectorRegistry, Counter, Gauge
 from torch import Tensor
 
+from xspec.acceptance import SpecCounts, acceptance_length
+
 __all__ = ["AcceptanceReport", "SpecDecodeMetrics", "acceptance_length"]
 
 _PREFIX = "xspec_spec_decode"
@@ -62,15 +64,6 @@ _PREFIX = "xspec_spec_decode"
 def _ratio(num: float, den: float) -> float:
     """num / den, defined as 0.0 when nothing was drafted (den == 0): no NaN in reports."""
     return num / den if den else 0.0
-
-
-def acceptance_length(num_accepted_tokens: int, num_drafts: int) -> float:
-    """vLLM's and SGLang's acceptance length: ``1 + accepted / drafts``, the tokens a verify
-    row that carried drafts commits (its accepted drafts plus the correction/bonus token),
-    averaged over those rows. 1.0 when nothing was drafted (each step then commits one
-    token). It equals xspec's ``mean_accepted_length + 1``; per request, pass that
-    request's counts."""
-    return 1.0 + _ratio(num_accepted_tokens, num_drafts)
 
 
 @dataclass(frozen=True)
@@ -284,9 +277,11 @@ class SpecDecodeMetrics:
             for k in range(a):
                 per_pos[k] += 1
         rows = len(committed)
-        num_drafts = sum(d > 0 for d in drafted)
-        draft_tokens = sum(drafted)
-        num_accepted, num_committed = sum(accepted), sum(committed)
+        counts = SpecCounts()  # the one definition of a draft (xspec.acceptance)
+        for d, a in zip(drafted, accepted):
+            counts.add_row(d, a)
+        num_drafts, draft_tokens = counts.num_drafts, counts.num_draft_tokens
+        num_accepted, num_committed = counts.num_accepted_tokens, sum(committed)
 
         self._steps += 1
         self._row_steps += rows

@@ -15,6 +15,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from xspec.acceptance import acceptance_length
+
 # the figures a percentile table is built for: key stem -> (long name, short name)
 METRICS: dict[str, tuple[str, str]] = {
     "ttft": ("Time to First Token", "TTFT"),
@@ -139,7 +141,7 @@ def acceptance(counts: SpecCounts | None) -> dict[str, Any]:
     commits: accepted + 1 per step, the vLLM/SGLang definition); ``None`` when unknown."""
     rate = length = None
     if counts is not None and counts.drafts > 0:
-        length = 1 + counts.accepted / counts.drafts
+        length = acceptance_length(counts.accepted, counts.drafts)  # as /metrics defines it
         if counts.draft_tokens:
             rate = counts.accepted / counts.draft_tokens
     return {

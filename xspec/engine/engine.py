@@ -37,6 +37,7 @@ from collections.abc import Callable, Hashable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Literal
 
+from xspec.acceptance import SpecCounts
 from xspec.engine.memory import MemoryPlan, ReservationPool, allocated_bytes, context_problem
 from xspec.engine.stop import StopMatcher, stop_problem
 from xspec.errors import RequestError, UserError
@@ -106,9 +107,8 @@ class Generation:
     admitted_at: float = 0.0
     arrived_at: float = 0.0  # given to the engine (a batch: all at 0)
     finish_reason: FinishReason | None = None  # None while it runs
-    # speculative figures of this request: drafts verified and accepted, over its steps
-    drafted: int = 0
-    accepted: int = 0
+    # its speculative counters over its steps (xspec.acceptance: as /metrics counts them)
+    spec: SpecCounts = field(default_factory=SpecCounts)
 
     @property
     def queue_s(self) -> float:
@@ -388,8 +388,7 @@ class Engine:
         for j, i in enumerate(stepped):
             gen = self._gens[i]
             gen.num_steps += 1
-            gen.drafted += result.num_drafts[j]
-            gen.accepted += result.num_accepted[j]
+            gen.spec.add_row(result.num_drafts[j], result.num_accepted[j])
         return result, now
 
     def _commit(self, rid: Hashable, new_tokens: list[int], now: float) -> Delta:

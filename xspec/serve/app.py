@@ -601,18 +601,13 @@ class _Reply:
         return gen.finish_reason if gen.finish_reason in ("length", "abort") else "stop"
 
     def usage(self, gen: Generation) -> dict:
-        steps = gen.num_steps
         return {
             "prompt_tokens": len(gen.prompt_ids),
             "completion_tokens": len(gen.token_ids),
             "total_tokens": len(gen.prompt_ids) + len(gen.token_ids),
-            "spec_decode": {  # per request, as vLLM's --per-request-spec-decode-metrics
-                "num_drafts": steps if gen.drafted else 0,
-                "num_draft_tokens": gen.drafted,
-                "num_accepted_tokens": gen.accepted,
-                # vLLM / SGLang: accepted drafts + the 1 bonus token, per decode step
-                "acceptance_length": (gen.accepted + steps) / steps if steps else None,
-            },
+            # per request, as vLLM's --per-request-spec-decode-metrics; counted as the
+            # Prometheus counters count (xspec.acceptance)
+            "spec_decode": gen.spec.usage(),
         }
 
     def _head(self) -> dict:
