@@ -448,11 +448,13 @@ def dsv4_tokenizer(path: Path) -> HFTokenizer:
     from tokenizers import AddedToken, Tokenizer
     from tokenizers.models import WordLevel
     from tokenizers.pre_tokenizers import Whitespace
+    from tokenizers.processors import TemplateProcessing
 
     specials = [BOS, EOS, USER, ASSISTANT, "<think>", "</think>"]
     tok = Tokenizer(WordLevel({"[UNK]": 0, "hi": 1}, unk_token="[UNK]"))
     tok.pre_tokenizer = Whitespace()
     tok.add_special_tokens([AddedToken(s, special=True, normalized=False) for s in specials])
+    tok.post_processor = TemplateProcessing(single=f"{BOS} $A", special_tokens=[(BOS, 2)])
     tok.save(str(path))
     return HFTokenizer(path, bos_id=2, stop_ids=[3])  # ids 2.. are the specials in order
 

@@ -116,6 +116,21 @@ def test_the_cli_and_the_api_refuse_text_that_is_not_unicode(tmp_path: Path) -> 
         llm.generate("a\ud800b", max_new_tokens=2)
 
 
+def test_text_is_encoded_as_its_tokenizer_json_encodes_it(tmp_path: Path) -> None:
+    """One rule for special tokens: the tokenizer.json's post-processor (as Hugging Face
+    and vLLM encode), never a BOS of xspec's own: config.json's bos_token_id is not added
+    by a tokenizer.json that adds none."""
+    from tokenizers import Tokenizer
+
+    text = "def f(x):\n    return x\n"
+    theirs = Tokenizer.from_file(str(DSV4_TOKENIZER))
+    tok = HFTokenizer(DSV4_TOKENIZER, 0, [1])
+    assert tok.encode(text) == theirs.encode(text).ids and tok.encode(text)[0] == 0
+    assert tok.encode(text, special=False) == theirs.encode(text, add_special_tokens=False).ids
+    write_word_tokenizer(tmp_path / "tokenizer.json")  # no post-processor
+    assert HFTokenizer(tmp_path / "tokenizer.json", 4, [3]).encode("hello world") == [1, 2]
+
+
 def test_max_token_bytes_bounds_the_text_a_token_covers(tmp_path: Path) -> None:
     """The byte bound a server refuses long prompts by never refuses one that fits: every
     text has at least len(bytes) / max_token_bytes ids."""

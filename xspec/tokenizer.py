@@ -6,6 +6,14 @@ Hugging Face ``tokenizers``), unless the run opts in to raw bytes with
 use :class:`ByteTokenizer`, which maps each UTF-8 byte to one id in a block of 256 ids
 that avoids the model's special (bos / stop) ids.
 
+Special tokens: a text is encoded as the checkpoint's ``tokenizer.json`` encodes it with its
+special tokens (its post-processor: ``Tokenizer.from_file(path).encode(text).ids``, which
+is also what Hugging Face's tokenizer of that file and vLLM give), so a prompt sent as
+text and the same prompt sent as those ids are the same prompt. xspec adds no BOS of its
+own: a checkpoint whose ``tokenizer.json`` adds none gets none (``config.json``'s
+``bos_token_id`` is read, not added). ``encode(text, special=False)`` leaves them off (a
+rendered chat prompt holds its own). The byte tokenizer adds none.
+
 Stop ids: ``eos_token_id`` of ``config.json`` and of ``generation_config.json``, each an
 int or a list of ints (Qwen3 instruct checkpoints list several), merged into one set,
 :attr:`Tokenizer.stop_ids`. ``eos_id`` is the first of them (config.json's first).
@@ -37,7 +45,10 @@ class Tokenizer(Protocol):
     eos_id: int | None  # the primary stop id (first of stop_ids' sources), or None
     stop_ids: frozenset[int]  # a generated id in this set ends the request
 
-    def encode(self, text: str) -> list[int]: ...
+    def encode(self, text: str, special: bool = True) -> list[int]:
+        """``text``'s ids, with the special tokens the tokenizer adds to a text (its BOS)
+        unless ``special`` is False."""
+        ...
 
     def decode(self, ids: list[int]) -> str: ...
 
@@ -85,7 +96,7 @@ class ByteTokenizer:
         self.eos_id = ordered[0] if ordered else None
         self.max_token_bytes = 1
 
-    def encode(self, text: str) -> list[int]:
+    def encode(self, text: str, special: bool = True) -> list[int]:
         try:
             data = text.encode("utf-8")
         except UnicodeEncodeError:
@@ -113,16 +124,15 @@ class HFTokenizer:
         self.stop_ids = frozenset(ordered)
         self.eos_id = ordered[0] if ordered else None
 
-    def encode(self, text: str) -> list[int]:
+    def encode(self, text: str, special: bool = True) -> list[int]:
         try:
             # encode_batch, not encode: it releases the GIL while it works (encode holds
             # it throughout, seconds for a megabyte), so other threads run meanwhile
-            ids = self._tok.encode_batch([text], add_special_tokens=False)[0].ids
+            return self._tok.encode_batch([text], add_special_tokens=special)[0].ids
         except TypeError:  # the library's answer to a lone surrogate
             if lone_surrogate(text) is not None:
                 raise _not_unicode(text) from None
             raise
-        return ([self.bos_id] if self.bos_id is not None else []) + ids
 
     @functools.cached_property
     def max_token_bytes(self) -> int | None:

@@ -242,11 +242,7 @@ def chat_prompt_ids(
 
 def encode_chat_prompt(text: str, *, template: ChatTemplate, tokenizer: Tokenizer) -> list[int]:
     """:func:`chat_prompt`'s text as token ids (:func:`chat_prompt_ids`' second half)."""
-    ids = tokenizer.encode(text)
-    adds_bos = tokenizer.bos_id is not None and tokenizer.encode("")[:1] == [tokenizer.bos_id]
-    if template.format is not ChatFormat.plain and adds_bos:
-        ids = ids[1:]  # [bos] + the text's ids: keep the text's
-    return ids
+    return tokenizer.encode(text, special=template.format is ChatFormat.plain)
 
 
 # -- loading ---------------------------------------------------------------------------

@@ -72,7 +72,7 @@ def corpus_digest(files: list[SourceFile]) -> str:
 
 def train_tokenizer(files: list[SourceFile], vocab_size: int, path: Path) -> None:
     """Byte-level BPE over ``files`` -> ``path`` (tokenizer.json); deterministic."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
@@ -84,6 +84,11 @@ def train_tokenizer(files: list[SourceFile], vocab_size: int, path: Path) -> Non
         show_progress=False,
     )
     tok.train_from_iterator((f.text for f in files), trainer=trainer)
+    # a text is encoded with the <|bos|> the model is trained with (xspec.tokenizer)
+    bos = SPECIALS[0]
+    tok.post_processor = processors.TemplateProcessing(
+        single=f"{bos} $A", pair=f"{bos} $A {bos} $B:1", special_tokens=[(bos, BOS)]
+    )
     path.parent.mkdir(parents=True, exist_ok=True)
     tok.save(str(path))
 
@@ -93,7 +98,8 @@ def encode_files(files: list[SourceFile], tokenizer_path: Path) -> torch.Tensor:
     from tokenizers import Tokenizer
 
     tok = Tokenizer.from_file(str(tokenizer_path))
-    parts = [[BOS, *enc.ids, EOS] for enc in tok.encode_batch([f.text for f in files])]
+    texts = [f.text for f in files]
+    parts = [[BOS, *e.ids, EOS] for e in tok.encode_batch(texts, add_special_tokens=False)]
     return torch.tensor([i for p in parts for i in p], dtype=torch.int32)
 
 
