@@ -67,7 +67,10 @@ def ok(live: LiveServer) -> None:
         ({"model": "M", "prompt": "a", "top_p": 0}, 400, "top_p", "top_p"),
         ({"model": "M", "prompt": [10**9]}, 400, "vocabulary", "prompt"),
         ({"model": "M", "prompt": ""}, 400, "empty", "prompt"),
-        ({"model": "M", "prompt": ["a", "b"]}, 400, "one prompt", "prompt"),
+        ({"model": "M", "prompt": ["a"] * 65}, 400, "at most 64", "prompt"),
+        ({"model": "M", "prompt": ["a", ""]}, 400, "prompt[1]: empty", "prompt"),
+        ({"model": "M", "prompt": "a", "stop_token_ids": [-1]}, 400, "stop_token_ids", "stop_token_ids"),
+        ({"model": "M", "prompt": "a", "stop_token_ids": [10**9]}, 400, "stop_token_ids outside the vocabulary", "prompt"),
         ({"model": "M", "prompt": "a", "n": 2}, 400, "n=2", "n"),
         ({"model": "M", "prompt": "a", "logprobs": 3}, 400, "logprobs=3", "logprobs"),
         ({"model": "M", "prompt": "a", "logprobs": 0}, 400, "logprobs=0", "logprobs"),  # not "off"

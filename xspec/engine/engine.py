@@ -82,6 +82,11 @@ class Request:
     stop: list[str] = field(default_factory=list)
     # structured output: every token is sampled under this grammar's mask (None: free)
     grammar: Grammar | None = None
+    # more ids that end the output, besides the model's stop ids (also under ignore_eos);
+    # the stop id's text is not kept in ``text``
+    stop_token_ids: frozenset[int] = frozenset()
+    # ``text`` keeps the stop string (or stop_token_ids' token) that ended the output
+    include_stop_str: bool = False
 
 
 # why a generation ended: a stop id or stop string ("stop"), max_new_tokens ("length"),
@@ -272,7 +277,7 @@ class Engine:
         self._requests[rid] = req
         if req.stop:
             assert self.decode is not None  # check() refuses stop strings without a decoder
-            self._stops[rid] = StopMatcher(req.stop, self.decode)
+            self._stops[rid] = StopMatcher(req.stop, self.decode, req.include_stop_str)
         self._waiting.append(rid)  # admitted in this order
         return gen
 
@@ -473,6 +478,10 @@ class Engine:
             raise RequestError(f"{where}: max_new_tokens must be >= 1 (got {req.max_new_tokens})")
         if (problem := stop_problem(req.stop)) is not None:
             raise RequestError(f"{where}: {problem}")
+        if bad := sorted(t for t in req.stop_token_ids if not 0 <= t < vocab):
+            raise RequestError(
+                f"{where}: stop_token_ids outside the vocabulary [0, {vocab}): {bad[:8]}"
+            )
         if req.stop and self.decode is None:
             raise RequestError(f"{where}: stop strings need a tokenizer; this engine has none")
         if problems := req.params.problems():
@@ -557,7 +566,7 @@ class Engine:
         """End ``rid`` (running, or admitted by a step that failed) with ``error``."""
         gen = self._gens[rid]
         gen.error, gen.finished_at, gen.finish_reason = f"{self._where(rid)}: {error}", now, "error"
-        self._final_text(self._requests[rid], gen)
+        self._final_text(self._requests[rid], gen, cut=False)
         if rid in self._running:
             self._finish(rid)
         else:
@@ -610,17 +619,19 @@ class Engine:
             if stops is not None and (text := stops.push(t)) is not None:
                 gen.text, gen.finish_reason = text, "stop"
                 return True
-            stop_id = t in self.stop_ids and not req.ignore_eos
+            asked = t in req.stop_token_ids
+            stop_id = asked or (t in self.stop_ids and not req.ignore_eos)
             if len(gen.token_ids) >= req.max_new_tokens or stop_id:
                 gen.finish_reason = "stop" if stop_id else "length"
-                self._final_text(req, gen)
+                self._final_text(req, gen, cut=asked and not req.include_stop_str)
                 return True
         return False
 
-    def _final_text(self, req: Request, gen: Generation) -> None:
-        """The text of an output with stop strings that ended another way."""
-        if req.stop and self.decode is not None:
-            gen.text = self.decode(gen.token_ids)
+    def _final_text(self, req: Request, gen: Generation, *, cut: bool) -> None:
+        """The text of an output with stop strings or stop_token_ids that ended another
+        way than a stop string (``cut``: without its last token, a stop_token_ids one)."""
+        if (req.stop or req.stop_token_ids) and self.decode is not None:
+            gen.text = self.decode(gen.token_ids[:-1] if cut else gen.token_ids)
 
 
 def seeded(params: SamplingParams, index: int) -> SamplingParams:

@@ -42,8 +42,10 @@ def stop_problem(stop: object) -> str | None:
 class StopMatcher:
     """The first of ``stops`` in one request's output, found as its tokens arrive."""
 
-    def __init__(self, stops: list[str], decode: Callable[[list[int]], str]) -> None:
-        self.stops, self.decode = stops, decode
+    def __init__(
+        self, stops: list[str], decode: Callable[[list[int]], str], include: bool = False
+    ) -> None:
+        self.stops, self.decode, self.include = stops, decode, include
         self.keep = max(len(s) for s in stops) - 1  # tail characters a match may start in
         self.ids: list[int] = []
         self.pieces: list[str] = []  # the settled text, in the pieces it was decoded in
@@ -54,18 +56,19 @@ class StopMatcher:
 
     def push(self, token: int) -> str | None:
         """Add one generated token; once it completes a stop string, the output's text
-        before the first one (else None)."""
+        before the first one (``include``: up to its end; else None)."""
         self.ids.append(token)
         new = self._advance()
         if not new:
             return None
         window = self.tail + new  # a match ending before ``new`` was found by an earlier push
-        hits = [k for k in (window.find(s) for s in self.stops) if k >= 0]
+        hits = [(k, len(s)) for s in self.stops if (k := window.find(s)) >= 0]
         start = self.size - len(self.tail)  # where ``window`` begins in the whole text
         self.pieces.append(new)
         self.size += len(new)
         if hits:
-            return "".join(self.pieces)[: start + min(hits)]
+            at, length = min(hits)  # the first match; of two there, the shorter stop
+            return "".join(self.pieces)[: start + at + (length if self.include else 0)]
         self.tail = window[len(window) - self.keep :] if self.keep else ""
         return None
 

@@ -43,6 +43,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from xspec.acceptance import SpecCounts
 from xspec.build import Built
 from xspec.chat import (
     ChatFormat,
@@ -62,12 +63,16 @@ from xspec.run.exporter import RequestMetrics
 from xspec.sampling import SamplingParams
 from xspec.serve.protocol import (
     ChatCompletionRequest,
+    ChatMessage,
     CompletionRequest,
+    DetokenizeRequest,
     ErrorType,
+    TokenizeRequest,
     _Sampling,
     error_body,
 )
 from xspec.serve.text import TextStream
+from xspec.version import __version__
 
 RETRY_AFTER_S = 1  # what a 503 for a full queue tells the client to wait
 DISCONNECT_POLL_S = 0.5  # how often a plain (not streamed) request checks for its client
@@ -80,13 +85,14 @@ class ServeContext:
     template, names and limits."""
 
     loop: EngineLoop
-    encode: Callable[[str], list[int]]
+    encode: Callable[..., list[int]]  # (text, special=True): the tokenizer's
     decode: Callable[[list[int]], str]
     chat_text: Callable[[list[dict[str, Any]], dict[str, Any]], str]  # messages -> prompt text
     chat_encode: Callable[[str], list[int]]  # that text -> ids
     model_name: str
     spec: str
     max_context: int
+    vocab_size: int
     max_token_bytes: int | None  # the tokenizer's bound (None: none, text is always tokenized)
     default_max_tokens: int
     max_body_bytes: int
@@ -179,6 +185,7 @@ def context(
         model_name=s.served_model_name or model_option,
         spec=cfg.spec.method,
         max_context=max_context,
+        vocab_size=built.target.vocab_size,
         max_token_bytes=max_token_bytes,
         default_max_tokens=s.default_max_tokens,
         max_body_bytes=s.max_body_bytes,
@@ -280,25 +287,54 @@ def make_app(ctx: ServeContext) -> FastAPI:
         type_: ErrorType = "not_found_error" if e.status_code == 404 else "invalid_request_error"
         return _error(e.status_code, str(e.detail), type_)
 
-    @app.get("/health")
+    @app.api_route("/health", methods=["GET", "HEAD"])
     async def health() -> Response:
         if not ctx.loop.running:
             return _error(503, f"the engine is not running: {ctx.loop.failure}", "server_error")
         return Response(status_code=200)
 
+    @app.get("/version")
+    async def version() -> dict:
+        return {"version": __version__}
+
     @app.get("/v1/models")
     async def models() -> dict:
+        return {"object": "list", "data": [_model_card(ctx)]}
+
+    @app.get("/v1/models/{model_id:path}")
+    async def model(model_id: str) -> dict:
+        _known_model(ctx, model_id)
+        return _model_card(ctx)
+
+    @app.post("/tokenize")
+    async def tokenize(body: TokenizeRequest) -> dict:
+        if body.model is not None:
+            _known_model(ctx, body.model)
+        if problems := body.problems():
+            raise ApiError(400, problems[0][1], "invalid_request_error", problems[0][0])
+        if body.prompt is not None:
+            text, special = body.prompt, body.add_special_tokens is not False
+            ids = await _off_loop(
+                None,
+                "prompt",
+                lambda: _tokens(ctx, text, lambda t: ctx.encode(t, special), "prompt"),
+            )
+        else:
+            ids = await _chat_ids(ctx, body.messages or [], body.chat_template_kwargs)
+        return {"count": len(ids), "max_model_len": ctx.max_context, "tokens": ids}
+
+    @app.post("/detokenize")
+    async def detokenize(body: DetokenizeRequest) -> dict:
+        if body.model is not None:
+            _known_model(ctx, body.model)
+        if bad := [t for t in body.tokens if not 0 <= t < ctx.vocab_size]:
+            raise ApiError(
+                400, f"tokens: ids outside the vocabulary [0, {ctx.vocab_size}): {bad[:8]}",
+                "invalid_request_error", "tokens",
+            )  # fmt: skip
+        tokens = body.tokens
         return {
-            "object": "list",
-            "data": [
-                {
-                    "id": ctx.model_name,
-                    "object": "model",
-                    "created": 0,
-                    "owned_by": "xspec",
-                    "max_model_len": ctx.max_context,
-                }
-            ],
+            "prompt": await asyncio.get_running_loop().run_in_executor(None, ctx.decode, tokens)
         }
 
     @app.get("/metrics")
@@ -308,44 +344,74 @@ def make_app(ctx: ServeContext) -> FastAPI:
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request) -> Response:
         _checked(ctx, body)
-        prompt = _as_400(body.single_prompt, "prompt")
-        if isinstance(prompt, list):
-            if len(prompt) > ctx.max_context:  # before the engine reads every id
+        prompts = _as_400(body.prompts, "prompt")  # one choice per prompt
+        for i, p in enumerate(prompts):
+            where = "prompt" if len(prompts) == 1 else f"prompt[{i}]"
+            if not p:
                 raise ApiError(
-                    400, f"prompt: {len(prompt)} token ids, more than the model context of "
+                    400, f"{where}: empty; give some text or token ids", "invalid_request_error",
+                    "prompt",
+                )  # fmt: skip
+            if isinstance(p, list) and len(p) > ctx.max_context:  # before the engine reads them
+                raise ApiError(
+                    400, f"{where}: {len(p)} token ids, more than the model context of "
                     f"{ctx.max_context} tokens; shorten it", "invalid_request_error", "prompt",
                 )  # fmt: skip
-            return await _serve(ctx, request, body, list(prompt), chat=False)
-        if not prompt:
-            raise ApiError(
-                400, "prompt: empty; give some text or token ids", "invalid_request_error", "prompt"
-            )
-        ids = await _off_loop(None, "prompt", lambda: _tokens(ctx, prompt, ctx.encode, "prompt"))
-        return await _serve(ctx, request, body, ids, chat=False)
+
+        def ids() -> list[list[int]]:
+            return [
+                list(p) if isinstance(p, list) else _tokens(ctx, p, ctx.encode, "prompt")
+                for p in prompts
+            ]
+
+        return await _serve(ctx, request, body, await _off_loop(None, "prompt", ids), chat=False)
 
     @app.post("/v1/chat/completions")
     async def chat(body: ChatCompletionRequest, request: Request) -> Response:
         _checked(ctx, body)
-        messages = [m.model_dump(exclude_none=True) for m in body.messages]
-        kwargs = body.chat_template_kwargs or {}
-        text = await _off_loop(ctx.render_pool, "messages", lambda: ctx.chat_text(messages, kwargs))
-        ids = await _off_loop(
-            None, "messages", lambda: _tokens(ctx, text, ctx.chat_encode, "the rendered chat")
-        )
-        return await _serve(ctx, request, body, ids, chat=True)
+        ids = await _chat_ids(ctx, body.messages, body.chat_template_kwargs)
+        return await _serve(ctx, request, body, [ids], chat=True)
 
     return app
 
 
-def _checked(ctx: ServeContext, body: _Sampling) -> None:
-    """The request's model and fields checked (404, 400: :meth:`_Sampling.problems`)."""
-    if body.model != ctx.model_name:
+def _model_card(ctx: ServeContext) -> dict:
+    return {
+        "id": ctx.model_name,
+        "object": "model",
+        "created": 0,
+        "owned_by": "xspec",
+        "max_model_len": ctx.max_context,
+    }
+
+
+def _known_model(ctx: ServeContext, name: str) -> None:
+    if name != ctx.model_name:
         raise ApiError(
             404,
-            f"model {body.model!r} does not exist; this server serves {ctx.model_name!r}",
+            f"model {name!r} does not exist; this server serves {ctx.model_name!r}",
             "not_found_error",
             "model",
         )
+
+
+async def _chat_ids(
+    ctx: ServeContext, messages: list[ChatMessage], options: dict[str, Any] | None
+) -> list[int]:
+    """The prompt ids of a chat's messages (rendered, then tokenized, off the event loop).
+    OpenAI's ``developer`` role is its newer name for ``system``, and is rendered as one."""
+    dumped = [m.model_dump(exclude_none=True) for m in messages]
+    dumped = [m | {"role": "system"} if m.get("role") == "developer" else m for m in dumped]
+    kwargs = options or {}
+    text = await _off_loop(ctx.render_pool, "messages", lambda: ctx.chat_text(dumped, kwargs))
+    return await _off_loop(
+        None, "messages", lambda: _tokens(ctx, text, ctx.chat_encode, "the rendered chat")
+    )
+
+
+def _checked(ctx: ServeContext, body: _Sampling) -> None:
+    """The request's model and fields checked (404, 400: :meth:`_Sampling.problems`)."""
+    _known_model(ctx, body.model)
     if problems := body.problems():
         text = "; ".join(why for _, why in problems)
         raise ApiError(400, text, "invalid_request_error", problems[0][0])
@@ -390,7 +456,11 @@ def _engine_request(ctx: ServeContext, body: _Sampling, ids: list[int]) -> Engin
     if limit is None:  # the default shrinks to what the context leaves
         max_tokens = max(1, min(max_tokens, ctx.max_context - len(ids) - 8))
     stop = _as_400(body.stop_list, "stop")
-    return EngineRequest(ids, max_tokens, _sampling(body), body.ignore_eos, stop=stop)
+    return EngineRequest(
+        ids, max_tokens, _sampling(body), body.ignore_eos, stop=stop,
+        stop_token_ids=frozenset(body.stop_token_ids or ()),
+        include_stop_str=body.include_stop_str_in_output,
+    )  # fmt: skip
 
 
 def _sampling(body: _Sampling) -> SamplingParams:
@@ -417,25 +487,34 @@ def _refused(e: RequestError, body: _Sampling, chat: bool) -> ApiError:
 
 
 async def _serve(
-    ctx: ServeContext, request: Request, body: _Sampling, ids: list[int], *, chat: bool
+    ctx: ServeContext, request: Request, body: _Sampling, prompts: list[list[int]], *, chat: bool
 ) -> Response:
-    req = _engine_request(ctx, body, ids)
-    queue: asyncio.Queue[Delta | None] = asyncio.Queue()
+    """Submit one engine request per choice (``prompts[i]`` is choice ``i``'s) and answer
+    with their choices, streamed or in one body."""
+    reqs = [_engine_request(ctx, body, ids) for ids in prompts]
+    queue: asyncio.Queue[tuple[int, Delta] | None] = asyncio.Queue()
     mailbox = _mailbox(asyncio.get_running_loop())
 
-    def on_delta(d: Delta) -> None:
-        if body.stream or d.finished:  # a plain request waits for its last delta only
-            mailbox.post(queue, d)
+    def poster(index: int) -> Callable[[Delta], None]:
+        def on_delta(d: Delta) -> None:
+            if body.stream or d.finished:  # a plain request waits for its last delta only
+                mailbox.post(queue, (index, d))
 
+        return on_delta
+
+    rids: list[int] = []
     try:
-        rid = ctx.loop.submit(req, on_delta)
-    except RequestError as e:
+        for i, req in enumerate(reqs):
+            rids.append(ctx.loop.submit(req, poster(i)))
+    except (RequestError, QueueFull, LoopStopped) as e:
+        for rid in rids:  # all the choices or none
+            ctx.loop.abort(rid)
+        if isinstance(e, QueueFull):
+            raise ApiError(503, f"the server is busy: {e}", "overloaded_error") from None
+        if isinstance(e, LoopStopped):
+            raise ApiError(503, f"the engine is not running: {e}", "server_error") from None
         raise _refused(e, body, chat) from None
-    except QueueFull as e:
-        raise ApiError(503, f"the server is busy: {e}", "overloaded_error") from None
-    except LoopStopped as e:
-        raise ApiError(503, f"the engine is not running: {e}", "server_error") from None
-    reply = _Reply(ctx, body, req, chat, rid)
+    reply = _Reply(ctx, body, reqs, chat, rids)
     if body.stream:
         return StreamingResponse(
             _sse(ctx, request, queue, reply),
@@ -443,12 +522,13 @@ async def _serve(
             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
         )
     try:
-        gen = await _wait(ctx, request, queue, rid, reply)
+        gens = await _wait(ctx, request, queue, reply)
     finally:
-        ctx.loop.abort(rid)  # no-op once it ended; a cancelled handler frees its slot
-    if gen is None:  # the client left: nobody reads this
+        for rid in rids:
+            ctx.loop.abort(rid)  # no-op once it ended; a cancelled handler frees its slot
+    if gens is None:  # the client left: nobody reads this
         return Response(status_code=499)
-    return JSONResponse(reply.whole(gen))
+    return JSONResponse(reply.whole(gens))
 
 
 class _Mailbox:
@@ -460,13 +540,13 @@ class _Mailbox:
     def __init__(self, aio: asyncio.AbstractEventLoop) -> None:
         self._aio = weakref.ref(aio)  # not a strong one: the loop keys _MAILBOXES
         self._lock = threading.Lock()
-        self._items: list[tuple[asyncio.Queue[Delta | None], Delta]] = []
+        self._items: list[tuple[asyncio.Queue[Any], Any]] = []
         self._scheduled = False
 
-    def post(self, queue: asyncio.Queue[Delta | None], delta: Delta) -> None:
-        """From any thread: ``delta`` goes to ``queue`` on the event loop's thread."""
+    def post(self, queue: asyncio.Queue[Any], item: Any) -> None:
+        """From any thread: ``item`` (a delta) goes to ``queue`` on the event loop's thread."""
         with self._lock:
-            self._items.append((queue, delta))
+            self._items.append((queue, item))
             if self._scheduled:
                 return
             self._scheduled = True
@@ -483,8 +563,8 @@ class _Mailbox:
     def _deliver(self) -> None:
         with self._lock:
             items, self._items, self._scheduled = self._items, [], False
-        for queue, delta in items:
-            queue.put_nowait(delta)
+        for queue, item in items:
+            queue.put_nowait(item)
 
 
 _MAILBOXES: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, _Mailbox] = (
@@ -501,13 +581,17 @@ def _mailbox(aio: asyncio.AbstractEventLoop) -> _Mailbox:
 
 
 async def _wait(
-    ctx: ServeContext, request: Request, queue: asyncio.Queue[Delta | None], rid: int, reply: _Reply
-) -> Generation | None:
-    """The finished generation (None: the client disconnected first). Only the final
-    delta is posted for a plain request; meanwhile the client is checked every
-    :data:`DISCONNECT_POLL_S`."""
+    ctx: ServeContext,
+    request: Request,
+    queue: asyncio.Queue[tuple[int, Delta] | None],
+    reply: _Reply,
+) -> list[Generation] | None:
+    """The finished generations, one per choice (None: the client disconnected first).
+    Only the final delta of each is posted for a plain request; meanwhile the client is
+    checked every :data:`DISCONNECT_POLL_S`."""
     deadline = time.monotonic() + ctx.request_timeout_s
-    while True:
+    gens: dict[int, Generation] = {}
+    while len(gens) < len(reply.reqs):
         left = deadline - time.monotonic()
         if left <= 0:
             raise ApiError(
@@ -516,32 +600,43 @@ async def _wait(
                 "timeout",
             )
         try:
-            d = await asyncio.wait_for(queue.get(), timeout=min(left, DISCONNECT_POLL_S))
+            item = await asyncio.wait_for(queue.get(), timeout=min(left, DISCONNECT_POLL_S))
         except asyncio.TimeoutError:
             if await request.is_disconnected():
                 return None
             continue
-        if d is not None and d.finished:
-            reply.done(d.generation)
-            return d.generation
+        if item is not None and item[1].finished:
+            gen = gens[item[0]] = item[1].generation
+            if gen.finish_reason == "error":  # the others are aborted by the caller
+                reply.done(list(gens.values()))
+                raise ApiError(500, gen.error or "the request failed", "server_error")
+    out = [gens[i] for i in range(len(reply.reqs))]
+    reply.done(out)
+    return out
 
 
 async def _sse(
-    ctx: ServeContext, request: Request, queue: asyncio.Queue[Delta | None], reply: _Reply
+    ctx: ServeContext,
+    request: Request,
+    queue: asyncio.Queue[tuple[int, Delta] | None],
+    reply: _Reply,
 ) -> AsyncIterator[str]:
     """The SSE body; when the client goes away Starlette cancels it and ``finally``
-    aborts the request."""
+    aborts the request. Each choice's chunks carry its ``index``; the usage chunk (summed
+    over the choices) and ``[DONE]`` follow the last choice's end."""
     # One timer for the whole stream puts None (timed out) in the queue: no timeout
     # wrapper, task or timer per delta on this hot path.
     aio = asyncio.get_running_loop()
     timer = aio.call_later(ctx.request_timeout_s, queue.put_nowait, None)
-    text = TextStream(ctx.decode, reply.req.stop)
+    texts = [TextStream(ctx.decode, req.stop) for req in reply.reqs]
+    gens: dict[int, Generation] = {}
     try:
         if reply.chat:
-            yield _data(reply.chunk({"role": "assistant", "content": ""}, None))
-        while True:
-            d = await queue.get()
-            if d is None:
+            for i in range(len(reply.reqs)):
+                yield _data(reply.chunk(i, {"role": "assistant", "content": ""}, None))
+        while len(gens) < len(reply.reqs):
+            item = await queue.get()
+            if item is None:
                 yield _data(
                     error_body(
                         f"the request ran past server.request_timeout_s={ctx.request_timeout_s:g}",
@@ -550,23 +645,26 @@ async def _sse(
                     )
                 )
                 break
+            i, d = item
             if d.finished:  # the final text, cut before a stop string its tokens completed
-                gen = d.generation
-                reply.done(gen)
+                gen = gens[i] = d.generation
                 if gen.finish_reason == "error":
                     yield _data(error_body(gen.error or "failed", "server_error", code=500))
                     break
-                piece = text.finish(reply.final_text(gen))
-                yield _data(reply.chunk(piece, reply.finish_reason(gen)))
-                if reply.include_usage:
-                    yield _data(reply.usage_chunk(gen))
-                break
-            if piece := text.push(d.token_ids):
-                yield _data(reply.chunk(piece, None))
+                piece = texts[i].finish(reply.final_text(i, gen))
+                yield _data(reply.chunk(i, piece, reply.finish_reason(gen)))
+                continue
+            if piece := texts[i].push(d.token_ids):
+                yield _data(reply.chunk(i, piece, None))
+        reply.done(list(gens.values()))
+        ended = all(gens.get(i) and gens[i].finish_reason != "error" for i in range(len(texts)))
+        if ended and reply.include_usage:
+            yield _data(reply.usage_chunk([gens[i] for i in range(len(texts))]))
         yield "data: [DONE]\n\n"
     finally:
         timer.cancel()
-        ctx.loop.abort(reply.rid)
+        for rid in reply.rids:
+            ctx.loop.abort(rid)
 
 
 def _data(obj: dict) -> str:
@@ -574,25 +672,30 @@ def _data(obj: dict) -> str:
 
 
 class _Reply:
-    """The OpenAI response objects of one request."""
+    """The OpenAI response objects of one request: choice ``i`` is engine request
+    ``reqs[i]``."""
 
     def __init__(
-        self, ctx: ServeContext, body: _Sampling, req: EngineRequest, chat: bool, rid: int
+        self,
+        ctx: ServeContext,
+        body: _Sampling,
+        reqs: list[EngineRequest],
+        chat: bool,
+        rids: list[int],
     ):
-        self.ctx, self.req, self.chat, self.rid = ctx, req, chat, rid
+        self.ctx, self.reqs, self.chat, self.rids = ctx, reqs, chat, rids
         self.id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
         self.created = int(time.time())
         self.include_usage = bool(body.stream_options and body.stream_options.include_usage)
 
-    def done(self, gen: Generation) -> None:
-        self.ctx.metrics.observe([gen], self.ctx.model_name, self.ctx.spec)
+    def done(self, gens: list[Generation]) -> None:
+        self.ctx.metrics.observe(gens, self.ctx.model_name, self.ctx.spec)
 
-    def final_text(self, gen: Generation) -> str:
-        return (
-            gen.text
-            if self.req.stop and gen.finish_reason == "stop"
-            else self.ctx.decode(gen.token_ids)
-        )
+    def final_text(self, i: int, gen: Generation) -> str:
+        """The engine's text when it cut one (a stop string or stop id), else the ids'."""
+        req = self.reqs[i]
+        cut = (req.stop or req.stop_token_ids) and gen.finish_reason == "stop"
+        return gen.text if cut else self.ctx.decode(gen.token_ids)
 
     @staticmethod
     def finish_reason(gen: Generation) -> str:
@@ -600,14 +703,18 @@ class _Reply:
         server ended (shutdown)."""
         return gen.finish_reason if gen.finish_reason in ("length", "abort") else "stop"
 
-    def usage(self, gen: Generation) -> dict:
+    @staticmethod
+    def usage(gens: list[Generation]) -> dict:
+        """Summed over the choices, as OpenAI and vLLM sum them."""
+        prompt = sum(len(g.prompt_ids) for g in gens)
+        completion = sum(len(g.token_ids) for g in gens)
         return {
-            "prompt_tokens": len(gen.prompt_ids),
-            "completion_tokens": len(gen.token_ids),
-            "total_tokens": len(gen.prompt_ids) + len(gen.token_ids),
+            "prompt_tokens": prompt,
+            "completion_tokens": completion,
+            "total_tokens": prompt + completion,
             # per request, as vLLM's --per-request-spec-decode-metrics; counted as the
             # Prometheus counters count (xspec.acceptance)
-            "spec_decode": gen.spec.usage(),
+            "spec_decode": sum((g.spec for g in gens), SpecCounts()).usage(),
         }
 
     def _head(self) -> dict:
@@ -618,33 +725,36 @@ class _Reply:
             "model": self.ctx.model_name,
         }
 
-    def whole(self, gen: Generation) -> dict:
-        if gen.finish_reason == "error":
-            raise ApiError(500, gen.error or "the request failed", "server_error")
-        text = self.final_text(gen)
-        reason = self.finish_reason(gen)
-        if self.chat:
-            choice: dict = {
-                "index": 0,
-                "message": {"role": "assistant", "content": text},
-                "finish_reason": reason,
-            }
-        else:
-            choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": reason}
-        return {**self._head(), "choices": [choice], "usage": self.usage(gen)}
+    def whole(self, gens: list[Generation]) -> dict:
+        if failed := [g for g in gens if g.finish_reason == "error"]:
+            raise ApiError(500, failed[0].error or "the request failed", "server_error")
+        choices = []
+        for i, gen in enumerate(gens):
+            text, reason = self.final_text(i, gen), self.finish_reason(gen)
+            if self.chat:
+                choices.append({
+                    "index": i,
+                    "message": {"role": "assistant", "content": text},
+                    "finish_reason": reason,
+                })  # fmt: skip
+            else:
+                choices.append(
+                    {"index": i, "text": text, "logprobs": None, "finish_reason": reason}
+                )
+        return {**self._head(), "choices": choices, "usage": self.usage(gens)}
 
-    def chunk(self, piece: str | dict, reason: str | None) -> dict:
+    def chunk(self, i: int, piece: str | dict, reason: str | None) -> dict:
         head = self._head()
         if self.chat:
             head["object"] = "chat.completion.chunk"
             delta = piece if isinstance(piece, dict) else ({"content": piece} if piece else {})
-            choice: dict = {"index": 0, "delta": delta, "finish_reason": reason}
+            choice: dict = {"index": i, "delta": delta, "finish_reason": reason}
         else:
-            choice = {"index": 0, "text": piece, "logprobs": None, "finish_reason": reason}
+            choice = {"index": i, "text": piece, "logprobs": None, "finish_reason": reason}
         return {**head, "choices": [choice]}
 
-    def usage_chunk(self, gen: Generation) -> dict:
+    def usage_chunk(self, gens: list[Generation]) -> dict:
         head = self._head()
         if self.chat:
             head["object"] = "chat.completion.chunk"
-        return {**head, "choices": [], "usage": self.usage(gen)}
+        return {**head, "choices": [], "usage": self.usage(gens)}

@@ -55,8 +55,6 @@ _REFUSED_BOTH: dict[str, Refused] = {
     "best_of": Refused((1,)),
     "response_format": Refused(({"type": "text"},), "structured output is not supported"),
     # vLLM's extensions
-    "stop_token_ids": Refused(([],)),
-    "include_stop_str_in_output": Refused((False,)),
     "bad_words": Refused(([],)),
     "allowed_token_ids": Refused(()),
     "prompt_logprobs": Refused(()),
@@ -147,6 +145,10 @@ def extra_problems(extra: dict[str, Any], refused: dict[str, Refused]) -> list[t
     return out
 
 
+MAX_STOP_IDS = 64  # stop_token_ids a request may give
+MAX_PROMPTS = 64  # prompts one completions request may batch
+
+
 class StreamOptions(BaseModel):
     include_usage: bool = False
 
@@ -168,6 +170,10 @@ class _Sampling(BaseModel):
     stream: bool = False
     stream_options: StreamOptions | None = None
     ignore_eos: bool = False  # vLLM extension (benchmarks decode to max_tokens)
+    # vLLM extensions: more ids that end the output (also under ignore_eos), and the
+    # stop string or stop id's text kept at the output's end
+    stop_token_ids: list[int] | None = None
+    include_stop_str_in_output: bool = False
 
     def limit(self) -> tuple[str, int | None]:
         """The output length limit the request set, and the field it set it in."""
@@ -183,6 +189,10 @@ class _Sampling(BaseModel):
             out.append((name, f"{name} must be >= 1 (got {limit})"))
         if self.stream_options is not None and not self.stream:
             out.append(("stream_options", "stream_options is only allowed with stream: true"))
+        ids = self.stop_token_ids or []
+        if len(ids) > MAX_STOP_IDS or any(i < 0 for i in ids):
+            out.append(("stop_token_ids", f"stop_token_ids: at most {MAX_STOP_IDS} token ids, "
+                        f"each >= 0 (got {len(ids)}, min {min(ids)})"))  # fmt: skip
         return out + extra_problems(self.model_extra or {}, REFUSED[self.kind])
 
     def stop_list(self) -> list[str]:
@@ -199,17 +209,18 @@ class CompletionRequest(_Sampling):
 
     prompt: str | list[int] | list[str] | list[list[int]]
 
-    def single_prompt(self) -> str | list[int]:
-        """The one prompt of this request (a batch of prompts is refused)."""
+    def prompts(self) -> list[str | list[int]]:
+        """The request's prompts, one choice each: a text, token ids, or a list of either
+        (as lm-evaluation-harness batches them)."""
         p = self.prompt
-        if isinstance(p, list) and p and isinstance(p[0], str | list):
-            if len(p) != 1:
-                raise RequestError(
-                    f"prompt: a list of {len(p)} prompts; xspec takes one prompt per request "
-                    "(send them as separate requests)"
-                )
-            return p[0]
-        return p  # type: ignore[return-value]
+        if isinstance(p, str) or not p or isinstance(p[0], int):
+            return [p]  # type: ignore[list-item]
+        if len(p) > MAX_PROMPTS:
+            raise RequestError(
+                f"prompt: a list of {len(p)} prompts; at most {MAX_PROMPTS} a request, send "
+                "the others in more requests"
+            )
+        return list(p)
 
 
 class ChatMessage(BaseModel):
@@ -232,6 +243,45 @@ class ChatCompletionRequest(_Sampling):
         if self.max_completion_tokens is not None:  # OpenAI's newer name wins
             return "max_completion_tokens", self.max_completion_tokens
         return super().limit()
+
+
+class TokenizeRequest(BaseModel):
+    """``POST /tokenize`` (vLLM's shape): a ``prompt`` (with the tokenizer's special
+    tokens unless ``add_special_tokens`` is false) or chat ``messages`` (the ids
+    ``/v1/chat/completions`` would generate from)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    model: str | None = None
+    prompt: str | None = None
+    add_special_tokens: bool | None = None
+    messages: list[ChatMessage] | None = None
+    add_generation_prompt: bool = True
+    chat_template_kwargs: dict[str, Any] | None = None
+    return_token_strs: bool = False
+
+    def problems(self) -> list[tuple[str, str]]:
+        if (self.prompt is None) == (self.messages is None):
+            return [("prompt", "give either prompt (a text) or messages (a chat)")]
+        if self.return_token_strs:
+            return [("return_token_strs", "return_token_strs: not supported; leave it false")]
+        if self.messages is not None:
+            if not self.add_generation_prompt:
+                return [("add_generation_prompt", "add_generation_prompt: only true is "
+                         "supported (the chat endpoint's prompt)")]  # fmt: skip
+            if self.add_special_tokens is not None:
+                return [("add_special_tokens", "add_special_tokens: the chat's ids are the "
+                         "chat endpoint's; leave it unset")]  # fmt: skip
+        return []
+
+
+class DetokenizeRequest(BaseModel):
+    """``POST /detokenize`` (vLLM's shape): ``tokens`` -> ``{"prompt": text}``."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    model: str | None = None
+    tokens: list[int]
 
 
 ErrorType = Literal[
