@@ -33,7 +33,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from xspec.bench.dataset import BenchRequest, synthetic  # noqa: E402
+from xspec.bench.dataset import BenchRequest, LocalTokens, synthetic  # noqa: E402
 from xspec.bench.serve import ServeConfig, run_benchmark  # noqa: E402
 
 OFFLINE = """
@@ -106,7 +106,8 @@ def main() -> None:
     p.add_argument("--repeats", type=int, default=2)
     p.add_argument("--bursts", type=int, default=3, help="bursts per process (median)")
     a = p.parse_args()
-    reqs = synthetic(a.num_prompts, a.input_len, a.output_len, seed=0)
+    assets = Path(__file__).resolve().parents[1] / "xspec" / "assets" / a.model  # its tokenizer
+    reqs = asyncio.run(synthetic(a.num_prompts, a.input_len, a.output_len, 0, LocalTokens(assets)))
     rated: dict[str, list[dict]] = {"none": [], "dspark": []}
     burst: dict[str, list[float]] = {"none": [], "dspark": []}
     off: dict[str, list[float]] = {"none": [], "dspark": []}
@@ -130,7 +131,7 @@ def main() -> None:
         vals = [r[key] for r in rated[spec] if r.get(key) is not None]
         return statistics.median(vals) if vals else float("nan")
 
-    print(f"\n## Serving: {a.model}, {a.num_prompts} requests of {a.input_len} words -> "
+    print(f"\n## Serving: {a.model}, {a.num_prompts} requests of {a.input_len} tokens -> "
           f"{a.output_len} tokens, Poisson {a.rate:g} req/s, at most {a.concurrency} in flight, "
           f"greedy, median of {a.repeats}\n")  # fmt: skip
     keys = [("output_throughput", "output tok/s"), ("median_ttft_ms", "median TTFT ms"),

@@ -1,6 +1,7 @@
 """A tiny OpenAI-compatible streaming server (stdlib only) for the benchmark client's
 tests: known chunks with known delays, a usage chunk, optional failures; it records the
-peak number of requests in flight."""
+peak number of requests in flight. Its /tokenize and /detokenize (vLLM's shapes) split
+text at spaces, one token a word, after a BOS (id 0)."""
 
 from __future__ import annotations
 
@@ -22,6 +23,7 @@ class Behaviour:
     spec: dict[str, Any] | None = None  # merged into usage
     fail_every: int = 0  # the n-th, 2n-th ... request gets HTTP 500 (0: none)
     model: str = "fake-model"
+    vocab: dict[str, int] = field(default_factory=dict)  # /tokenize's words
     # recorded
     bodies: list[dict[str, Any]] = field(default_factory=list)
     in_flight: int = 0
@@ -53,6 +55,8 @@ class FakeServer:
 
             def _post(self) -> None:
                 req = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+                if self.path in ("/tokenize", "/detokenize"):
+                    return self._tokens(req)
                 with b.lock:
                     b.bodies.append(req)
                     n = len(b.bodies)
@@ -87,6 +91,23 @@ class FakeServer:
                 if b.usage:
                     usage = {"prompt_tokens": 7, "completion_tokens": b.chunks * b.tokens_per_chunk}
                     self._send({"choices": [], "usage": usage | (b.spec or {})})
+
+            def _tokens(self, req: dict[str, Any]) -> None:
+                if self.path == "/tokenize":
+                    words = req["prompt"].split()
+                    with b.lock:
+                        ids = [b.vocab.setdefault(w, len(b.vocab) + 1) for w in words]
+                    bos = [0] if req.get("add_special_tokens", True) else []
+                    out: dict[str, Any] = {"tokens": bos + ids, "count": len(bos + ids)}
+                else:
+                    names = {i: w for w, i in b.vocab.items()}
+                    out = {"prompt": " ".join(names[i] for i in req["tokens"] if i)}
+                body = json.dumps(out).encode()
+                self.send_response(200)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
 
             def _send(self, obj: dict[str, Any]) -> None:
                 self.wfile.write(f"data: {json.dumps(obj)}\n\n".encode())

@@ -45,7 +45,7 @@ def test_streaming_run_counts_and_timings(tmp_path: Path, capsys: pytest.Capture
     assert r["errors"] == [""] * 6
     body = b.bodies[0]
     assert body["stream"] is True and body["stream_options"] == {"include_usage": True}
-    assert body["max_tokens"] == 4 and len(body["prompt"].split()) == 5
+    assert body["max_tokens"] == 4 and len(body["prompt"].split()) == 5 - 1  # tokens: BOS + 4
     assert "ignore_eos" not in body
     assert "Successful requests:" in capsys.readouterr().out
     for key in ("date", "backend", "duration", "request_throughput", "output_throughput",
@@ -71,7 +71,7 @@ def test_speculative_chunks_and_acceptance(tmp_path: Path) -> None:
 def test_without_usage_tokens_are_chunks(tmp_path: Path) -> None:
     with FakeServer(Behaviour(chunks=5, tokens_per_chunk=2, usage=False)) as s:
         r = _run(s, tmp_path, "--num-prompts", "2", "--model", "m", "--input-len", "9")
-    assert r["output_lens"] == [5, 5] and r["input_lens"] == [9, 9]  # prompt words
+    assert r["output_lens"] == [5, 5] and r["input_lens"] == [9, 9]  # /tokenize's count
     assert r["model_id"] == "m"
 
 

@@ -2,14 +2,16 @@
 
 from __future__ import annotations
 
+import asyncio
 import math
 import random
 import statistics
+from pathlib import Path
 
 import numpy as np
 import pytest
 
-from xspec.bench.dataset import synthetic
+from xspec.bench.dataset import LocalTokens, synthetic
 from xspec.bench.serve import arrival_schedule, spec_counts
 from xspec.bench.stats import (
     RequestOutcome,
@@ -19,6 +21,8 @@ from xspec.bench.stats import (
     percentile,
     summarize,
 )
+
+TINY = Path(__file__).resolve().parents[2] / "xspec" / "assets" / "dsv4_tiny"
 
 
 def test_percentile_interpolates_like_numpy() -> None:
@@ -114,10 +118,20 @@ def test_poisson_schedule_is_seeded_exponential_gaps() -> None:
     assert gaps.std() > np.diff(long).std()  # burstier: more spread
 
 
-def test_synthetic_prompts_are_seeded() -> None:
-    a = synthetic(3, 8, 16, seed=0)
-    assert a == synthetic(3, 8, 16, seed=0) and a != synthetic(3, 8, 16, seed=1)
-    assert all(len(r.prompt.split()) == r.prompt_len == 8 and r.max_tokens == 16 for r in a)
+def test_synthetic_prompts_are_seeded_and_counted_in_tokens() -> None:
+    """--input-len counts tokens as the server does (BOS included), not words: the tiny
+    model's tokenizer splits most words in several tokens."""
+    tok = LocalTokens(TINY)
+
+    def make(seed: int) -> list:
+        return asyncio.run(synthetic(3, 40, 16, seed, tok))
+
+    a = make(0)
+    assert a == make(0) and a != make(1)
+    for r in a:
+        ids = asyncio.run(tok.encode(r.prompt, True))
+        assert r.prompt_len == len(ids) and 39 <= len(ids) <= 40 and r.max_tokens == 16
+    assert any(len(r.prompt.split()) < 39 for r in a)  # words are not tokens here
 
 
 def _ratio_of_medians(rows: list[tuple[float, float]]) -> float:

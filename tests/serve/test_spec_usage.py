@@ -4,13 +4,16 @@ its steps drafted nothing (a row with one token left drafts none: not a draft)."
 
 from __future__ import annotations
 
+import json
 import re
+from pathlib import Path
 
 import httpx
 import pytest
 
 from tests.serve.conftest import LiveServer
 from xspec.acceptance import acceptance_length
+from xspec.bench.__main__ import main as bench_main
 
 SERVERS = [("dsv4_tiny", spec, {"model.dtype": "float32"}) for spec in ("mtp", "dspark")]
 COUNTERS = ("num_drafts", "num_draft_tokens", "num_accepted_tokens")
@@ -48,3 +51,26 @@ def test_usage_equals_the_metrics_delta_of_the_request(served: LiveServer) -> No
         )
         undrafted += int(delta["depth0"])
     assert undrafted > 0  # the case that was miscounted: steps that drafted nothing
+
+
+@pytest.mark.parametrize("served", SERVERS[1:], indirect=True, ids=lambda s: s[1])
+def test_bench_serve_acceptance_equals_metrics(served: LiveServer, tmp_path: Path) -> None:
+    """``python -m xspec.bench serve`` sums the usage blocks: its acceptance over a run
+    equals the counters' increase over that run; its prompts are --input-len tokens."""
+    out = tmp_path / "r.json"
+    before = scrape(served)
+    argv = ["serve", "--base-url", served.url, "--num-prompts", "6", "--input-len", "24",
+            "--output-len", "12", "--ignore-eos", "--max-concurrency", "3",
+            "--result-file", str(out)]  # fmt: skip
+    assert bench_main(argv) == 0
+    after = scrape(served)
+    r = json.loads(out.read_text())
+    delta = {k: int(after[k] - before[k]) for k in COUNTERS}
+    assert (r["spec_num_drafts"], r["spec_num_draft_tokens"], r["spec_num_accepted_tokens"]) == (
+        delta["num_drafts"],
+        delta["num_draft_tokens"],
+        delta["num_accepted_tokens"],
+    )
+    want = acceptance_length(delta["num_accepted_tokens"], delta["num_drafts"])
+    assert r["spec_acceptance_length"] == want
+    assert all(n in (23, 24) for n in r["input_lens"]) and 24 in r["input_lens"]

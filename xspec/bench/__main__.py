@@ -23,7 +23,7 @@ from pathlib import Path
 
 from xspec import atomic
 from xspec.bench import compare, dataset
-from xspec.bench.serve import ENDPOINTS, ServeConfig, run_benchmark
+from xspec.bench.serve import ENDPOINTS, ServeConfig, run_benchmark, synthetic_requests
 from xspec.bench.stats import SLO_METRICS, format_report
 from xspec.errors import OutputError, UserError
 
@@ -71,7 +71,14 @@ def parser() -> argparse.ArgumentParser:
     s.add_argument("--model", help="model name sent (default: first id of GET /v1/models)")
     s.add_argument("--dataset", default="synthetic", help="'synthetic' or a JSONL file")
     s.add_argument("--num-prompts", type=_positive_int, help="default: 100, or the file's lines")
-    s.add_argument("--input-len", type=_positive_int, default=256, help="synthetic words")
+    s.add_argument(
+        "--input-len",
+        type=_positive_int,
+        default=256,
+        help="synthetic prompt tokens, as the server counts them (BOS included)",
+    )
+    s.add_argument("--tokenizer", type=Path, help="tokenizer.json (or its directory) to count "
+                   "--input-len with; default: the server's /tokenize")  # fmt: skip
     s.add_argument("--output-len", type=_positive_int, default=128, help="max_tokens default")
     s.add_argument("--request-rate", type=_rate, default=float("inf"), help="req/s or inf")
     s.add_argument("--burstiness", type=_rate, default=1.0, help="gamma shape; 1: Poisson")
@@ -132,11 +139,6 @@ def check_result_file(path: Path) -> None:
 async def serve(args: argparse.Namespace) -> int:
     if args.result_file is not None:  # before a request is sent: the results must land
         check_result_file(args.result_file)
-    if args.dataset == "synthetic":
-        n = args.num_prompts or 100
-        requests = dataset.synthetic(n, args.input_len, args.output_len, args.seed)
-    else:
-        requests = dataset.from_jsonl(Path(args.dataset), args.num_prompts, args.output_len)
     cfg = ServeConfig(
         base_url=args.base_url,
         endpoint=args.endpoint,
@@ -154,6 +156,11 @@ async def serve(args: argparse.Namespace) -> int:
         percentiles=_percentiles(args.metric_percentiles),
         label=args.label,
     )
+    if args.dataset == "synthetic":
+        n = args.num_prompts or 100
+        requests = await synthetic_requests(cfg, n, args.input_len, args.output_len, args.tokenizer)
+    else:
+        requests = dataset.from_jsonl(Path(args.dataset), args.num_prompts, args.output_len)
     result = await run_benchmark(cfg, requests)
     print(format_report(result, cfg.percentiles))
     if args.result_file:  # atomic: a disk that fills now keeps any previous file whole

@@ -1,8 +1,10 @@
 """Prompts for the serving benchmark: synthetic random words or a JSONL file.
 
-The client has no tokenizer (it must work against any server), so a prompt's length is
-counted in whitespace-separated words until the server's ``usage.prompt_tokens`` gives
-the real count.
+A synthetic prompt is ``--input-len`` tokens long as the server counts them
+(``usage.prompt_tokens``, its BOS included): random words, cut to that many tokens with a
+:class:`TokenCounter` (the server's ``/tokenize`` and ``/detokenize``, or a local
+``tokenizer.json``). A JSONL prompt's length is counted in whitespace-separated words
+until the server's ``usage.prompt_tokens`` gives the real count.
 """
 
 from __future__ import annotations
@@ -11,7 +13,7 @@ import json
 import random
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 from xspec.errors import UserError
 
@@ -31,17 +33,58 @@ WORDS = _WORDS.split()
 @dataclass(frozen=True)
 class BenchRequest:
     prompt: str
-    prompt_len: int  # words, until the server reports prompt tokens
+    prompt_len: int  # tokens (synthetic) or words (a file), until the server reports them
     max_tokens: int
 
 
-def synthetic(num_prompts: int, input_len: int, output_len: int, seed: int) -> list[BenchRequest]:
-    """``num_prompts`` prompts of ``input_len`` random words; the same for the same seed."""
+class TokenCounter(Protocol):
+    """The served model's tokenizer, as the server applies it to a text prompt."""
+
+    async def encode(self, text: str, special: bool) -> list[int]: ...
+
+    async def decode(self, ids: list[int]) -> str: ...
+
+
+class LocalTokens:
+    """A ``tokenizer.json`` (``--tokenizer``: the file or its checkpoint directory), read
+    with Hugging Face ``tokenizers`` as xspec and vLLM servers read it."""
+
+    def __init__(self, path: Path) -> None:
+        from tokenizers import Tokenizer
+
+        file = path / "tokenizer.json" if path.is_dir() else path
+        try:
+            self._tok = Tokenizer.from_file(str(file))
+        except Exception as e:  # the library raises bare Exceptions
+            raise UserError(f"--tokenizer {path}: cannot read {file} ({e})") from None
+
+    async def encode(self, text: str, special: bool) -> list[int]:
+        return list(self._tok.encode(text, add_special_tokens=special).ids)
+
+    async def decode(self, ids: list[int]) -> str:
+        return str(self._tok.decode(ids))
+
+
+async def synthetic(
+    num_prompts: int, input_len: int, output_len: int, seed: int, tok: TokenCounter
+) -> list[BenchRequest]:
+    """``num_prompts`` prompts of random words, each ``input_len`` tokens as the server
+    counts them (special tokens included; one fewer when re-tokenizing the cut text
+    merges two tokens); the same for the same seed and tokenizer."""
     rng = random.Random(seed)
-    return [
-        BenchRequest(" ".join(rng.choices(WORDS, k=input_len)), input_len, output_len)
-        for _ in range(num_prompts)
-    ]
+    specials = len(await tok.encode("", True))  # the BOS a text gets
+    out = []
+    for _ in range(num_prompts):
+        words = " ".join(rng.choices(WORDS, k=input_len))  # a word is >= 1 token
+        ids = (await tok.encode(words, False))[: max(input_len - specials, 1)]
+        for _ in range(8):  # the cut text may tokenize longer: shorten until it fits
+            text = await tok.decode(ids)
+            n = len(await tok.encode(text, True))
+            if n <= input_len or len(ids) == 1:
+                break
+            ids = ids[: len(ids) - (n - input_len)]
+        out.append(BenchRequest(text, n, output_len))
+    return out
 
 
 def read_text(path: Path, what: str) -> str:

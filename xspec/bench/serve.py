@@ -22,11 +22,12 @@ import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from datetime import datetime
+from pathlib import Path
 from typing import Any
 
 import aiohttp
 
-from xspec.bench.dataset import BenchRequest
+from xspec.bench.dataset import BenchRequest, LocalTokens, synthetic
 from xspec.bench.stats import RequestOutcome, SpecCounts, summarize
 from xspec.errors import UserError
 
@@ -190,6 +191,52 @@ async def first_model(session: aiohttp.ClientSession, base_url: str) -> str:
         raise UserError(
             f"{base_url}/v1/models did not name a model ({type(e).__name__}: {e}); pass --model"
         ) from None
+
+
+class ServerTokens:
+    """The server's own tokenizer, through vLLM's ``POST /tokenize`` and ``/detokenize``
+    (xspec's and vLLM's servers have them)."""
+
+    def __init__(self, session: aiohttp.ClientSession, base_url: str, model: str) -> None:
+        self.session, self.base, self.model = session, base_url, model
+
+    async def _post(self, path: str, body: dict[str, Any]) -> dict[str, Any]:
+        url = self.base + path
+        try:
+            async with self.session.post(url, json={"model": self.model, **body}) as r:
+                if r.status != 200:
+                    text = (await r.read()).decode("utf-8", "replace")[:200]
+                    raise UserError(
+                        f"--input-len counts tokens, and {url} answered HTTP {r.status} "
+                        f"({text}); pass --tokenizer PATH (the model's tokenizer.json)"
+                    )
+                return dict(await r.json(content_type=None))
+        except (aiohttp.ClientError, asyncio.TimeoutError, ValueError) as e:
+            raise UserError(f"{url}: {type(e).__name__}: {e}; pass --tokenizer PATH") from None
+
+    async def encode(self, text: str, special: bool) -> list[int]:
+        return list((await self._post("/tokenize", {"prompt": text,
+                                                    "add_special_tokens": special}))["tokens"])  # fmt: skip
+
+    async def decode(self, ids: list[int]) -> str:
+        return str((await self._post("/detokenize", {"tokens": ids}))["prompt"])
+
+
+async def synthetic_requests(
+    cfg: ServeConfig, n: int, input_len: int, output_len: int, tokenizer: Path | None
+) -> list[BenchRequest]:
+    """:func:`~xspec.bench.dataset.synthetic` prompts counted with ``tokenizer`` (a
+    ``tokenizer.json``), else with the server's ``/tokenize``."""
+    if tokenizer is not None:
+        return await synthetic(n, input_len, output_len, cfg.seed, LocalTokens(tokenizer))
+    base = cfg.base_url.rstrip("/")
+    headers = {"Authorization": f"Bearer {cfg.api_key}"} if cfg.api_key else {}
+    timeout = aiohttp.ClientTimeout(total=cfg.timeout)
+    async with aiohttp.ClientSession(timeout=timeout, headers=headers) as session:
+        model = cfg.model or await first_model(session, base)
+        return await synthetic(
+            n, input_len, output_len, cfg.seed, ServerTokens(session, base, model)
+        )
 
 
 async def run_benchmark(cfg: ServeConfig, requests: list[BenchRequest]) -> dict[str, Any]:
