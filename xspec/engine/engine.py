@@ -608,10 +608,10 @@ class Engine:
 
     def _take(self, rid: Hashable, new_tokens: list[int], gen: Generation, now: float) -> bool:
         """Append one step's committed tokens, one at a time; True when the request is
-        finished (a stop string, max_new_tokens or a stop id; ``gen.finish_reason`` set):
-        the tokens after the one that finished it are dropped, also those of the same
-        verify step. With stop strings the engine sets ``gen.text`` (cut before a
-        matched stop string)."""
+        finished (a stop string, max_new_tokens, a stop id or one of the request's
+        ``stop_token_ids``; ``gen.finish_reason`` set): the tokens after the one that
+        finished it are dropped, also those of the same verify step. With stop strings or
+        ``stop_token_ids`` the engine sets ``gen.text`` (cut before what stopped it)."""
         req, stops = self._requests[rid], self._stops.get(rid)
         for t in new_tokens:
             gen.token_ids.append(t)
