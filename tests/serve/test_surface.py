@@ -151,3 +151,18 @@ def test_a_text_prompt_and_its_tokenizer_ids_are_the_same_prompt(served: LiveSer
         ids = complete(served, prompt=theirs.encode(p).ids)
         assert ids["choices"][0]["text"] == text["choices"][0]["text"]
         assert ids["usage"]["prompt_tokens"] == text["usage"]["prompt_tokens"]
+
+
+@pytest.mark.parametrize("served", SERVERS, indirect=True, ids=lambda s: s[1])
+def test_continuous_usage_stats(served: LiveServer) -> None:
+    """vLLM's stream_options.continuous_usage_stats (GuideLLM sends it): every chunk
+    carries the usage so far, growing to the final one."""
+    options = {"include_usage": True, "continuous_usage_stats": True}
+    seen = []
+    for chunk in served.openai().completions.create(
+        model=served.name, prompt=PROMPTS[0], max_tokens=N, temperature=0, stream=True,
+        stream_options=options,  # type: ignore[arg-type]
+    ):  # fmt: skip
+        assert chunk.usage is not None
+        seen.append(chunk.usage.completion_tokens)
+    assert seen == sorted(seen) and seen[-1] == N and len(seen) > 2

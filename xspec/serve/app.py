@@ -646,6 +646,7 @@ async def _sse(
                 )
                 break
             i, d = item
+            reply.live[i] = d.generation
             if d.finished:  # the final text, cut before a stop string its tokens completed
                 gen = gens[i] = d.generation
                 if gen.finish_reason == "error":
@@ -686,7 +687,11 @@ class _Reply:
         self.ctx, self.reqs, self.chat, self.rids = ctx, reqs, chat, rids
         self.id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
         self.created = int(time.time())
-        self.include_usage = bool(body.stream_options and body.stream_options.include_usage)
+        options = body.stream_options
+        self.include_usage = bool(options and options.include_usage)
+        # vLLM's continuous_usage_stats: every chunk carries the usage so far
+        self.continuous_usage = bool(options and options.continuous_usage_stats)
+        self.live: dict[int, Generation] = {}  # each choice's live record, once it moved
 
     def done(self, gens: list[Generation]) -> None:
         self.ctx.metrics.observe(gens, self.ctx.model_name, self.ctx.spec)
@@ -751,6 +756,8 @@ class _Reply:
             choice: dict = {"index": i, "delta": delta, "finish_reason": reason}
         else:
             choice = {"index": i, "text": piece, "logprobs": None, "finish_reason": reason}
+        if self.continuous_usage and self.live:
+            return {**head, "choices": [choice], "usage": self.usage(list(self.live.values()))}
         return {**head, "choices": [choice]}
 
     def usage_chunk(self, gens: list[Generation]) -> dict:

@@ -150,7 +150,10 @@ MAX_PROMPTS = 64  # prompts one completions request may batch
 
 
 class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
     include_usage: bool = False
+    continuous_usage_stats: bool = False  # vLLM: the usage so far in every chunk
 
 
 class _Sampling(BaseModel):
