@@ -15,8 +15,8 @@ tokenized on a worker thread, after a prompt longer than the context can hold in
 (``max_context`` x the tokenizer's longest token) was refused without tokenizing it.
 
 Status codes: 400 a request the engine cannot take (bad values, a prompt or
-``max_tokens`` past the context, unsupported fields, an empty body, a chat template that
-refused the messages or ran past its limits), 404 an unknown model or path, 408 a request
+``max_tokens`` past the context, refused or unknown fields (:mod:`xspec.serve.protocol`),
+an empty body, a chat template that refused the messages or ran past its limits), 404 an unknown model or path, 408 a request
 that did not arrive within ``server.read_timeout_s`` (:mod:`xspec.serve.http`), 413 a body
 over ``server.max_body_bytes``, 422 a body of the wrong shape (a field of the wrong type,
 a missing field), 503 a full queue (with ``Retry-After``), too many connections or a
