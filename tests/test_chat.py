@@ -417,7 +417,11 @@ def test_deepseek_v4_no_generation_prompt_and_max_effort() -> None:
 @pytest.mark.parametrize(
     ("messages", "options", "match"),
     [
-        (CONVERSATIONS["tools"], None, "tool calls are not supported"),
+        (
+            [{"role": "assistant", "tool_calls": [{"function": {"name": "f", "arguments": "{"}}]}],
+            None,
+            r"messages\[0\]\.tool_calls\[0\]\.function\.arguments is not JSON text",
+        ),
         (DSV4_TURNS, {"thinking": "yes"}, "thinking must be true or false"),
         (DSV4_TURNS, {"reasoning_effort": "low"}, "reasoning_effort must be"),
     ],

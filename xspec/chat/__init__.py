@@ -43,6 +43,7 @@ from typing import TYPE_CHECKING, Any
 
 from xspec.chat import jinja
 from xspec.chat.deepseek_v4 import render as render_deepseek_v4
+from xspec.chat.tools import DSML, HERMES, ToolFormat, check_tools
 from xspec.errors import CheckpointError, RequestError
 from xspec.paths import escapes
 from xspec.tokenizer import lone_surrogate
@@ -61,6 +62,7 @@ __all__ = [
     "encode_chat_prompt",
     "load_chat_template",
     "render_deepseek_v4",
+    "tool_format",
 ]
 
 TOKENIZER_CONFIG = "tokenizer_config.json"
@@ -197,13 +199,20 @@ def chat_prompt(
     options: Mapping[str, Any] | None = None,
     renderer: TemplateRenderer | None = None,
     max_chars: int = jinja.MAX_ITEMS,
+    tools: list[dict[str, Any]] | None = None,
 ) -> str:
     """The prompt text for ``messages``, ending with the assistant's turn header when
     ``add_generation_prompt``. Bad messages or a template that refuses them raise
     :class:`~xspec.errors.RequestError`. A Jinja template renders through ``renderer``
     (its own process, bounded) when given, else in this process with the sandbox's caps;
-    either way its output stops at ``max_chars`` characters."""
+    either way its output stops at ``max_chars`` characters. ``tools``: the request's
+    function specs (:func:`~xspec.chat.tools.check_tools`; leave them out for
+    ``tool_choice="none"``), the Jinja template's ``tools`` variable; the plain format
+    does not show them."""
     msgs, opts = check_messages(messages), _options(options)
+    if tools:
+        tools = check_tools(_json_data({"tools": tools}, "tools")["tools"])
+        opts["tools"] = tools
     if template.format is ChatFormat.jinja:
         if renderer is not None:
             return renderer.render(msgs, add_generation_prompt, opts, max_chars)
@@ -212,7 +221,9 @@ def chat_prompt(
             add_generation_prompt, opts, max_chars,
         )  # fmt: skip
     if template.format is ChatFormat.deepseek_v4:
-        return render_deepseek_v4(msgs, add_generation_prompt=add_generation_prompt, options=opts)
+        return render_deepseek_v4(
+            msgs, add_generation_prompt=add_generation_prompt, options=opts, tools=tools
+        )
     if template.format is ChatFormat.plain:
         return "\n\n".join(m["content"] for m in msgs if "content" in m)
     raise RequestError(
@@ -222,6 +233,20 @@ def chat_prompt(
     )
 
 
+def tool_format(template: ChatTemplate) -> ToolFormat | None:
+    """How the model writes tool calls: DeepSeek-V4's DSML for its built-in format and for a
+    Jinja template that writes DSML; Qwen3's ``<tool_call>`` JSON for a Jinja template that
+    writes those tags; None (no tool calls) for the plain and none formats and any other
+    template."""
+    if template.format is ChatFormat.deepseek_v4 or (
+        template.format is ChatFormat.jinja and DSML.TOKEN in template.text
+    ):
+        return DSML
+    if template.format is ChatFormat.jinja and HERMES.open in template.text:
+        return HERMES
+    return None
+
+
 def chat_prompt_ids(
     messages: list[dict[str, Any]],
     *,
@@ -229,13 +254,18 @@ def chat_prompt_ids(
     tokenizer: Tokenizer,
     add_generation_prompt: bool = True,
     options: Mapping[str, Any] | None = None,
+    tools: list[dict[str, Any]] | None = None,
 ) -> list[int]:
     """:func:`chat_prompt` as token ids. A Jinja or DeepSeek-V4 prompt already holds every
     special token the model expects (its BOS text too, or none: Qwen3), so the BOS id the
     tokenizer prepends to plain prompts is left off, as ``apply_chat_template`` tokenizes
     (no special tokens added). The plain format keeps it: the presets were trained with it."""
     text = chat_prompt(
-        messages, template=template, add_generation_prompt=add_generation_prompt, options=options
+        messages,
+        template=template,
+        add_generation_prompt=add_generation_prompt,
+        options=options,
+        tools=tools,
     )
     return encode_chat_prompt(text, template=template, tokenizer=tokenizer)
 
