@@ -14,6 +14,8 @@ import pytest
 from xspec.chat import (
     DEEPSEEK_V4,
     PLAIN,
+    PLAIN_DSML,
+    PLAIN_HERMES,
     ChatFormat,
     ChatTemplate,
     chat_prompt,
@@ -343,8 +345,8 @@ def test_named_templates_pick_default(tmp_path: Path) -> None:
 
 
 def test_which_format_a_model_gets(tmp_path: Path) -> None:
-    assert load_chat_template(model(None, "deepseek_v4"), TINY) is PLAIN  # the presets
-    assert load_chat_template(model(None, "qwen3"), None) is PLAIN
+    assert load_chat_template(model(None, "deepseek_v4"), TINY) is PLAIN_DSML  # the presets
+    assert load_chat_template(model(None, "qwen3"), None) is PLAIN_HERMES
     assert load_chat_template(model(tmp_path, "deepseek_v4"), tmp_path) is DEEPSEEK_V4
     none = load_chat_template(model(tmp_path, "qwen3"), tmp_path)
     assert none.format is ChatFormat.none

@@ -7,11 +7,22 @@ from __future__ import annotations
 import json
 import random
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
 
-from xspec.chat import DEEPSEEK_V4, PLAIN, ChatFormat, ChatTemplate, chat_prompt, tool_format
+from xspec.chat import (
+    DEEPSEEK_V4,
+    PLAIN,
+    PLAIN_DSML,
+    PLAIN_HERMES,
+    ChatFormat,
+    ChatTemplate,
+    chat_prompt,
+    load_chat_template,
+    tool_format,
+)
 from xspec.chat.tools import (
     DSML,
     HERMES,
@@ -25,7 +36,9 @@ from xspec.errors import RequestError
 
 ROOT = Path(__file__).resolve().parents[2]
 QWEN3_TEMPLATE = (ROOT / "tests" / "fixtures" / "qwen3_chat_template.jinja").read_text()
-QWEN3 = ChatTemplate(ChatFormat.jinja, "qwen3", QWEN3_TEMPLATE, {"eos_token": "<|im_end|>"})
+QWEN3 = ChatTemplate(
+    ChatFormat.jinja, "qwen3", QWEN3_TEMPLATE, {"eos_token": "<|im_end|>"}, "hermes"
+)
 WEATHER = {
     "type": "function",
     "function": {
@@ -117,11 +130,28 @@ def test_qwen3_template_gets_the_tools_as_transformers_passes_them() -> None:
     assert '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "days": 2}}' in got
 
 
-def test_which_tool_format_a_template_has() -> None:
-    assert tool_format(DEEPSEEK_V4) is DSML
-    assert tool_format(QWEN3) is HERMES
-    assert tool_format(PLAIN) is None
-    assert tool_format(ChatTemplate(ChatFormat.jinja, "t", "{{ messages }}")) is None
+def test_which_tool_format_a_model_has(tmp_path: Path) -> None:
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({"chat_template": QWEN3_TEMPLATE}))
+    qwen3 = load_chat_template(SimpleNamespace(path=str(tmp_path), arch="qwen3"), tmp_path)
+    assert tool_format(qwen3) is HERMES  # the template writes <tool_call>
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({"chat_template": "{{ 1 }}"}))
+    other = load_chat_template(SimpleNamespace(path=str(tmp_path), arch="qwen3"), tmp_path)
+    assert tool_format(other) is None
+    assert tool_format(DEEPSEEK_V4) is DSML and tool_format(PLAIN) is None
+    assert tool_format(PLAIN_DSML) is DSML and tool_format(PLAIN_HERMES) is HERMES
+
+
+def test_the_plain_format_writes_calls_in_the_presets_format() -> None:
+    """The presets see no tools; a call they made is written back as they wrote it."""
+    got = chat_prompt(ROUND_TRIP, template=PLAIN_DSML, tools=TOOLS)
+    assert got == "Weather in Paris?\n\nLet me look." + DSML.render_calls([CALL], "m") + (
+        '\n\n{"temp": 21}'
+    )
+    only_calls = [ROUND_TRIP[0], {"role": "assistant", "tool_calls": [CALL]}]
+    assert chat_prompt(only_calls, template=PLAIN_HERMES) == (
+        "Weather in Paris?\n\n" + HERMES.render_calls([CALL], "m")
+    )
+    assert chat_prompt(only_calls, template=PLAIN) == "Weather in Paris?\n\n"
 
 
 # -- the request -----------------------------------------------------------------------

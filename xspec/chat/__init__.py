@@ -30,6 +30,9 @@ templates). An assistant message may carry ``tool_calls`` instead of content; ot
 else (a lone surrogate too: it is not Unicode) is a :class:`~xspec.errors.RequestError` that
 names the message and the key (the server answers 400). ``options`` are the request's ``chat_template_kwargs``
 (``enable_thinking`` for Qwen3; ``thinking`` / ``reasoning_effort`` for DeepSeek-V4).
+``tools`` are the request's function specs, shown by the Jinja and DeepSeek-V4 formats;
+:func:`tool_format` says how the model writes calls (:mod:`xspec.chat.tools` parses them,
+:mod:`xspec.chat.tool_grammar` constrains them).
 """
 
 from __future__ import annotations
@@ -43,7 +46,7 @@ from typing import TYPE_CHECKING, Any
 
 from xspec.chat import jinja
 from xspec.chat.deepseek_v4 import render as render_deepseek_v4
-from xspec.chat.tools import DSML, HERMES, ToolFormat, check_tools
+from xspec.chat.tools import DSML, FORMATS, HERMES, ToolFormat, check_tools
 from xspec.errors import CheckpointError, RequestError
 from xspec.paths import escapes
 from xspec.tokenizer import lone_surrogate
@@ -54,6 +57,8 @@ if TYPE_CHECKING:
     from xspec.tokenizer import Tokenizer
 
 __all__ = [
+    "PLAIN_DSML",
+    "PLAIN_HERMES",
     "ChatFormat",
     "ChatTemplate",
     "chat_prompt",
@@ -91,12 +96,17 @@ class ChatTemplate:
     source: str
     text: str = ""  # the Jinja source (format jinja)
     special_tokens: dict[str, str] = field(default_factory=dict)  # Jinja variables
+    tools: str = ""  # how the model writes tool calls: a FORMATS key, "" for none
 
 
 PLAIN = ChatTemplate(ChatFormat.plain, "xspec's plain format for the built-in presets")
+# the presets know no tools; a call grammar makes them write calls in their family's format
+PLAIN_DSML = ChatTemplate(ChatFormat.plain, PLAIN.source, tools=DSML.name)
+PLAIN_HERMES = ChatTemplate(ChatFormat.plain, PLAIN.source, tools=HERMES.name)
 DEEPSEEK_V4 = ChatTemplate(
     ChatFormat.deepseek_v4,
     "DeepSeek-V4 encoding (built in, from the checkpoint's encoding/README.md)",
+    tools=DSML.name,
 )
 
 
@@ -208,7 +218,7 @@ def chat_prompt(
     either way its output stops at ``max_chars`` characters. ``tools``: the request's
     function specs (:func:`~xspec.chat.tools.check_tools`; leave them out for
     ``tool_choice="none"``), the Jinja template's ``tools`` variable; the plain format
-    does not show them."""
+    does not show them (it writes assistants' calls in the preset's tool format)."""
     msgs, opts = check_messages(messages), _options(options)
     if tools:
         tools = check_tools(_json_data({"tools": tools}, "tools")["tools"])
@@ -225,7 +235,7 @@ def chat_prompt(
             msgs, add_generation_prompt=add_generation_prompt, options=opts, tools=tools
         )
     if template.format is ChatFormat.plain:
-        return "\n\n".join(m["content"] for m in msgs if "content" in m)
+        return "\n\n".join(_plain_part(m, i, tool_format(template)) for i, m in enumerate(msgs))
     raise RequestError(
         f"this model has no chat template ({template.source}): add a {CHAT_TEMPLATE_FILE} "
         f"or a chat_template in {TOKENIZER_CONFIG} to the checkpoint, or send the prompt to "
@@ -233,18 +243,26 @@ def chat_prompt(
     )
 
 
+def _plain_part(m: dict[str, Any], i: int, fmt: ToolFormat | None) -> str:
+    """A message in the plain format: its content, then its calls as the model writes them."""
+    content = m.get("content", "")
+    if not (fmt and m.get("tool_calls")):
+        return str(content)
+    calls = fmt.render_calls(m["tool_calls"], f"messages[{i}]")
+    return content + calls if content else calls.lstrip("\n")
+
+
 def tool_format(template: ChatTemplate) -> ToolFormat | None:
-    """How the model writes tool calls: DeepSeek-V4's DSML for its built-in format and for a
-    Jinja template that writes DSML; Qwen3's ``<tool_call>`` JSON for a Jinja template that
-    writes those tags; None (no tool calls) for the plain and none formats and any other
-    template."""
-    if template.format is ChatFormat.deepseek_v4 or (
-        template.format is ChatFormat.jinja and DSML.TOKEN in template.text
-    ):
-        return DSML
-    if template.format is ChatFormat.jinja and HERMES.open in template.text:
-        return HERMES
-    return None
+    """How the model writes tool calls (:attr:`ChatTemplate.tools`): DeepSeek-V4's DSML,
+    Qwen3's ``<tool_call>`` JSON, or None (this model has no tool format)."""
+    return FORMATS.get(template.tools)
+
+
+def _sniff_tools(text: str) -> str:
+    """The tool format a Jinja template writes: DSML, Qwen3's tags, or none."""
+    if DSML.TOKEN in text:
+        return DSML.name
+    return HERMES.name if HERMES.open in text else ""
 
 
 def chat_prompt_ids(
@@ -326,7 +344,7 @@ def load_chat_template(model_cfg: ModelConfig, checkpoint_dir: Path | None) -> C
     A template that does not parse is a :class:`~xspec.errors.CheckpointError` here, before
     any request."""
     if model_cfg.path is None:
-        return PLAIN
+        return PLAIN_DSML if model_cfg.arch == "deepseek_v4" else PLAIN_HERMES
     directory = checkpoint_dir if checkpoint_dir is not None else Path(model_cfg.path)
     config = _read_tokenizer_config(directory)
     file = directory / CHAT_TEMPLATE_FILE
@@ -354,4 +372,4 @@ def load_chat_template(model_cfg: ModelConfig, checkpoint_dir: Path | None) -> C
         jinja.compile_template(text)
     except Exception as e:  # jinja2.TemplateSyntaxError, with its line
         raise CheckpointError(f"the chat template {source} does not parse: {e}") from None
-    return ChatTemplate(ChatFormat.jinja, source, text, _special_tokens(config))
+    return ChatTemplate(ChatFormat.jinja, source, text, _special_tokens(config), _sniff_tools(text))
