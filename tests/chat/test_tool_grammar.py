@@ -164,6 +164,14 @@ def test_what_the_grammars_admit(compiler: GrammarCompiler, fmt: ToolFormat) -> 
     prefix = "Let me see.</think>" if fmt is DSML else "<think>\nLet me see.\n</think>\n\n"
     assert accepts(compiler, thinking, prefix + say) and not accepts(compiler, thinking, say)
     assert tool_grammar(fmt, TOOLS, check_tool_choice("none", TOOLS)) is None
+    # only declared properties, unless the schema admits others
+    assert not accepts(compiler, required, call("say", {"text": "a", "x": 1}))
+    assert not accepts(compiler, required, call("ping", {"x": 1}))
+    if fmt is HERMES:
+        open_ = check_tools([{"type": "function", "function": {"name": "f", "parameters": {
+            "type": "object", "additionalProperties": True}}}])  # fmt: skip
+        spec = tool_grammar(fmt, open_, check_tool_choice("required", open_))
+        assert spec is not None and accepts(compiler, spec, call("f", {"x": 1}))
 
 
 def test_dsml_needs_parameters_it_can_split() -> None:
@@ -173,3 +181,35 @@ def test_dsml_needs_parameters_it_can_split() -> None:
     with pytest.raises(RequestError, match=r"tools\[0\]\.function\.parameters: .*anyOf"):
         tool_grammar(DSML, bad, check_tool_choice("required", bad))
     assert tool_grammar(HERMES, bad, check_tool_choice("required", bad)) is not None
+
+
+@pytest.mark.slow
+def test_the_tiny_model_speculating_under_the_grammar_writes_valid_calls() -> None:
+    """dsv4_tiny (plain format, DSML) with MTP drafts, greedy and T=0.8: the output is one
+    call of the named (or any) function, and its arguments validate."""
+    import xspec
+    from xspec.chat import PLAIN_DSML, chat_prompt_ids
+    from xspec.engine.engine import Engine, Request
+    from xspec.sampling import SamplingParams
+
+    b = xspec.LLM(model="dsv4_tiny", spec="mtp", platform="cpu").built
+    compiler = GrammarCompiler(b.tokenizer, b.target.vocab_size)
+    engine = Engine(b.target, b.drafter, b.capture, stop_ids=b.tokenizer.stop_ids)
+    tools = TOOLS[:2]
+    messages = [{"role": "user", "content": "Book a room for two."}]
+    ids = chat_prompt_ids(messages, template=PLAIN_DSML, tokenizer=b.tokenizer, tools=tools)
+    choices: list[Any] = ["required", {"type": "function", "function": {"name": "book"}}]
+    reqs = []
+    for choice in choices:
+        spec = tool_grammar(DSML, tools, check_tool_choice(choice, tools), parallel=False)
+        assert spec is not None
+        for params in (SamplingParams(), SamplingParams(temperature=0.8, seed=3)):
+            reqs.append(Request(ids, 300, params, grammar=compiler.compile(spec)))
+    for k, gen in enumerate(engine.run(reqs, concurrency=len(reqs))):
+        assert gen.error is None and gen.token_ids[-1] in b.tokenizer.stop_ids
+        text = b.tokenizer.decode([t for t in gen.token_ids if t not in b.tokenizer.stop_ids])
+        parsed = DSML.parse(text, tools)
+        assert parsed.content == "" and len(parsed.tool_calls) == 1, text
+        call = parsed.tool_calls[0]
+        assert k < 2 or call.name == "book"
+        assert valid(json.loads(call.arguments), SCHEMAS[call.name]), text

@@ -9,7 +9,9 @@ with ``%json {...}``) for a request's ``tool_choice``:
 * ``auto``: free text that never opens a call, or free text followed by well-formed calls;
 * ``none``: no grammar (None).
 
-A call's arguments follow its function's ``parameters`` schema. In Qwen3's ``hermes``
+A call's arguments follow its function's ``parameters`` schema, with no property it does
+not declare unless it sets ``additionalProperties`` (JSON Schema's default admits any key,
+and a weak model fills a call with them; no schema: ``{}``). In Qwen3's ``hermes``
 format they are one JSON object (``%json`` of the whole schema). DeepSeek-V4's ``dsml``
 writes one parameter at a time, so the grammar lists the schema's ``properties`` in their
 order (those not ``required`` may be left out; no others are admitted): a plain string
@@ -31,6 +33,7 @@ from xspec.grammar import JSON_LAYOUT, GrammarSpec
 # keys a DSML parameters schema may hold at its top (others cannot be split into parameters)
 DSML_TOP_KEYS = {"type", "properties", "required", "additionalProperties", "description",
                  "title", "$defs", "definitions", "$schema", "$id"}  # fmt: skip
+COMBINERS = {"anyOf", "oneOf", "allOf", "$ref"}  # a schema whose keys come from elsewhere
 # keys that leave a string parameter plain (written as is)
 PLAIN_STRING_KEYS = {"type", "description", "title", "default", "examples"}
 
@@ -86,10 +89,10 @@ def tool_grammar(
         if fmt is DSML:
             rules += _dsml_call(f"call_{k}", str(name), fn.get("parameters", {}), where)
         else:  # the call after its opening tag
-            params = fn.get("parameters", {"type": "object", "properties": {}})
             head = _lit(f'\n{{"name": "{name}", "arguments": ')
             rules.append(
-                f"call_{k}: {head} {_json(params, {})} {_lit('}' + chr(10) + HERMES.close)}"
+                f"call_{k}: {head} {_json(_closed(fn.get('parameters', {})), {})} "
+                f"{_lit('}' + chr(10) + HERMES.close)}"
             )
     rules.append("call: " + " | ".join(f"call_{k}" for k in range(len(names))))
     if fmt is DSML:  # each invoke ends with its newline (no literal is another's prefix)
@@ -113,6 +116,19 @@ def tool_grammar(
         main = f"THOUGHT ({main})"
     rules.insert(1, f"start: {main}")
     return GrammarSpec.grammar("\n".join(rules), "tool call grammar")
+
+
+def _closed(params: Any) -> Any:
+    """The arguments admit only the declared properties unless the schema says otherwise
+    (JSON Schema's default admits any other key: a weak model fills the call with them)."""
+    if (
+        isinstance(params, dict)
+        and "additionalProperties" not in params
+        and params.get("type", "object") == "object"
+        and not params.keys() & COMBINERS
+    ):
+        return {"type": "object", **params, "additionalProperties": False}
+    return params
 
 
 def _dsml_call(rule: str, name: str, params: Any, where: str) -> list[str]:
