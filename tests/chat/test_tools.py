@@ -211,6 +211,7 @@ def outputs(fmt: ToolFormat) -> dict[str, tuple[str, str, list[tuple[str, dict]]
         "text only": ("Hello <b>world</b>\n", "Hello <b>world</b>\n", []),
         "calls": (calls, "", [paris, nice]),
         "text then calls": ("Sure." + calls, "Sure.", [paris, nice]),
+        "text, calls, text": ("A b " + one + "\n c d\n", "A bc d\n", [paris]),
         "cut off": ("a" + cut, "a" + cut[second:], [paris]),
         "bad json": ("x" + bad_json, "x" + bad_json.lstrip("\n"), []),
         "unknown function": (first + unknown, unknown.lstrip("\n"), [paris]),

@@ -206,24 +206,32 @@ def _partial_tail(text: str, tag: str) -> int:
 
 
 def _scan(
-    fmt: ToolFormat, text: str, final: bool, names: frozenset[str] | None
-) -> tuple[list[Event], int]:
-    """Events of ``text`` and the length read; unless ``final``, text that could still
-    change what it is (whitespace, a part of a tag, an unfinished call) is left unread."""
+    fmt: ToolFormat,
+    text: str,
+    final: bool,
+    names: frozenset[str] | None,
+    pos: int = 0,
+    after_call: bool = False,
+) -> tuple[list[Event], tuple[int, bool, int]]:
+    """Events of ``text[pos:]`` (``after_call``: a block of calls ends at ``pos``), and where
+    a scan of the text grown longer may start again: (position, after_call, the number of
+    events before it, which cannot change). Unless ``final``, text that could still change
+    what it is (whitespace, a part of a tag, an unfinished call) is left out."""
     events: list[Event] = []
-    pos, after_call = 0, False
+    resume = (pos, after_call, 0)
     while True:
         at = text.find(fmt.open, pos)
-        segment = text[pos:] if at < 0 else text[pos:at]
-        if after_call:
-            segment = segment.lstrip()
+        raw = text[pos:] if at < 0 else text[pos:at]
+        segment = raw.lstrip() if after_call else raw
         if at < 0:
             if not final:  # whitespace and a started tag wait for what follows
-                keep = _partial_tail(segment, fmt.open)
-                segment = segment[: len(segment) - keep]
+                segment = segment[: len(segment) - _partial_tail(segment, fmt.open)]
                 segment = segment.rstrip() if segment.strip() else ""
+                if segment:  # text given out is final: start again after it
+                    start = pos + (len(raw) - len(raw.lstrip()) if after_call else 0)
+                    resume = (start + len(segment), False, len(events) + 1)
             events.append(("content", segment))
-            return events, len(text) if final else len(text) - (len(text[pos:]) - len(segment))
+            return events, resume
         events.append(("content", segment.rstrip()))
         found, end, closed = fmt._scan_calls(text, at, final)
         for k, (kind, value) in enumerate(found):
@@ -231,14 +239,14 @@ def _scan(
                 # the rest is text, from the tag when no call of this block was read
                 start = at if k == 0 else value if kind == "bad" else value.start
                 events.append(("content", text[start:]))
-                return events, len(text)
+                return events, resume
             events.append((kind, value))
         if not closed:
             if final:
                 events.append(("content", text[end:]))
-                return events, len(text)
-            return events, end
+            return events, resume
         pos, after_call = end, True
+        resume = (pos, True, len(events))
 
 
 @dataclass(frozen=True)
@@ -393,8 +401,9 @@ class ToolCallStream:
     ) -> None:
         self.fmt, self._names, self._new_id = fmt, _names(tools), new_id
         self._text = ""
-        self._done = 0  # events fully sent
-        self._sent = 0  # characters of the open content event sent
+        self._pos, self._after_call = 0, False  # where the next scan starts
+        self._done = 0  # events of that scan fully sent
+        self._sent = 0  # characters of the growing content event sent
         self.calls: list[ToolCall] = []
 
     def feed(self, text: str) -> list[dict[str, Any]]:
@@ -405,26 +414,35 @@ class ToolCallStream:
         return self._deltas(final=True)
 
     def _deltas(self, final: bool) -> list[dict[str, Any]]:
-        events, _ = _scan(self.fmt, self._text, final, self._names)
+        events, (pos, after_call, fixed) = _scan(
+            self.fmt, self._text, final, self._names, self._pos, self._after_call
+        )
         out: list[dict[str, Any]] = []
         for k in range(self._done, len(events)):
             kind, value = events[k]
-            last = k == len(events) - 1
             if kind == "content":
                 if len(value) > self._sent:
                     out.append({"content": value[self._sent :]})
-                if last and not final:
+                if k == len(events) - 1 and not final:  # it may grow
                     self._sent = len(value)
                     break
                 self._sent = 0
             else:
-                call = ToolCall(self._new_id(), value.name, value.arguments)
-                index = len(self.calls)
-                self.calls.append(call)
-                head = {"name": call.name, "arguments": ""}
-                out.append({"tool_calls": [{"index": index, "id": call.id, "type": "function",
-                                            "function": head}]})  # fmt: skip
-                out.append({"tool_calls": [{"index": index,
-                                            "function": {"arguments": call.arguments}}]})  # fmt: skip
+                out += self._call_deltas(value)
             self._done = k + 1
+        if fixed:  # the next scan starts where this one's events can no longer change
+            self._pos, self._after_call = pos, after_call
+            if fixed > self._done:  # the growing content is behind the restart
+                self._sent = 0
+            self._done = max(0, self._done - fixed)
         return out
+
+    def _call_deltas(self, value: _Call) -> list[dict[str, Any]]:
+        call = ToolCall(self._new_id(), value.name, value.arguments)
+        index = len(self.calls)
+        self.calls.append(call)
+        head = {"name": call.name, "arguments": ""}
+        return [
+            {"tool_calls": [{"index": index, "id": call.id, "type": "function", "function": head}]},
+            {"tool_calls": [{"index": index, "function": {"arguments": call.arguments}}]},
+        ]
