@@ -11,7 +11,8 @@ from typing import Any
 import pytest
 import torch
 
-from xspec.chat.tool_grammar import tool_grammar
+from xspec.chat import DEEPSEEK_V4, PLAIN, PLAIN_HERMES
+from xspec.chat.tool_grammar import plan_tools, tool_grammar
 from xspec.chat.tools import DSML, HERMES, ToolFormat, check_tool_choice, check_tools
 from xspec.errors import RequestError
 from xspec.grammar import GrammarCompiler, GrammarSpec
@@ -181,6 +182,31 @@ def test_dsml_needs_parameters_it_can_split() -> None:
     with pytest.raises(RequestError, match=r"tools\[0\]\.function\.parameters: .*anyOf"):
         tool_grammar(DSML, bad, check_tool_choice("required", bad))
     assert tool_grammar(HERMES, bad, check_tool_choice("required", bad)) is not None
+
+
+def test_plan_tools_reads_the_request_once() -> None:
+    raw = [{"type": "function", "function": {"name": "ping"}}]
+    plan = plan_tools(DEEPSEEK_V4, raw, "required", False)
+    assert plan is not None and plan.format is DSML and plan.choice.mode == "required"
+    assert plan.grammar == tool_grammar(DSML, plan.tools, plan.choice, parallel=False)
+    text = DSML.render_calls([{"function": {"name": "ping"}}], "m")
+    assert [c.name for c in plan.parse(text).tool_calls] == ["ping"]
+    assert plan.stream().feed(text)[0]["tool_calls"][0]["function"]["name"] == "ping"
+    auto = plan_tools(PLAIN_HERMES, raw)
+    assert auto is not None and auto.format is HERMES and auto.choice.mode == "auto"
+    assert auto.grammar is not None
+    unconstrained = plan_tools(PLAIN_HERMES, raw, constrain_auto=False)
+    assert unconstrained is not None and unconstrained.grammar is None
+    assert plan_tools(DEEPSEEK_V4, raw, "none") is None
+    assert plan_tools(DEEPSEEK_V4, None) is None and plan_tools(DEEPSEEK_V4, None, "none") is None
+    for args, match in [
+        ((PLAIN, raw), "has no tool-call format"),
+        ((DEEPSEEK_V4, None, "required"), "has no tools"),
+        ((DEEPSEEK_V4, raw, "auto", "yes"), "parallel_tool_calls must be true or false"),
+        ((DEEPSEEK_V4, [{"type": "function"}]), r"tools\[0\]\.function"),
+    ]:
+        with pytest.raises(RequestError, match=match):
+            plan_tools(*args)
 
 
 @pytest.mark.slow

@@ -18,15 +18,31 @@ order (those not ``required`` may be left out; no others are admitted): a plain 
 (``{"type": "string"}`` with no other constraint) or a string ``enum`` is written as is,
 ``string="true"``; any other value as JSON (``%json`` of its schema), ``string="false"``.
 JSON is written in :data:`xspec.grammar.JSON_LAYOUT` (``json.dumps``' spacing).
+
+:func:`plan_tools` reads a request's ``tools``, ``tool_choice`` and ``parallel_tool_calls``
+once into a :class:`ToolPlan`: the tools its prompt shows, its grammar, its output parser.
 """
 
 from __future__ import annotations
 
 import json
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
-from xspec.chat.tools import DSML, HERMES, Dsml, ToolChoice, ToolFormat
+from xspec.chat import ChatTemplate, tool_format
+from xspec.chat.tools import (
+    DSML,
+    HERMES,
+    Dsml,
+    ParsedOutput,
+    ToolCallStream,
+    ToolChoice,
+    ToolFormat,
+    check_tool_choice,
+    check_tools,
+    new_call_id,
+)
 from xspec.errors import RequestError
 from xspec.grammar import JSON_LAYOUT, GrammarSpec
 
@@ -36,6 +52,65 @@ DSML_TOP_KEYS = {"type", "properties", "required", "additionalProperties", "desc
 COMBINERS = {"anyOf", "oneOf", "allOf", "$ref"}  # a schema whose keys come from elsewhere
 # keys that leave a string parameter plain (written as is)
 PLAIN_STRING_KEYS = {"type", "description", "title", "default", "examples"}
+
+
+@dataclass(frozen=True)
+class ToolPlan:
+    """A chat request's tools, read once: ``tools`` go to
+    :func:`~xspec.chat.chat_prompt`, ``grammar`` (None: unconstrained) to the engine's
+    request, and the output text (without reasoning and stop token) to :meth:`parse` or,
+    streamed, to :meth:`stream`. ``finish_reason`` is ``"tool_calls"`` when calls came."""
+
+    format: ToolFormat
+    tools: list[dict[str, Any]]
+    choice: ToolChoice
+    grammar: GrammarSpec | None
+
+    def parse(self, text: str, new_id: Callable[[], str] = new_call_id) -> ParsedOutput:
+        return self.format.parse(text, self.tools, new_id)
+
+    def stream(self, new_id: Callable[[], str] = new_call_id) -> ToolCallStream:
+        return ToolCallStream(self.format, self.tools, new_id)
+
+
+def plan_tools(
+    template: ChatTemplate,
+    tools: Any,
+    tool_choice: Any = None,
+    parallel_tool_calls: Any = None,
+    *,
+    reasoning: bool = False,
+    constrain_auto: bool = True,
+) -> ToolPlan | None:
+    """The request's OpenAI ``tools`` / ``tool_choice`` / ``parallel_tool_calls`` for a
+    model with ``template``; None when the request has no tools or ``tool_choice`` is
+    ``"none"`` (a plain chat request: the prompt shows no tools, the output is text).
+    ``reasoning``: the output opens with the model's reasoning (thinking mode; see
+    :func:`tool_grammar`). ``constrain_auto``: ``auto`` gets its grammar (well-formed calls;
+    text costs a mask per token) rather than none. RequestError names the field."""
+    if tools is None:
+        check_tool_choice(tool_choice, None)  # "required" or a name without tools is an error
+        return None
+    checked = check_tools(tools)
+    choice = check_tool_choice(tool_choice, checked)
+    if choice.mode == "none":
+        return None
+    if parallel_tool_calls not in (None, True, False):
+        raise RequestError(
+            f"parallel_tool_calls must be true or false, got {parallel_tool_calls!r}"
+        )
+    fmt = tool_format(template)
+    if fmt is None:
+        raise RequestError(
+            f"tools: this model's chat format ({template.source}) has no tool-call format "
+            "(xspec reads DeepSeek-V4's DSML and Qwen3's <tool_call>); send the request "
+            "without tools"
+        )
+    grammar = None
+    if choice.mode != "auto" or constrain_auto:
+        parallel = parallel_tool_calls is not False
+        grammar = tool_grammar(fmt, checked, choice, parallel=parallel, reasoning=reasoning)
+    return ToolPlan(fmt, checked, choice, grammar)
 
 
 def _lit(text: str) -> str:
