@@ -225,6 +225,10 @@ def test_parse_whole_outputs(fmt: ToolFormat) -> None:
         assert got.content == content, name
         assert [(c.name, json.loads(c.arguments)) for c in got.tool_calls] == calls, name
         assert [c.id for c in got.tool_calls] == [f"call_{k}" for k in range(len(calls))]
+    nan = fmt.render_calls([dict(CALL, function={"name": "get_weather",
+                                                 "arguments": '{"days": 1}'})], "m")  # fmt: skip
+    nan = nan.replace("1", "NaN")  # Python's json reads it; JSON has no NaN
+    assert fmt.parse(nan, TOOLS).tool_calls == []
     # without the request's tools, any function name is a call
     assert fmt.parse(fmt.render_calls([dict(CALL, function={"name": "zz"})], "m")).tool_calls
 

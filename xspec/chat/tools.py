@@ -256,6 +256,15 @@ class _Call:
     start: int  # where its text begins in the output
 
 
+def _reject(constant: str) -> Any:
+    raise ValueError(f"{constant} is not JSON")
+
+
+def _loads(text: str) -> Any:
+    """JSON text as Python data; NaN and Infinity (which Python's json reads) refused."""
+    return json.loads(text, parse_constant=_reject)
+
+
 def _skip_ws(text: str, i: int) -> int:
     while i < len(text) and text[i].isspace():
         i += 1
@@ -332,7 +341,7 @@ class Dsml(ToolFormat):
             value = body[m.end() : end]
             if m.group(2) == "false":
                 try:
-                    args[m.group(1)] = json.loads(value)
+                    args[m.group(1)] = _loads(value)
                 except (ValueError, RecursionError):
                     return None
             else:
@@ -363,7 +372,7 @@ class Hermes(ToolFormat):
                 return [("bad", start)], len(text), True
             return [], start, False
         try:
-            body = json.loads(text[start + len(self.open) : end])
+            body = _loads(text[start + len(self.open) : end])
         except (ValueError, RecursionError):
             return [("bad", start)], len(text), True
         ok = (
