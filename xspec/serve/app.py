@@ -59,6 +59,7 @@ from xspec.engine.engine import Delta, Engine, Generation
 from xspec.engine.engine import Request as EngineRequest
 from xspec.engine.loop import EngineLoop, LoopStopped, QueueFull
 from xspec.errors import RequestError
+from xspec.grammar import Grammar, GrammarCompiler
 from xspec.run.exporter import RequestMetrics
 from xspec.sampling import SamplingParams
 from xspec.serve.protocol import (
@@ -99,6 +100,7 @@ class ServeContext:
     request_timeout_s: float
     metrics: RequestMetrics
     renderer: TemplateRenderer | None = None
+    grammars: GrammarCompiler | None = None  # structured output: compiles request grammars
     # chat templates render one at a time (one renderer process): their waits queue here,
     # not in the default pool that tokenizes
     render_pool: ThreadPoolExecutor = field(
@@ -192,6 +194,7 @@ def context(
         request_timeout_s=s.request_timeout_s,
         metrics=metrics,
         renderer=renderer,
+        grammars=built.grammars,
     )
 
 
@@ -364,13 +367,22 @@ def make_app(ctx: ServeContext) -> FastAPI:
                 for p in prompts
             ]
 
-        return await _serve(ctx, request, body, await _off_loop(None, "prompt", ids), chat=False)
+        grammar = await _grammar(ctx, body)
+        prompt_ids = await _off_loop(None, "prompt", ids)
+        return await _serve(ctx, request, body, prompt_ids, chat=False, grammar=grammar)
 
     @app.post("/v1/chat/completions")
     async def chat(body: ChatCompletionRequest, request: Request) -> Response:
         _checked(ctx, body)
+        grammar = await _grammar(ctx, body)
+        if grammar is not None and _thinking(body.chat_template_kwargs):
+            raise ApiError(
+                400, "structured output constrains the whole reply from its first token, so "
+                "the model cannot think first; set chat_template_kwargs thinking (or "
+                "enable_thinking) to false", "invalid_request_error", "chat_template_kwargs",
+            )  # fmt: skip
         ids = await _chat_ids(ctx, body.messages, body.chat_template_kwargs)
-        return await _serve(ctx, request, body, [ids], chat=True)
+        return await _serve(ctx, request, body, [ids], chat=True, grammar=grammar)
 
     return app
 
@@ -450,7 +462,31 @@ def _tokens(
     return encode(text)
 
 
-def _engine_request(ctx: ServeContext, body: _Sampling, ids: list[int]) -> EngineRequest:
+def _thinking(options: dict[str, Any] | None) -> bool:
+    """The request turned a thinking mode on (DeepSeek-V4's ``thinking``, Qwen3's
+    ``enable_thinking``)."""
+    return any((options or {}).get(k) is True for k in ("thinking", "enable_thinking"))
+
+
+async def _grammar(ctx: ServeContext, body: _Sampling) -> Grammar | None:
+    """The request's compiled output grammar (None: free text), compiled off the event
+    loop (a large schema takes a while; the compiled grammar is cached); a 400 names the
+    field that asked for it."""
+    field = "response_format" if body.response_format is not None else "structured_outputs"
+    spec = _as_400(body.grammar_spec, field)
+    if spec is None:
+        return None
+    grammars = ctx.grammars
+    if grammars is None:
+        raise ApiError(
+            400, f"{field}: this server has no grammar compiler", "invalid_request_error", field
+        )
+    return await _off_loop(None, field, lambda: grammars.compile(spec))
+
+
+def _engine_request(
+    ctx: ServeContext, body: _Sampling, ids: list[int], grammar: Grammar | None = None
+) -> EngineRequest:
     _, limit = body.limit()
     max_tokens = ctx.default_max_tokens if limit is None else limit
     if limit is None:  # the default shrinks to what the context leaves
@@ -459,7 +495,7 @@ def _engine_request(ctx: ServeContext, body: _Sampling, ids: list[int]) -> Engin
     return EngineRequest(
         ids, max_tokens, _sampling(body), body.ignore_eos, stop=stop,
         stop_token_ids=frozenset(body.stop_token_ids or ()),
-        include_stop_str=body.include_stop_str_in_output,
+        include_stop_str=body.include_stop_str_in_output, grammar=grammar,
     )  # fmt: skip
 
 
@@ -487,11 +523,17 @@ def _refused(e: RequestError, body: _Sampling, chat: bool) -> ApiError:
 
 
 async def _serve(
-    ctx: ServeContext, request: Request, body: _Sampling, prompts: list[list[int]], *, chat: bool
+    ctx: ServeContext,
+    request: Request,
+    body: _Sampling,
+    prompts: list[list[int]],
+    *,
+    chat: bool,
+    grammar: Grammar | None = None,
 ) -> Response:
     """Submit one engine request per choice (``prompts[i]`` is choice ``i``'s) and answer
     with their choices, streamed or in one body."""
-    reqs = [_engine_request(ctx, body, ids) for ids in prompts]
+    reqs = [_engine_request(ctx, body, ids, grammar) for ids in prompts]
     queue: asyncio.Queue[tuple[int, Delta] | None] = asyncio.Queue()
     mailbox = _mailbox(asyncio.get_running_loop())
 

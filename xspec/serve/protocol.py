@@ -29,6 +29,7 @@ from typing import Any, ClassVar, Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from xspec.errors import RequestError
+from xspec.grammar import GrammarSpec, request_spec
 
 
 @dataclass(frozen=True)
@@ -53,7 +54,6 @@ _REFUSED_BOTH: dict[str, Refused] = {
     "min_tokens": Refused((0,)),  # vLLM
     "min_p": Refused((0,)),  # vLLM
     "best_of": Refused((1,)),
-    "response_format": Refused(({"type": "text"},), "structured output is not supported"),
     # vLLM's extensions
     "bad_words": Refused(([],)),
     "allowed_token_ids": Refused(()),
@@ -65,13 +65,9 @@ _REFUSED_BOTH: dict[str, Refused] = {
     "spaces_between_special_tokens": Refused((True,)),
     "return_tokens_as_token_ids": Refused((False,)),
     "logits_processors": Refused(([],)),
-    "structured_outputs": Refused(()),
-    "guided_json": Refused(()),
-    "guided_regex": Refused(()),
-    "guided_choice": Refused(()),
-    "guided_grammar": Refused(()),
-    "guided_decoding_backend": Refused(()),
-    "guided_whitespace_pattern": Refused(()),
+    "guided_whitespace_pattern": Refused(
+        (), "the JSON layout is fixed (docs/structured_output.md)"
+    ),
     "prompt_embeds": Refused(()),
 }
 REFUSED: dict[str, dict[str, Refused]] = {
@@ -110,6 +106,7 @@ IGNORED = frozenset({
     "user", "metadata", "store", "service_tier", "prompt_cache_key", "safety_identifier",
     "parallel_tool_calls", "priority", "request_id", "cache_salt", "kv_transfer_params",
     "vllm_xargs", "mm_processor_kwargs",
+    "guided_decoding_backend",  # one grammar engine here (llguidance): the output is the same
 })  # fmt: skip
 
 
@@ -177,6 +174,14 @@ class _Sampling(BaseModel):
     # stop string or stop id's text kept at the output's end
     stop_token_ids: list[int] | None = None
     include_stop_str_in_output: bool = False
+    # structured output (docs/structured_output.md): OpenAI's response_format, vLLM's
+    # structured_outputs, and vLLM's older guided_* spellings of the latter
+    response_format: dict[str, Any] | None = None
+    structured_outputs: dict[str, Any] | None = None
+    guided_json: Any = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
 
     def limit(self) -> tuple[str, int | None]:
         """The output length limit the request set, and the field it set it in."""
@@ -197,6 +202,27 @@ class _Sampling(BaseModel):
             out.append(("stop_token_ids", f"stop_token_ids: at most {MAX_STOP_IDS} token ids, "
                         f"each >= 0 (got {len(ids)}, min {min(ids)})"))  # fmt: skip
         return out + extra_problems(self.model_extra or {}, REFUSED[self.kind])
+
+    def grammar_spec(self) -> GrammarSpec | None:
+        """The request's output constraint (None: free text); RequestError names the
+        field. ``guided_json`` and friends are vLLM's older names of ``structured_outputs``'
+        keys, one of either."""
+        guided = {
+            key: value
+            for key, value in (
+                ("json", self.guided_json),
+                ("regex", self.guided_regex),
+                ("choice", self.guided_choice),
+                ("grammar", self.guided_grammar),
+            )
+            if value is not None
+        }
+        structured = self.structured_outputs
+        if guided:
+            if structured is not None:
+                raise RequestError("set structured_outputs or the guided_* fields, not both")
+            structured = guided
+        return request_spec(self.response_format, structured)
 
     def stop_list(self) -> list[str]:
         if self.stop is None:
