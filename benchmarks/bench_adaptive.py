@@ -5,7 +5,8 @@
     python benchmarks/bench_adaptive.py [--concurrency 1 4 8 16 32 64] [--temperatures 0 0.8]
         [--reps 2] [--max-new 64] [--max-new-spread S] [--min-requests N] [--gamma 5]
         [--schedule '[[1,5],[8,3],[16,0]]'] [--warmup workload|two] [--turns] [--twin]
-        [--first-rep K] [--out FILE.json] [--plot FILE.svg] [--replot FILE.json ...]
+        [--first-rep K] [--judge tuning|heldout|both] [--configs none fixed adaptive ...]
+        [--out FILE.json] [--plot FILE.svg] [--replot FILE.json ...]
         [--quick] [key=value ...]                         # e.g. model=dsv4_tiny
     python benchmarks/bench_adaptive.py --simulate [--seeds 8] [--steps 800] [--batch 32]
         [--draft-bias 1.47] [--tail-every 60] [--tail 10] [--spells 20:1.0 20:1.7 ...]
@@ -28,7 +29,14 @@ standard-library files that neither the default workload's prompts nor the shipp
 draft's calibration prompts come from. A run has ``max(--requests-per-slot *
 concurrency, --min-requests)`` requests of ``--max-new`` tokens (eos ignored);
 ``--max-new-spread S`` spreads them over ``--max-new +- S`` (the same mean, dealt out of
-order), as a served workload's lengths are. The warm-up (``--warmup``) runs the workload
+order), as a served workload's lengths are.
+
+**Judged on prompts it was not tuned on.** The adaptive rule's constants were tuned on
+``--prompts``; ``--judge heldout`` runs ``benchmarks/heldout_prompts.jsonl`` instead (the
+default workload's prompts and the trained model's evaluation prompts, sharing no line
+with the tuning set; ``benchmarks/heldout_prompts.py`` rebuilds it), and ``--judge both``
+runs each cell on both sets, interleaved, and prints their ratios side by side.
+``--configs`` runs a subset (``none fixed adaptive`` skips the schedule). The warm-up (``--warmup``) runs the workload
 once, unmeasured (``workload``: the steady state of a server, whose adaptive decision has
 learnt its step costs and acceptance by then), or two requests (``two``: a cold start).
 
@@ -71,7 +79,11 @@ from pathlib import Path
 from typing import Any, TextIO
 
 PROMPTS = Path(__file__).with_name("adaptive_prompts.jsonl")
+HELDOUT = Path(__file__).with_name("heldout_prompts.jsonl")
+# --judge: the prompt sets a sweep runs; "tuning" is --prompts (the rule was tuned on it)
+PROMPT_SETS = {"tuning": None, "heldout": HELDOUT}
 CONFIGS = ("none", "fixed", "adaptive", "schedule")
+RATIO_CONFIGS = ("none", "fixed", "adaptive")  # what adaptive / best needs
 TWIN = "twin"  # --twin: fixed gamma once more, in a process of its own (the noise floor)
 DEFAULT_SCHEDULE = "[[1,5],[8,3],[16,0]]"
 
@@ -356,23 +368,32 @@ def table(a: argparse.Namespace, runs: dict[tuple[str, float, int], list[dict]])
     def med(config: str, t: float, c: int, key: str = "tok_s") -> float:
         return statistics.median(r[key] for r in runs[(config, t, c)])
 
+    configs = [k for k in CONFIGS if any(key[0] == k for key in runs)]
     out = []
     for t in a.temperatures:
         mode = "greedy" if t == 0 else f"T={t:g}"
+        sched = "schedule" in configs
         out += [
             f"\n{mode}, output tok/s (median of {a.reps}), {new_tokens(a)} new tokens, "
-            f"gamma {a.gamma}, schedule {a.schedule}:\n",
-            "| concurrency | spec=none | dspark fixed | adaptive | schedule "
-            "| adaptive / best | schedule / best |",
-            "|---|---|---|---|---|---|---|",
+            f"gamma {a.gamma}" + (f", schedule {a.schedule}:\n" if sched else ":\n"),
+            "| concurrency | spec=none | dspark fixed | adaptive "
+            + (
+                "| schedule | adaptive / best | schedule / best |"
+                if sched
+                else "| adaptive / best |"
+            ),
+            "|---|---|---|---|---|" + ("---|---|" if sched else ""),
         ]
         for c in a.concurrency:
-            v = {k: med(k, t, c) for k in CONFIGS}
+            v = {k: med(k, t, c) for k in configs}
             best = max(v["none"], v["fixed"])
-            out.append(
-                f"| {c} | {v['none']:.0f} | {v['fixed']:.0f} | {v['adaptive']:.0f} | "
-                f"{v['schedule']:.0f} | {v['adaptive'] / best:.2f} | {v['schedule'] / best:.2f} |"
-            )
+            row = f"| {c} | {v['none']:.0f} | {v['fixed']:.0f} | {v['adaptive']:.0f} | "
+            if sched:
+                row += f"{v['schedule']:.0f} | {v['adaptive'] / best:.2f} | "
+                row += f"{v['schedule'] / best:.2f} |"
+            else:
+                row += f"{v['adaptive'] / best:.2f} |"
+            out.append(row)
     out += [
         "\nadaptive / best per repeat (repeat i: sampling.seed=i), their median, and the 90 %"
         " bootstrap interval of the ratio of medians (repeats resampled whole):\n"
@@ -482,11 +503,12 @@ def plot(a: argparse.Namespace, runs: dict[tuple[str, float, int], list[dict]], 
         med = {
             cfg: [statistics.median(r["tok_s"] for r in runs[(cfg, t, c)]) for c in cs]
             for cfg in CONFIGS
+            if (cfg, t, cs[0]) in runs
         }
         best = [max(n, f) for n, f in zip(med["none"], med["fixed"])]
-        for cfg in CONFIGS:
+        for cfg in [k for k in CONFIGS if (k, t, cs[0]) in runs]:
             top.plot(cs, med[cfg], styles[cfg], label=LABELS[cfg], linewidth=1.5, markersize=5)
-        for cfg in ("adaptive", "schedule"):
+        for cfg in [k for k in ("adaptive", "schedule") if k in med]:
             ratio = [v / b for v, b in zip(med[cfg], best)]
             bottom.plot(cs, ratio, styles[cfg], label=LABELS[cfg], linewidth=1.5, markersize=5)
         bottom.axhline(1.0, color="k", linewidth=0.8)
@@ -508,11 +530,13 @@ def plot(a: argparse.Namespace, runs: dict[tuple[str, float, int], list[dict]], 
     plt.close(fig)
 
 
-def load_runs(path: Path) -> dict[tuple[str, float, int], list[dict]]:
-    """The runs ``--out`` saved."""
+def load_runs(path: Path, prompts: str = "tuning") -> dict[tuple[str, float, int], list[dict]]:
+    """The runs ``--out`` saved, of the prompt set ``prompts`` (files written before the
+    sets: the tuning set)."""
     return {
         (e["config"], float(e["temperature"]), int(e["concurrency"])): e["runs"]
         for e in json.loads(path.read_text())
+        if e.get("prompts", "tuning") == prompts
     }
 
 
@@ -705,7 +729,21 @@ def main() -> None:
     )
     ap.add_argument("--gamma", type=int, default=5)
     ap.add_argument("--schedule", default=DEFAULT_SCHEDULE, help="spec.gamma_schedule")
-    ap.add_argument("--prompts", type=Path, default=PROMPTS)
+    ap.add_argument("--prompts", type=Path, default=PROMPTS, help="the tuning prompt set")
+    ap.add_argument(
+        "--judge",
+        choices=("tuning", "heldout", "both"),
+        default="tuning",
+        help="the prompts to judge on: --prompts (what the rule was tuned on), "
+        f"{HELDOUT.name} (held out from tuning), or both, interleaved, side by side",
+    )
+    ap.add_argument(
+        "--configs",
+        nargs="+",
+        choices=CONFIGS,
+        default=list(CONFIGS),
+        help="the configurations to run (spec=none, fixed gamma and adaptive at least)",
+    )
     ap.add_argument("--threads", type=int, default=1, help="torch CPU threads per run")
     ap.add_argument(
         "--warmup",
@@ -768,13 +806,17 @@ def main() -> None:
         return
     a.model = dict(o.split("=", 1) for o in a.overrides).get("model", "dsv4_tiny")
     if a.replot is not None:
-        saved = pool_runs([load_runs(p) for p in a.replot])
+        saved = pool_runs(
+            [load_runs(p, "heldout" if a.judge == "heldout" else "tuning") for p in a.replot]
+        )
         a.temperatures = sorted({t for _, t, _ in saved})
         a.concurrency = sorted({c for _, _, c in saved})
         a.reps = max(len(v) for v in saved.values())
         print(table(a, saved))
         plot(a, saved, a.plot or a.replot[0].with_suffix(".svg"))
         return
+    if not set(RATIO_CONFIGS) <= set(a.configs):
+        ap.error(f"--configs {a.configs} must include {' '.join(RATIO_CONFIGS)}")
     if a.quick:
         a.concurrency, a.temperatures, a.reps, a.max_new = [1, 8], [0.0], 1, 16
     if not 0 <= a.max_new_spread < a.max_new:
@@ -782,44 +824,97 @@ def main() -> None:
             f"--max-new-spread must be in [0, --max-new), got {a.max_new_spread} "
             f"(--max-new {a.max_new})"
         )
-    configs = (*CONFIGS, TWIN) if a.twin else CONFIGS
-    runs: dict[tuple[str, float, int], list[dict]] = {}
-    t0, k = time.perf_counter(), a.first_rep * len(a.temperatures) * len(a.concurrency)
-    for rep in range(a.first_rep, a.first_rep + a.reps):
+    configs = tuple(a.configs) + ((TWIN,) if a.twin else ())
+    by_set = sweep(a, configs)
+    for name, runs in by_set.items():
+        if len(by_set) > 1:
+            print(f"\n## prompts: {name} ({prompts_of(a, name)})")
+        print(table(a, runs))
+        print(details(a, runs))
         for t in a.temperatures:
-            for c in a.concurrency:
-                turn = k % len(configs)
-                order = configs[turn:] + configs[:turn]  # rotated: interleaved
-                k += 1
-                cell = run_cell_in_turns(list(order), a, t, c, rep) if a.turns else None
-                for config in order:
-                    r = cell[config] if cell is not None else run_one(config, a, t, c, rep)
-                    runs.setdefault((config, t, c), []).append(r)
-                    print(
-                        f"rep {rep} T={t:g} c={c:>2} {config:>8}: {r['tok_s']:7.1f} tok/s "
-                        f"({time.perf_counter() - t0:.0f} s)",
-                        flush=True,
-                    )
-    print(table(a, runs))
-    print(details(a, runs))
-    for t in a.temperatures:
-        if t == 0:  # greedy: every configuration must produce the same tokens
-            same = all(
-                runs[(cfg, t, c)][0]["outputs"] == runs[("none", t, c)][0]["outputs"]
-                for cfg in configs
-                for c in a.concurrency
-            )
-            print(f"greedy outputs equal spec=none in every configuration: {same}")
+            if t == 0:  # greedy: every configuration must produce the same tokens
+                same = all(
+                    runs[(cfg, t, c)][0]["outputs"] == runs[("none", t, c)][0]["outputs"]
+                    for cfg in configs
+                    for c in a.concurrency
+                )
+                print(f"greedy outputs equal spec=none in every configuration: {same}")
+    if len(by_set) > 1:
+        print(side_by_side(a, by_set))
     if a.out is not None:
         from xspec import atomic
 
         body = [
-            {"config": cfg, "temperature": t, "concurrency": c, "runs": rs}
+            {"prompts": name, "config": cfg, "temperature": t, "concurrency": c, "runs": rs}
+            for name, runs in by_set.items()
             for (cfg, t, c), rs in runs.items()
         ]
         atomic.write_json(a.out, body)
     if a.plot is not None:
-        plot(a, runs, a.plot)
+        plot(a, next(iter(by_set.values())), a.plot)
+
+
+def prompts_of(a: argparse.Namespace, name: str) -> Path:
+    """The prompts file of the prompt set ``name`` (``tuning``: ``--prompts``)."""
+    return PROMPT_SETS[name] or a.prompts
+
+
+def sweep(
+    a: argparse.Namespace, configs: tuple[str, ...]
+) -> dict[str, dict[tuple[str, float, int], list[dict]]]:
+    """Every run of the sweep, per prompt set (``--judge``): per repeat, temperature,
+    concurrency and prompt set, a cell of every configuration, in an order rotated from
+    cell to cell (interleaved, so a slow spell falls on all of them)."""
+    sets = list(PROMPT_SETS) if a.judge == "both" else [a.judge]
+    by_set: dict[str, dict[tuple[str, float, int], list[dict]]] = {n: {} for n in sets}
+    cells = len(a.temperatures) * len(a.concurrency) * len(sets)
+    t0, k = time.perf_counter(), a.first_rep * cells
+    for rep in range(a.first_rep, a.first_rep + a.reps):
+        for t in a.temperatures:
+            for c in a.concurrency:
+                for name in sets:
+                    cell_a = argparse.Namespace(**{**vars(a), "prompts": prompts_of(a, name)})
+                    turn = k % len(configs)
+                    order = configs[turn:] + configs[:turn]  # rotated: interleaved
+                    k += 1
+                    cell = run_cell_in_turns(list(order), cell_a, t, c, rep) if a.turns else None
+                    for config in order:
+                        r = cell[config] if cell is not None else run_one(config, cell_a, t, c, rep)
+                        by_set[name].setdefault((config, t, c), []).append(r)
+                        print(
+                            f"rep {rep} T={t:g} c={c:>2} {name:>7} {config:>8}: "
+                            f"{r['tok_s']:7.1f} tok/s ({time.perf_counter() - t0:.0f} s)",
+                            flush=True,
+                        )
+    return by_set
+
+
+def side_by_side(
+    a: argparse.Namespace, by_set: dict[str, dict[tuple[str, float, int], list[dict]]]
+) -> str:
+    """Adaptive / best (the median of the per-repeat ratios) and adaptive / fixed gamma,
+    per prompt set, side by side: the judged figure next to the tuned one."""
+    names = list(by_set)
+    head = " | ".join(f"{n}: / best | {n}: / fixed" for n in names)
+    out = [
+        "\nadaptive / best and / fixed gamma (medians of the per-repeat ratios), per prompt set:\n",
+        f"| mode | concurrency | {head} |",
+        "|---|---|" + "---|---|" * len(names),
+    ]
+    for t in a.temperatures:
+        for c in a.concurrency:
+            cells = []
+            for n in names:
+                runs = by_set[n]
+                over_fixed = [
+                    x["tok_s"] / f["tok_s"]
+                    for x, f in zip(runs[("adaptive", t, c)], runs[("fixed", t, c)])
+                ]
+                best = statistics.median(paired(runs, "adaptive", t, c))
+                cells.append(f"{best:.2f} | {statistics.median(over_fixed):.2f}")
+            mode = "greedy" if t == 0 else f"T={t:g}"
+            out.append(f"| {mode} | {c} | " + " | ".join(cells) + " |")
+    return "\n".join(out)
 
 
 if __name__ == "__main__":

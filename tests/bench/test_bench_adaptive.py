@@ -268,3 +268,61 @@ def test_no_benchmark_reaches_into_private_state() -> None:
         if not m.group(1).startswith("__")
     ]
     assert hits == []
+
+
+def _prompts(path: Path) -> list[str]:
+    return [json.loads(line)["prompt"] for line in path.read_text().splitlines() if line]
+
+
+def test_the_heldout_prompts_share_no_line_with_the_tuning_prompts() -> None:
+    """The judged set: the default workload's prompts first, then held-out-file prompts,
+    none of them (nor any of its lines) a tuning prompt's."""
+    import yaml
+
+    from benchmarks import heldout_prompts as h
+
+    tuning, judged = _prompts(bench_adaptive.PROMPTS), _prompts(bench_adaptive.HELDOUT)
+    workload = yaml.safe_load(h.WORKLOAD.read_text())["prompts"]
+    assert judged[: len(workload)] == workload and len(judged) == len(workload) + 24
+    assert len(set(judged)) == len(judged)
+    seen = set().union(*map(h._lines, tuning))
+    assert not any(h._lines(p) & seen for p in judged)
+
+
+def test_judging_on_both_sets_runs_each_cell_on_each_set_side_by_side(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``--judge both``: per repeat and cell a run of each configuration on each prompt
+    set (the set's file in its overrides), and a table of both sets' ratios."""
+    calls: list[tuple[str, str, int]] = []
+
+    def run_one(config: str, a: argparse.Namespace, t: float, c: int, seed: int = 0) -> dict:
+        calls.append((config, Path(a.prompts).name, seed))
+        speed = {"none": 100.0, "fixed": 200.0, "adaptive": 190.0}[config]
+        return {"tok_s": speed * (1.1 if a.prompts == bench_adaptive.HELDOUT else 1.0)}
+
+    monkeypatch.setattr(bench_adaptive, "run_one", run_one)
+    monkeypatch.setattr(bench_adaptive, "details", lambda a, runs: "")
+    argv = ["x", "--judge", "both", "--configs", "none", "fixed", "adaptive"]
+    argv += ["--concurrency", "1", "--temperatures", "0.8", "--reps", "2"]
+    monkeypatch.setattr(sys, "argv", argv)
+    bench_adaptive.main()
+    assert len(calls) == 2 * 2 * 3  # reps x sets x configurations
+    for seed in (0, 1):
+        for name in ("adaptive_prompts.jsonl", "heldout_prompts.jsonl"):
+            assert {c for c, n, s in calls if n == name and s == seed} == {
+                "none",
+                "fixed",
+                "adaptive",
+            }
+    out = capsys.readouterr().out
+    assert "| T=0.8 | 1 | 0.95 | 0.95 | 0.95 | 0.95 |" in out  # tuning, then heldout
+
+
+def test_ratios_need_none_fixed_and_adaptive(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.setattr(sys, "argv", ["x", "--configs", "none", "adaptive"])
+    with pytest.raises(SystemExit) as e:
+        bench_adaptive.main()
+    assert e.value.code == 2 and "must include none fixed adaptive" in capsys.readouterr().err
