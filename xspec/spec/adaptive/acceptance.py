@@ -2,7 +2,8 @@
 
 * :class:`AcceptanceModel`: the expected survival of each draft position before drafting,
   per sampling regime (the batch's realised conditional acceptance per position) and per
-  request (its own, shrunk towards its regime's). A request's counts live in its
+  request (its own, shrunk towards its regime's), and an upper credible bound of it (the
+  posterior's spread: how much a request's few steps say). A request's counts live in its
   :class:`AcceptanceHistory` (the policy keeps it in the running sequence's
   ``depth_state``).
 * :class:`ConfidenceCorrection`: per regime and position, the ratio of realised to
@@ -16,6 +17,7 @@ Every count is decayed (recent steps weigh more) and shrunk towards a prior.
 from __future__ import annotations
 
 import itertools
+import math
 import operator
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -23,6 +25,7 @@ from dataclasses import dataclass
 from xspec.spec.adaptive.cost import batch_bucket
 
 __all__ = [
+    "BOUND_Z",
     "PRIOR_ACCEPTANCE",
     "YIELD_PRIOR_STEPS",
     "AcceptanceHistory",
@@ -33,6 +36,7 @@ __all__ = [
 
 PRIOR_ACCEPTANCE = 0.7  # per-position acceptance assumed before anything was verified
 YIELD_PRIOR_STEPS = 8.0  # YieldCheck: steps' worth of "the model is right", always
+BOUND_Z = 1.2816  # AcceptanceModel.upper: the one-sided 90 % bound (a normal quantile)
 
 
 class _Decayed:
@@ -131,6 +135,34 @@ class AcceptanceModel:
         w, c = self.request_weight, history.counts
         f = c.scale  # the ageing since its last count (1.0: none)
         return [(f * h + w * b) / (f * r + w) for h, r, b in zip(c.hits, c.reached, rates)]
+
+    def upper(
+        self,
+        regime: str,
+        history: AcceptanceHistory | None,
+        batch: list[float] | None = None,
+        z: float = BOUND_Z,
+    ) -> list[float]:
+        """An upper credible bound of :meth:`conditional` per position: the posterior
+        of ``c_j`` as a Beta whose prior is the regime's rate (worth ``request_weight``
+        observations, or the regime's own observations plus ``prior_weight`` when
+        fewer) and whose data are the request's decayed counts, bounded at its mean plus
+        ``z`` standard deviations (clipped to 1). The fewer steps a request has, the wider
+        it is: a few unlucky steps lower the mean a little and leave the bound high."""
+        mean = self.conditional(regime, history, batch)
+        counts = self.regimes.get(regime)
+        prior = [
+            min(self.request_weight, self.prior_weight + (counts.scale * r if counts else 0.0))
+            for r in (counts.reached if counts else [0.0] * self.gamma)
+        ]
+        seen = [0.0] * self.gamma
+        if history is not None:
+            c = history.counts
+            seen = [c.scale * r for r in c.reached]
+        return [
+            min(1.0, m + z * math.sqrt(m * (1.0 - m) / (n + p + 1.0)))
+            for m, n, p in zip(mean, seen, prior)
+        ]
 
     def survivals(self, regime: str, history: AcceptanceHistory | None) -> list[float]:
         """``a_j = prod_{i<=j} c_i``: expected accepted tokens of verifying draft j."""

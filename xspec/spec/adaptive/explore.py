@@ -7,6 +7,12 @@ kind that is not the best now and then: each bucket of batch sizes gets a few ru
 each kind early, and a kind predicted near the best (within :data:`EXPLORE_WIDE`) is
 re-explored at a spacing that bounds what re-exploring costs (:data:`EXPLORE_BUDGET` of
 the time, by the model).
+
+:class:`Probes` is the recovery of a batch size where drafting is cheap (see
+:meth:`~.policy.AdaptiveDepth.decide`): while its steps are plain, drafts are offered again
+after :data:`PROBE_FIRST` plain steps, then after twice as many each time a probe did not
+bring drafting back, so ``n`` plain steps hold at most ``log2(n / PROBE_FIRST) + 1``
+probes.
 """
 
 from __future__ import annotations
@@ -22,7 +28,9 @@ __all__ = [
     "EXPLORE_STEPS",
     "EXPLORE_WIDE",
     "GAP_DECAY",
+    "PROBE_FIRST",
     "Exploration",
+    "Probes",
     "StepKinds",
 ]
 
@@ -32,6 +40,7 @@ EXPLORE_EVERY = 32  # and once again after at least this many steps of a bucket 
 EXPLORE_BUDGET = 0.0025  # ... and gap / this many: re-exploring costs this, by the model
 EXPLORE_WIDE = 0.5  # ... when the other kind is predicted within this of the best (the gap)
 GAP_DECAY = 0.9  # ... the gap as an EMA over the bucket's steps (one request's dip is not it)
+PROBE_FIRST = 4  # Probes: plain steps before the first probe (then twice as many each time)
 
 
 class StepKinds:
@@ -142,3 +151,34 @@ class Exploration:
         ema = gap if ema is None else gap + GAP_DECAY * (ema - gap)
         self.gaps[bucket] = ema
         return ema
+
+
+class Probes:
+    """Per batch-size bucket, when a run of plain steps is offered drafts again (the
+    module docstring): the plain steps in a row and the wait before the next probe,
+    :data:`PROBE_FIRST` at first, doubled by every probe after which the steps went
+    plain again, back to PROBE_FIRST once the decision itself drafts."""
+
+    def __init__(self) -> None:
+        self._state: dict[int, tuple[int, int]] = {}  # bucket -> (plain in a row, wait)
+
+    def due(self, requests: int) -> bool:
+        """Whether this plain step of ``requests`` requests is a probe instead."""
+        run, wait = self._state.get(batch_bucket(requests), (0, PROBE_FIRST))
+        return run >= wait
+
+    def wait(self, requests: int) -> int:
+        """Plain steps in a row the bucket of ``requests`` waits before its next probe."""
+        return self._state.get(batch_bucket(requests), (0, PROBE_FIRST))[1]
+
+    def observe(self, requests: int, drafting: bool, probed: bool) -> None:
+        """One step: ``drafting`` or plain; ``probed``: it drafted as a probe (or an
+        exploration), not by the decision."""
+        bucket = batch_bucket(requests)
+        run, wait = self._state.get(bucket, (0, PROBE_FIRST))
+        if not drafting:
+            self._state[bucket] = (run + 1, wait)
+        elif probed:
+            self._state[bucket] = (0, 2 * wait if run >= wait else wait)
+        else:
+            self._state[bucket] = (0, PROBE_FIRST)

@@ -19,7 +19,12 @@ docs/adaptive.md) is the :class:`~xspec.spec.policy.DepthPolicy` the step asks:
    by what drafting steps really committed (:class:`~.acceptance.YieldCheck`) and taken
    only when :data:`PLAIN_MARGIN` ahead; a plain step is not taken on a regime's
    acceptance before it rests on :data:`MIN_EVIDENCE` request-steps, and now and then
-   the other kind is explored to keep measuring it (:mod:`.explore`);
+   the other kind is explored to keep measuring it (:mod:`.explore`). Where drafting is
+   cheap (a plain step costs more than :data:`CHEAP_DRAFTING` of a drafting one, by the
+   online step-cost model), a request is not given 0 unless drafting loses even at
+   the upper credible bound of its acceptance (:meth:`~.acceptance.AcceptanceModel.upper`),
+   and a batch that steps plain there is offered drafts again on a geometric back-off
+   (:class:`~.explore.Probes`);
 3. ``trim``, after drafting, for a drafter with a confidence head: Algorithm 1
    (:func:`~.scan.schedule_rows`) trims each verified prefix within ``d_r``, from its
    confidences corrected per regime and position (:class:`~.acceptance.ConfidenceCorrection`);
@@ -48,12 +53,13 @@ from xspec.spec.adaptive.acceptance import (
     ConfidenceCorrection,
     YieldCheck,
 )
-from xspec.spec.adaptive.explore import EXPLORE_WIDE, Exploration
+from xspec.spec.adaptive.explore import EXPLORE_WIDE, Exploration, Probes
 from xspec.spec.adaptive.online import OnlineStepCost, StepLine
 from xspec.spec.adaptive.scan import Choice, revalued, scan_depths, schedule_rows
 from xspec.spec.policy import DepthPolicy, PolicySeq
 
 __all__ = [
+    "CHEAP_DRAFTING",
     "MIN_EVIDENCE",
     "PLAIN_MARGIN",
     "RESCAN_EVERY",
@@ -65,6 +71,15 @@ __all__ = [
 RESCAN_EVERY = 8  # steps one scan's drafting option serves while the batch steps plain
 MIN_EVIDENCE = 64  # request-steps of a regime's acceptance before plain may win on it
 PLAIN_MARGIN = 0.03  # drafting is taken only when predicted this much ahead of plain
+# drafting is cheap where a plain step costs more than this share of a drafting one: there
+# a request goes plain only when drafting loses at its acceptance's upper bound
+CHEAP_DRAFTING = 0.5
+
+
+def _expected(conditional: Sequence[Sequence[float]], depths: Sequence[int]) -> float:
+    """The expected accepted drafts of ``depths`` by the mean estimates: the survivals
+    ``prod_{i<=j} c_i`` summed over each request's first ``d`` positions."""
+    return sum(sum(itertools.accumulate(c[:d], operator.mul)) for c, d in zip(conditional, depths))
 
 
 def gamma_for_batch(schedule: Sequence[Sequence[int]], batch: int) -> int:
@@ -133,6 +148,8 @@ class AdaptiveDepth(DepthPolicy):
         self.correction = ConfidenceCorrection(gamma)
         self.yield_check = YieldCheck()
         self.exploration = Exploration(cost)
+        self.probes = Probes()
+        self._probed = False  # the last step drafted as a probe or an exploration
         # the last scan's best drafting option, its batch (caps, histories) and the steps
         # it has served (:data:`RESCAN_EVERY`); None after a step that verified drafts
         self._scanned: tuple[tuple[tuple[int, ...], tuple[int, ...]], Choice, int] | None = None
@@ -205,6 +222,7 @@ class AdaptiveDepth(DepthPolicy):
         ``regimes``: each request's :func:`~xspec.sampling.regime_of` label, when the
         caller keeps them."""
         started = time.perf_counter()
+        self._probed = False
         caps = self.caps(len(params), budgets)
         if regimes is None:
             labels: dict[SamplingParams, str] = {}
@@ -245,12 +263,26 @@ class AdaptiveDepth(DepthPolicy):
         scanned, conditional = self._scan(caps, regimes, histories, rates, line)
         choice = self._checked(scanned, R)
         unsure = self._unsure(choice, regimes)
+        explored = False
         if unsure is not None:  # plain, but on too little acceptance: those draft
             depths, accepted = unsure, math.nan
         else:
-            if choice.other is not None and self.exploration.explore(R, choice):
+            explored = choice.other is not None and self.exploration.explore(R, choice)
+            if explored:
                 choice = choice.swapped()
             depths, accepted = choice.depths, choice.accepted
+        self._probed = explored and any(depths)
+        if not explored and self._cheap(caps, line):
+            if conditional is None:  # the scan was revalued from an earlier one
+                conditional = [
+                    self.acceptance.conditional(g, h, rates[g]) for g, h in zip(regimes, histories)
+                ]
+            decided = depths
+            depths, accepted = self._held(depths, accepted, caps, regimes, histories, rates, line)
+            if not any(depths) and self.probes.due(R):  # the back-off's probe: all draft
+                depths, self._probed = list(caps), True
+            if depths is not decided:
+                accepted = _expected(conditional, depths)
         if self.trim_enabled:  # the draft forward costs the same at any depth: a
             # drafting request drafts its cap, the trim picks the verified prefix
             depths = [c if d > 0 else 0 for d, c in zip(depths, caps)]
@@ -299,6 +331,50 @@ class AdaptiveDepth(DepthPolicy):
             other_value=choice.other_value * (1.0 if drafts else f),
         )
         return checked.swapped() if checked.other_value > checked.value else checked
+
+    def _cheap(self, caps: list[int], line: StepLine) -> bool:
+        """Whether drafting is cheap at this batch: a plain step costs more than
+        :data:`CHEAP_DRAFTING` of a step in which every request drafts its cap, by the
+        online step-cost model (the profile as this machine runs it now)."""
+        R = len(caps)
+        return line(R, 0) > CHEAP_DRAFTING * line(R + sum(caps), sum(c > 0 for c in caps))
+
+    def _held(
+        self,
+        depths: list[int],
+        accepted: float,
+        caps: list[int],
+        regimes: list[str],
+        histories: Sequence[AcceptanceHistory | None],
+        rates: dict[str, list[float]],
+        line: StepLine,
+    ) -> tuple[list[int], float]:
+        """Where drafting is cheap: ``depths`` with every request that could draft but
+        was given 0 drafting after all, unless drafting loses even at the upper credible
+        bound of the requests' acceptance (:meth:`AcceptanceModel.upper`, the depth scan
+        on it: its drafting option's value, times the yield check's factor and less
+        :data:`PLAIN_MARGIN`, against the plain step's). Why: a few unlucky steps lower
+        a request's mean estimate enough to lose to plain where a plain step costs half
+        a drafting one or more, and a plain request learns nothing more."""
+        if all(d > 0 for d, c in zip(depths, caps) if c > 0):
+            return depths, accepted
+        upper = [self.acceptance.upper(g, h, rates[g]) for g, h in zip(regimes, histories)]
+        surv = [list(itertools.accumulate(c, operator.mul)) for c in upper]
+        bound = scan_depths(surv, caps, line)
+        if bound.other is None:
+            return depths, accepted
+        drafting, plain = (
+            (bound, bound.other_value)
+            if any(bound.depths)
+            else (
+                bound.swapped(),
+                bound.value,
+            )
+        )
+        f = self.yield_check.factor(len(caps)) / (1.0 + PLAIN_MARGIN)
+        if drafting.value * f <= plain:
+            return depths, accepted  # drafting loses even so
+        return [max(d, b) for d, b in zip(depths, drafting.depths)], accepted
 
     def _unsure(self, choice: Choice, regimes: Sequence[str]) -> list[int] | None:
         """When a plain ``choice`` rests on too little acceptance to stop drafting, the
@@ -355,6 +431,7 @@ class AdaptiveDepth(DepthPolicy):
             R = len(verified)
             self.cost.update(R, R + sum(verified), drafting, seconds, rec.line)
             self.exploration.observe(drafting > 0, R)
+            self.probes.observe(R, drafting > 0, self._probed)
             if drafting and math.isfinite(rec.accepted):
                 self.yield_check.observe(R, rec.accepted, sum(accepted))
         if any(verified):  # the acceptance estimates moved: the next step scans afresh
