@@ -37,7 +37,7 @@ from xspec.errors import RequestError
 from xspec.grammar import request_spec
 from xspec.metrics import SpecDecodeMetrics
 from xspec.models.base import ForwardBatch
-from xspec.sampling import SamplingParams
+from xspec.sampling import SamplingParams, as_logit_bias
 from xspec.spec.policy import DepthPolicy
 
 Prompt = str | Sequence[int]
@@ -104,6 +104,15 @@ class LLM:
         stream: Literal[False] = ...,
         response_format: dict[str, Any] | None = ...,
         structured_outputs: dict[str, Any] | None = ...,
+        *,
+        presence_penalty: float = ...,
+        frequency_penalty: float = ...,
+        repetition_penalty: float = ...,
+        logit_bias: Mapping[int, float] | None = ...,
+        min_tokens: int = ...,
+        logprobs: int | None = ...,
+        prompt_logprobs: int | None = ...,
+        logprobs_mode: str = ...,
     ) -> list[Generation]: ...
 
     @overload
@@ -122,6 +131,14 @@ class LLM:
         stream: Literal[True],
         response_format: dict[str, Any] | None = ...,
         structured_outputs: dict[str, Any] | None = ...,
+        presence_penalty: float = ...,
+        frequency_penalty: float = ...,
+        repetition_penalty: float = ...,
+        logit_bias: Mapping[int, float] | None = ...,
+        min_tokens: int = ...,
+        logprobs: int | None = ...,
+        prompt_logprobs: int | None = ...,
+        logprobs_mode: str = ...,
     ) -> Iterator[Delta]: ...
 
     def generate(
@@ -138,6 +155,15 @@ class LLM:
         stream: bool = False,
         response_format: dict[str, Any] | None = None,
         structured_outputs: dict[str, Any] | None = None,
+        *,
+        presence_penalty: float = 0.0,
+        frequency_penalty: float = 0.0,
+        repetition_penalty: float = 1.0,
+        logit_bias: Mapping[int, float] | None = None,
+        min_tokens: int = 0,
+        logprobs: int | None = None,
+        prompt_logprobs: int | None = None,
+        logprobs_mode: str = "raw",
     ) -> list[Generation] | Iterator[Delta]:
         """One :class:`Generation` per prompt, in order. Request ``i`` samples with
         seed ``seed + i`` (reproducible; ``seed=None`` for fresh randomness). ``stop``:
@@ -155,10 +181,33 @@ class LLM:
         Structured output (docs/structured_output.md): ``response_format`` as OpenAI's
         (``{"type": "json_schema", "json_schema": {"name": ..., "schema": {...}}}`` or
         ``{"type": "json_object"}``) or ``structured_outputs`` as vLLM's (one of ``json``,
-        ``regex``, ``choice``, ``grammar``): every prompt's output follows it."""
-        requests = self._requests(
-            prompts, max_new_tokens, temperature, top_k, top_p, seed, ignore_eos, stop
+        ``regex``, ``choice``, ``grammar``): every prompt's output follows it.
+
+        Logits processors, exact under speculation (docs/sampling.md): OpenAI's
+        ``presence_penalty`` / ``frequency_penalty`` in [-2, 2] (output tokens), vLLM's
+        ``repetition_penalty`` in (0, 10] (prompt and output tokens), ``logit_bias``
+        ``{token id: bias in [-100, 100]}``, ``min_tokens`` (the stop ids are masked
+        until that many tokens are generated). ``logprobs=k`` fills
+        ``Generation.logprobs`` (one :class:`~xspec.sampling.TokenLogprob` per generated
+        token with its top ``k`` <= 20 alternatives), ``prompt_logprobs=k``
+        ``Generation.prompt_logprobs`` (the first prompt token's is None); with
+        ``logprobs_mode="raw"`` (the default, as vLLM's) they are the model's own,
+        ``"processed"`` those of the distribution the request samples from."""
+        params = SamplingParams(
+            temperature=temperature,
+            top_k=top_k,
+            top_p=top_p,
+            seed=seed,
+            presence_penalty=presence_penalty,
+            frequency_penalty=frequency_penalty,
+            repetition_penalty=repetition_penalty,
+            logit_bias=_logit_bias(logit_bias),
+            min_tokens=min_tokens,
+            logprobs=logprobs,
+            prompt_logprobs=prompt_logprobs,
+            logprobs_mode=logprobs_mode,
         )
+        requests = self._requests(prompts, max_new_tokens, params, ignore_eos, stop)
         spec = request_spec(response_format, structured_outputs)
         if spec is not None:
             grammars = self._built.grammars
@@ -218,10 +267,7 @@ class LLM:
         self,
         prompts: Prompt | Sequence[Prompt],
         max_new_tokens: int,
-        temperature: float,
-        top_k: int,
-        top_p: float,
-        seed: int | None,
+        params: SamplingParams,
         ignore_eos: bool,
         stop: Sequence[str] | None,
     ) -> list[Request]:
@@ -230,7 +276,6 @@ class LLM:
         max_new_tokens = _integer("max_new_tokens", max_new_tokens, minimum=1)
         if not isinstance(ignore_eos, bool):
             raise RequestError(f"ignore_eos must be True or False (got {ignore_eos!r})")
-        params = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed)
         if problems := params.problems():
             raise RequestError("invalid sampling arguments:", problems=problems)
         if isinstance(stop, str) or (
@@ -305,6 +350,14 @@ def _as_prompt_list(prompts: Prompt | Sequence[Prompt]) -> list[Prompt]:
             )
         out.append(cast(Prompt, p))
     return out
+
+
+def _logit_bias(bias: Any) -> tuple[tuple[int, float], ...]:
+    if bias is not None and not isinstance(bias, Mapping):
+        raise RequestError(
+            f"logit_bias must be a mapping {{token id: bias}} (got {_describe(bias)})"
+        )
+    return as_logit_bias(bias)
 
 
 def _refuse_bytes(x: Any, where: str) -> None:

@@ -156,6 +156,38 @@ class SamplingConfig:
     top_k: int = 0  # 0 = off
     top_p: float = 1.0  # 1 = off
     seed: int | None = 0  # per-request seeds are seed + request index; null = nondeterministic
+    # logits processors, exact under speculation (docs/usage.md "Sampling parameters")
+    presence_penalty: float = 0.0  # [-2, 2]; 0 = off
+    frequency_penalty: float = 0.0  # [-2, 2]; 0 = off
+    repetition_penalty: float = 1.0  # (0, 10]; 1 = off
+    # [token id, bias] pairs, bias in [-100, 100]: sampling.logit_bias=[[5,2.0],[7,-100]]
+    logit_bias: list[Any] = field(default_factory=list)
+    min_tokens: int = 0  # EOS masked until this many tokens are generated
+
+    def to_params(self) -> Any:
+        """These settings as the :class:`xspec.sampling.SamplingParams` of one request."""
+        from xspec.sampling import SamplingParams, as_logit_bias
+
+        return SamplingParams(
+            temperature=self.temperature,
+            top_k=self.top_k,
+            top_p=self.top_p,
+            seed=self.seed,
+            presence_penalty=self.presence_penalty,
+            frequency_penalty=self.frequency_penalty,
+            repetition_penalty=self.repetition_penalty,
+            logit_bias=as_logit_bias(dict(_pairs(self.logit_bias))),
+            min_tokens=self.min_tokens,
+        )
+
+
+def _pairs(entries: Any) -> list[tuple[Any, Any]]:
+    """``sampling.logit_bias``'s ``[id, bias]`` entries; a malformed one is kept as
+    ``(entry, None)`` so that the range check names it."""
+    return [
+        (e[0], e[1]) if isinstance(e, list | tuple) and len(e) == 2 else (repr(e), None)
+        for e in entries
+    ]
 
 
 class WorkloadKind(str, enum.Enum):
@@ -588,12 +620,7 @@ def validate(cfg: RunConfig, *, world: int | None = None) -> None:
     if cfg.model.max_context is not None and cfg.model.max_context < 2:
         problems.append(f"model.max_context must be >= 2 (got {cfg.model.max_context})")
     problems += parallel_problems(cfg.parallel, world)
-    s = cfg.sampling
-    from xspec.sampling import SamplingParams
-
-    problems += SamplingParams(
-        temperature=s.temperature, top_k=s.top_k, top_p=s.top_p, seed=s.seed
-    ).problems()
+    problems += cfg.sampling.to_params().problems()
     if nonfinite := nonfinite_problems(cfg):  # one message per key: drop its range message
         keys = {p.split(" ", 1)[0] for p in nonfinite}
         problems = nonfinite + [p for p in problems if p.split(" ", 1)[0] not in keys]

@@ -15,9 +15,10 @@ number of uniforms a request consumes depends only on its own trajectory.
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from functools import cached_property
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -25,7 +26,10 @@ from torch import Tensor
 from xspec.errors import RequestError
 
 __all__ = [
+    "MAX_LOGPROBS",
     "SamplingParams",
+    "TokenLogprob",
+    "as_logit_bias",
     "draw_uniforms",
     "inverse_cdf",
     "logits_to_probs",
@@ -33,8 +37,12 @@ __all__ = [
     "nonfinite_rows",
     "regime_of",
     "sample",
+    "token_logprobs",
 ]
 
+MAX_LOGPROBS = 20  # top alternatives per token at most (OpenAI's bound)
+MAX_REPETITION_PENALTY = 10.0
+LOGPROBS_MODES = ("raw", "processed")
 _MAX_SEED = 2**64 - 1  # torch.Generator.manual_seed accepts unsigned 64-bit seeds
 _GREEDY_BELOW = 1e-5  # temperatures below this are treated as 0 (greedy)
 
@@ -47,9 +55,22 @@ class SamplingParams:
     top_k: int = 0  # 0 = off
     top_p: float = 1.0  # 1 = off
     seed: int | None = None  # per-request seed; None = nondeterministic
+    # logits processors (xspec.spec.processors), applied before temperature/top-k/top-p
+    presence_penalty: float = 0.0  # minus this for every token generated at least once
+    frequency_penalty: float = 0.0  # minus this times each token's count in the output
+    repetition_penalty: float = 1.0  # vLLM's: prompt and output tokens' logits / (or *) it
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias) pairs, added to logits
+    min_tokens: int = 0  # the stop ids are masked until this many tokens are generated
+    # the target's log-probabilities: top-k alternatives per generated / prompt token
+    logprobs: int | None = None  # None = off; 0 = the chosen token only
+    prompt_logprobs: int | None = None  # None = off; the first prompt token's is None
+    logprobs_mode: str = "raw"  # "raw": the model's; "processed": what the request samples from
 
     def problems(self) -> list[str]:
         """Every invalid field, as messages naming the key and the fix; empty if valid."""
+        return self._sampling_problems() + self._processor_problems()
+
+    def _sampling_problems(self) -> list[str]:
         out: list[str] = []
         t, k, p, s = self.temperature, self.top_k, self.top_p, self.seed
         if not isinstance(t, (int, float)) or not math.isfinite(t) or t < 0:
@@ -68,6 +89,55 @@ class SamplingParams:
             out.append(f"sampling.seed must be null or an integer in [0, 2**64) (got {s!r})")
         return out
 
+    def _processor_problems(self) -> list[str]:
+        out: list[str] = []
+        for key in ("presence_penalty", "frequency_penalty"):
+            v = getattr(self, key)
+            if not _is_real(v) or not -2.0 <= v <= 2.0:
+                out.append(f"sampling.{key} must be a number in [-2, 2] (got {v!r}); 0 is off")
+        r = self.repetition_penalty
+        if not _is_real(r) or not 0.0 < r <= MAX_REPETITION_PENALTY:
+            out.append(
+                f"sampling.repetition_penalty must be in (0, {MAX_REPETITION_PENALTY:g}] "
+                f"(got {r!r}); 1 is off"
+            )
+        bias = self.logit_bias
+        if not isinstance(bias, tuple) or not all(
+            isinstance(e, tuple) and len(e) == 2 and _is_int(e[0]) and e[0] >= 0 and _is_real(e[1])
+            for e in bias
+        ):
+            out.append(
+                f"sampling.logit_bias must map token ids (integers >= 0) to numbers (got {bias!r})"
+            )
+        elif bad := [e for e in bias if not -100.0 <= e[1] <= 100.0]:
+            out.append(f"sampling.logit_bias values must be in [-100, 100] (got {bad[:4]})")
+        if not _is_int(self.min_tokens) or self.min_tokens < 0:
+            out.append(f"sampling.min_tokens must be an integer >= 0 (got {self.min_tokens!r})")
+        for key in ("logprobs", "prompt_logprobs"):
+            v = getattr(self, key)
+            if v is not None and (not _is_int(v) or not 0 <= v <= MAX_LOGPROBS):
+                out.append(
+                    f"sampling.{key} must be null or an integer in [0, {MAX_LOGPROBS}] "
+                    f"(got {v!r}): the alternatives returned per token"
+                )
+        if self.logprobs_mode not in LOGPROBS_MODES:
+            out.append(
+                f"sampling.logprobs_mode must be one of {', '.join(LOGPROBS_MODES)} "
+                f"(got {self.logprobs_mode!r})"
+            )
+        return out
+
+    @property
+    def has_processors(self) -> bool:
+        """Whether any logits processor changes this request's logits."""
+        return bool(
+            self.presence_penalty
+            or self.frequency_penalty
+            or self.repetition_penalty != 1.0
+            or self.logit_bias
+            or self.min_tokens
+        )
+
     @cached_property
     def valid(self) -> bool:
         """No :meth:`problems`; computed once (the fields are frozen), since every
@@ -79,6 +149,26 @@ class SamplingParams:
         # Like vLLM, temperatures below 1e-5 are greedy: logits / 1e-30 overflows to inf
         # and the softmax would be NaN.
         return self.temperature < _GREEDY_BELOW
+
+
+def _is_real(x: object) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
+
+
+def _is_int(x: object) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def as_logit_bias(bias: Mapping[Any, Any] | None) -> tuple[tuple[int, float], ...]:
+    """A ``{token id: bias}`` mapping (ids may be strings, as JSON keys are) as the
+    sorted pairs :class:`SamplingParams` holds; what is not an id is kept for its check."""
+    if not bias:
+        return ()
+    pairs = []
+    for k, v in bias.items():
+        key = int(k) if isinstance(k, str) and k.strip().lstrip("-").isdigit() else k
+        pairs.append((key, float(v) if _is_real(v) else v))
+    return tuple(sorted(pairs, key=lambda e: (0, e[0], "") if _is_int(e[0]) else (1, 0, str(e[0]))))
 
 
 def regime_of(params: SamplingParams, *, words: bool = False) -> str:
@@ -322,3 +412,28 @@ def sample(
             f"sample: uniforms must be [{probs.shape[0]}], got {tuple(uniforms.shape)}"
         )
     return torch.where(is_greedy, tokens, inverse_cdf(probs, uniforms))
+
+
+@dataclass(frozen=True)
+class TokenLogprob:
+    """One position's log-probability: the token there, its logprob, and the ``k`` most
+    likely tokens of that position's distribution (``(id, logprob)``, best first)."""
+
+    token: int
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()
+
+
+def token_logprobs(logprobs: Tensor, tokens: Tensor, k: int) -> list[TokenLogprob]:
+    """``logprobs [N, V]`` (log-softmax rows), ``tokens [N]`` -> one :class:`TokenLogprob`
+    per row with its top ``k`` (ties to the lowest id); one host copy."""
+    chosen = logprobs.gather(1, tokens[:, None].long())[:, 0]  # [N]
+    if k > 0:
+        values, ids = _ranked(logprobs, k)  # [N, k] each
+        top_v, top_i = values.tolist(), ids.tolist()
+    else:
+        top_v = top_i = [[] for _ in range(len(tokens))]
+    return [
+        TokenLogprob(t, lp, tuple(zip(i, v)))
+        for t, lp, i, v in zip(tokens.tolist(), chosen.tolist(), top_i, top_v)
+    ]

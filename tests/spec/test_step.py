@@ -86,7 +86,7 @@ def test_engine_never_exceeds_max_new_tokens(oracle: xspec.LLM) -> None:
     built = oracle._built
     engine = Engine(built.target, built.drafter, [], stop_ids=frozenset())
     gen = engine.add(0, Request([1], 2, SamplingParams()))
-    assert engine._take(0, [7, 8, 9], gen, 1.0)
+    assert engine._take(0, [7, 8, 9], None, gen, 1.0)
     assert gen.token_ids == [7, 8]
 
 

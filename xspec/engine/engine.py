@@ -29,6 +29,7 @@ rank has any (:mod:`xspec.parallel.lockstep`).
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 import time
@@ -43,9 +44,10 @@ from xspec.engine.stop import StopMatcher, stop_problem
 from xspec.errors import RequestError, UserError
 from xspec.metrics import SpecDecodeMetrics
 from xspec.models.base import CapturePoint, TargetModel
-from xspec.sampling import SamplingParams, make_generator
+from xspec.sampling import SamplingParams, TokenLogprob, make_generator
 from xspec.spec.drafter import Drafter
 from xspec.spec.policy import DepthPolicy
+from xspec.spec.processors import Processors
 from xspec.spec.step import (
     FIXED_DEPTH,
     RunningSeq,
@@ -114,6 +116,10 @@ class Generation:
     finish_reason: FinishReason | None = None  # None while it runs
     # its speculative counters over its steps (xspec.acceptance: as /metrics counts them)
     spec: SpecCounts = field(default_factory=SpecCounts)
+    # SamplingParams.logprobs: one per generated token (None: not asked for)
+    logprobs: list[TokenLogprob] | None = None
+    # SamplingParams.prompt_logprobs: one per prompt token, the first None
+    prompt_logprobs: list[TokenLogprob | None] | None = None
 
     @property
     def queue_s(self) -> float:
@@ -155,6 +161,12 @@ class Delta:
 
     def __post_init__(self) -> None:
         self.finished = self.generation.finished
+
+    @property
+    def logprobs(self) -> list[TokenLogprob] | None:
+        """The logprobs of this delta's tokens (None unless the request asked)."""
+        lps = self.generation.logprobs
+        return None if lps is None else lps[len(lps) - len(self.token_ids) :]
 
 
 class Engine:
@@ -354,7 +366,8 @@ class Engine:
         if self.measure_memory:
             self.peak_allocated = max(self.peak_allocated, self._allocated())
         for j, i in enumerate(stepped):  # only these committed tokens in this iteration
-            deltas.append(self._commit(i, result.new_tokens[j], now))
+            lps = None if result.logprobs is None else result.logprobs[j]
+            deltas.append(self._commit(i, result.new_tokens[j], lps, now))
         for d in deltas:
             if d.finished:
                 self._forget(d.rid)
@@ -375,9 +388,11 @@ class Engine:
             if lock is not None:
                 lock.idle_decode()
             now = self.now()
-            for i, s in zip(admitted, seqs):
+            for j, (i, s) in enumerate(zip(admitted, seqs)):
                 gen = self._gens[i]
                 gen.admitted_at, gen.first_token_at, gen.finished_at = admitted_at, now, now
+                if result.prompt_logprobs is not None:
+                    gen.prompt_logprobs = result.prompt_logprobs[j]
                 running[i] = s
             return result, now
         result = decode_step(
@@ -396,13 +411,20 @@ class Engine:
             gen.spec.add_row(result.num_drafts[j], result.num_accepted[j])
         return result, now
 
-    def _commit(self, rid: Hashable, new_tokens: list[int], now: float) -> Delta:
-        """Take one request's tokens of a step that ran; the delta it makes."""
+    def _commit(
+        self,
+        rid: Hashable,
+        new_tokens: list[int],
+        logprobs: list[TokenLogprob] | None,
+        now: float,
+    ) -> Delta:
+        """Take one request's tokens (and their logprobs) of a step that ran; the delta
+        it makes."""
         gen = self._gens[rid]
         before = len(gen.token_ids)
         if (error := self._running[rid].error) is not None:  # fails alone, the rest go on
             self._end_with_error(rid, error, now)
-        elif self._take(rid, new_tokens, gen, now):
+        elif self._take(rid, new_tokens, logprobs, gen, now):
             self._finish(rid)
         return Delta(rid, gen.token_ids[before:], gen)
 
@@ -493,6 +515,15 @@ class Engine:
             )
         if req.grammar is not None and req.grammar.vocab_size != vocab:
             raise RequestError(f"{where}: the grammar was compiled for another vocabulary")
+        if bad := [t for t, _ in req.params.logit_bias if not t < vocab]:
+            raise RequestError(
+                f"{where}: logit_bias names token ids outside the vocabulary [0, {vocab}): {bad[:8]}"
+            )
+        if req.params.min_tokens > req.max_new_tokens:
+            raise RequestError(
+                f"{where}: min_tokens ({req.params.min_tokens}) must be <= max_new_tokens "
+                f"({req.max_new_tokens})"
+            )
 
     def capacity_problem(self, req: Request) -> str | None:
         """Why a well-formed request can never run here (None: it fits an empty pool)."""
@@ -604,17 +635,38 @@ class Engine:
             generator=make_generator(req.params),
             max_len=len(req.prompt_ids) + req.max_new_tokens,
             constraint=None if req.grammar is None else req.grammar.constraint(),
+            processors=self._processors(req),
         )
 
-    def _take(self, rid: Hashable, new_tokens: list[int], gen: Generation, now: float) -> bool:
+    def _processors(self, req: Request) -> Processors | None:
+        """The request's logits processors (None without any): ``min_tokens`` masks the
+        engine's stop ids (unless ``ignore_eos``)."""
+        if not req.params.has_processors:
+            return None
+        stop = frozenset() if req.ignore_eos else self.stop_ids
+        target = self.target
+        return Processors(req.params, req.prompt_ids, stop, target.vocab_size, target.device)
+
+    def _take(
+        self,
+        rid: Hashable,
+        new_tokens: list[int],
+        logprobs: list[TokenLogprob] | None,
+        gen: Generation,
+        now: float,
+    ) -> bool:
         """Append one step's committed tokens, one at a time; True when the request is
         finished (a stop string, max_new_tokens, a stop id or one of the request's
         ``stop_token_ids``; ``gen.finish_reason`` set): the tokens after the one that
         finished it are dropped, also those of the same verify step. With stop strings or
         ``stop_token_ids`` the engine sets ``gen.text`` (cut before what stopped it)."""
         req, stops = self._requests[rid], self._stops.get(rid)
-        for t in new_tokens:
+        if logprobs is not None and gen.logprobs is None:
+            gen.logprobs = []
+        for k, t in enumerate(new_tokens):
             gen.token_ids.append(t)
+            if logprobs is not None:
+                gen.logprobs.append(logprobs[k])  # type: ignore[union-attr]
             gen.finished_at = now
             if stops is not None and (text := stops.push(t)) is not None:
                 gen.text, gen.finish_reason = text, "stop"
@@ -638,9 +690,4 @@ def seeded(params: SamplingParams, index: int) -> SamplingParams:
     """Per-request seed: ``seed + index`` (reproducible, distinct streams)."""
     if params.seed is None:
         return params
-    return SamplingParams(
-        temperature=params.temperature,
-        top_k=params.top_k,
-        top_p=params.top_p,
-        seed=params.seed + index,
-    )
+    return dataclasses.replace(params, seed=params.seed + index)

@@ -29,7 +29,6 @@ from xspec.engine.engine import Generation, Request
 from xspec.metrics import SpecDecodeMetrics
 from xspec.run.fit import loaded_fit
 from xspec.run.workloads import load_workload, shapes
-from xspec.sampling import SamplingParams
 
 WARMUP_MAX_NEW_TOKENS = 8  # enough for a few speculative steps, short enough to be cheap
 
@@ -100,7 +99,7 @@ def run_workload(
     """Warm up, then run the workload ``w.repeats`` times; the generations of each run.
     Under torchrun only rank 0 prints (the other ranks return their own generations)."""
     out = out if out is not None else sys.stdout
-    params = SamplingParams(temperature=s.temperature, top_k=s.top_k, top_p=s.top_p, seed=s.seed)
+    params = s.to_params()
     fit = loaded_fit(built)  # a request the context cannot hold is a user error, not a drop
     work = load_workload(w, built.tokenizer, built.target.vocab_size, params, fit)
     texts, requests = work.texts, work.requests

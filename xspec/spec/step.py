@@ -28,10 +28,19 @@ import torch
 
 from xspec.metrics import SpecDecodeMetrics
 from xspec.models.base import CapturePoint, DecodeState, ForwardBatch, ModelOutput, TargetModel
-from xspec.sampling import SamplingParams, logits_to_probs, nonfinite_rows, regime_of, sample
+from xspec.sampling import (
+    SamplingParams,
+    TokenLogprob,
+    logits_to_probs,
+    nonfinite_rows,
+    regime_of,
+    sample,
+)
 from xspec.spec.constrained import constrain_drafts
 from xspec.spec.drafter import CommittedRows, Drafter, DraftProposal, DraftRequest
+from xspec.spec.logprobs import SampledRows, committed_logprobs, prompt_token_logprobs
 from xspec.spec.policy import DepthPolicy, FixedDepth
+from xspec.spec.processors import Processors, process_rows
 from xspec.spec.verify import VerifyResult, rejection_sample
 
 if TYPE_CHECKING:
@@ -54,6 +63,7 @@ class RunningSeq:
     depth_state: Any = None
     # its grammar's state after the committed tokens (structured output), or None
     constraint: Constraint | None = None
+    processors: Processors | None = None  # penalties, logit_bias, min_tokens; None: none
 
     @property
     def anchor(self) -> int:
@@ -78,6 +88,10 @@ class StepResult:
     new_tokens: list[list[int]]  # committed tokens per sequence (accepted drafts + 1)
     num_drafts: list[int]  # drafts verified per sequence (0 for prefill / baseline)
     num_accepted: list[int]  # accepted drafts per sequence (the final token not counted)
+    # per sequence asking for them (SamplingParams.logprobs), one per committed token
+    logprobs: list[list[TokenLogprob] | None] | None = None
+    # prefill, per sequence asking (prompt_logprobs): the prompt's, the first one None
+    prompt_logprobs: list[list[TokenLogprob | None] | None] | None = None
 
 
 def _mask_nonfinite(logits: torch.Tensor, lens: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -138,24 +152,34 @@ def prefill(
     aux: list[torch.Tensor] = []  # [T_c, K*d] per chunk forward (none: nothing captured)
     rows_of: list[list[int]] = [[] for _ in seqs]  # each prompt's rows in the chunks' rows
     last_logits: list[torch.Tensor] = [torch.empty(0)] * len(seqs)
+    prompt_rows: list[list[torch.Tensor]] = [[] for _ in seqs]  # prompt_logprobs: [T_c, V] each
     for lo in range(0, max(len(p) for p in prompts), chunk_tokens):
         live = [i for i, p in enumerate(prompts) if len(p) > lo]
         chunks = [prompts[i][lo : lo + chunk_tokens] for i in live]
         ends = list(itertools.accumulate(len(c) for c in chunks))  # each chunk's end row + 1
         last = [j for j, i in enumerate(live) if len(prompts[i]) <= lo + chunk_tokens]
+        scored = [j for j, i in enumerate(live) if seqs[i].params.prompt_logprobs is not None]
+        wanted = {ends[j] - 1 for j in last}  # the prompts' last rows, and every row of ...
+        wanted.update(r for j in scored for r in range(ends[j] - len(chunks[j]), ends[j]))
+        logit_rows = sorted(wanted)  # ... the prompts whose logprobs are asked for
+        at = {r: k for k, r in enumerate(logit_rows)}  # row -> its logits row
         batch = ForwardBatch(
             torch.cat(chunks),
             [len(c) for c in chunks],
             [seqs[i].target_state for i in live],
             capture,
-            logit_rows=[ends[j] - 1 for j in last],  # only the prompts' last rows
+            logit_rows=logit_rows,
         )
         out = target.forward(batch)
+        for j in scored:
+            prompt_rows[live[j]].append(
+                out.logits[at[ends[j] - len(chunks[j])] : at[ends[j] - 1] + 1]
+            )
         base = sum(len(h) for h in hidden)
         for i, c, end in zip(live, chunks, ends):
             rows_of[i] += range(base + end - len(c), base + end)
-        for k, j in enumerate(last):
-            last_logits[live[j]] = out.logits[k]
+        for j in last:
+            last_logits[live[j]] = out.logits[at[ends[j] - 1]]
         hidden.append(out.hidden)
         if out.aux_hidden is not None:
             aux.append(out.aux_hidden)
@@ -165,7 +189,9 @@ def prefill(
             - prefill_forwards([len(p) for p in prompts], chunk_tokens)
         )
     # the first generated token comes from the last prompt row
-    logits, bad = _mask_nonfinite(torch.stack(last_logits), [1] * len(seqs))  # [B, V], [B]
+    raw, bad = _mask_nonfinite(torch.stack(last_logits), [1] * len(seqs))  # [B, V], [B]
+    no_drafts = torch.empty(len(seqs), 0, dtype=torch.long, device=device)  # [B, 0]
+    logits = _processed(seqs, raw, [1] * len(seqs), no_drafts)  # [B, V]
     first_masks = [None if s.constraint is None else s.constraint.allowed()[None] for s in seqs]
     logits = _grammar_rows(logits, first_masks, [1] * len(seqs))
     probs = logits_to_probs(logits, [s.params for s in seqs])  # [B, V]
@@ -188,12 +214,20 @@ def prefill(
     host = torch.stack([first, bad.long()], dim=1).tolist()  # [B, 2]: the one host sync
     _flag(seqs, [b == 1 for _, b in host])
     new_tokens = [[t] for t, _ in host]
+    ones = [1] * len(seqs)
+    logprobs = committed_logprobs(seqs, SampledRows(raw, logits, probs, ones), first[:, None], ones)
     for s, new in zip(seqs, new_tokens):
         s.token_ids += new
         if s.constraint is not None:
             s.constraint.commit(new)
     zeros = [0] * len(seqs)
-    return StepResult(new_tokens, num_drafts=zeros, num_accepted=list(zeros))
+    return StepResult(
+        new_tokens,
+        num_drafts=zeros,
+        num_accepted=list(zeros),
+        logprobs=logprobs,
+        prompt_logprobs=prompt_token_logprobs(seqs, prompts, prompt_rows),
+    )
 
 
 def _scatter(part: torch.Tensor | None, rows: torch.Tensor, batch: int) -> torch.Tensor | None:
@@ -256,6 +290,7 @@ class _Verified:
     blocks: torch.Tensor  # [B, width+1] anchor + drafts, on the device
     lens: list[int]  # [B] verify rows per sequence (verified + 1)
     result: VerifyResult  # output_tokens [B, width+1] on the device
+    rows: SampledRows  # the verify rows as sampled from (logprobs)
     output: torch.Tensor  # [B, width+1] on the host: committed tokens, then -1
     committed: list[int]  # [B] accepted drafts + 1
 
@@ -307,7 +342,8 @@ def decode_step(
         depths=depths,
         regimes=[s.regime for s in seqs],
     )
-    return StepResult(new_tokens, num_drafts=drafts.verified, num_accepted=accepted)
+    logprobs = committed_logprobs(seqs, verified.rows, verified.output, verified.committed)
+    return StepResult(new_tokens, drafts.verified, accepted, logprobs=logprobs)
 
 
 def _draft_step(
@@ -415,11 +451,14 @@ def _verify(
         )
     )
     row_params = [s.params for s, k in zip(seqs, lens) for _ in range(k)]
-    logits, bad = _mask_nonfinite(out.logits, lens)  # [sum(lens), V], [B]
+    raw, bad = _mask_nonfinite(out.logits, lens)  # [sum(lens), V], [B]
+    logits = _processed(seqs, raw, lens, drafts.tokens)  # row j after drafts 1..j
     if drafts.masks is not None:
         logits = _grammar_rows(logits, drafts.masks, lens)
-    p_rows = logits_to_probs(logits, row_params).split(lens)  # B x [n_b+1, V]
-    p = torch.nn.utils.rnn.pad_sequence(list(p_rows), batch_first=True)  # [B, max(n)+1, V]
+    probs = logits_to_probs(logits, row_params)  # [sum(lens), V]
+    p = torch.nn.utils.rnn.pad_sequence(
+        list(probs.split(lens)), batch_first=True
+    )  # [B, max(n)+1, V]
     generators = [s.generator for s in seqs]
     result = rejection_sample(
         p, drafts.tokens, drafts.probs, generators, drafts.verified, check_tokens=False
@@ -428,7 +467,17 @@ def _verify(
     output = host[:, :-1]  # [B, max(n)+1]
     _flag(seqs, host[:, -1].bool().tolist())
     committed = (output >= 0).sum(dim=1).tolist()  # [B] accepted + 1
-    return _Verified(out, blocks, lens, result, output, committed)
+    rows = SampledRows(raw, logits, probs, lens)
+    return _Verified(out, blocks, lens, result, rows, output, committed)
+
+
+def _processed(
+    seqs: list[RunningSeq], logits: torch.Tensor, lens: list[int], drafts: torch.Tensor
+) -> torch.Tensor:
+    """``logits [sum(lens), V]`` with each sequence's processors applied to its rows
+    (:mod:`xspec.spec.processors`); unchanged when no sequence has any."""
+    procs = [s.processors for s in seqs]
+    return process_rows(logits, procs, lens, drafts, [s.token_ids for s in seqs])
 
 
 def _commit(
