@@ -27,6 +27,7 @@ stopped engine, 504 the request timeout. Every error uses OpenAI's body
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import threading
 import time
@@ -55,13 +56,14 @@ from xspec.chat import (
 )
 from xspec.chat.renderer import RenderLimits, TemplateRenderer
 from xspec.config import RunConfig
-from xspec.engine.engine import Delta, Engine, Generation
+from xspec.engine.engine import Delta, Engine, Generation, seeded
 from xspec.engine.engine import Request as EngineRequest
 from xspec.engine.loop import EngineLoop, LoopStopped, QueueFull
 from xspec.errors import RequestError
 from xspec.grammar import Grammar, GrammarCompiler
 from xspec.run.exporter import RequestMetrics
 from xspec.sampling import SamplingParams
+from xspec.serve.logprobs import CompletionLogprobs, chat_logprobs
 from xspec.serve.protocol import (
     ChatCompletionRequest,
     ChatMessage,
@@ -369,7 +371,10 @@ def make_app(ctx: ServeContext) -> FastAPI:
 
         grammar = await _grammar(ctx, body)
         prompt_ids = await _off_loop(None, "prompt", ids)
-        return await _serve(ctx, request, body, prompt_ids, chat=False, grammar=grammar)
+        echo = None
+        if body.echo:  # each prompt's text as given (token ids: their decoding)
+            echo = [p if isinstance(p, str) else ctx.decode(list(p)) for p in prompts]
+        return await _serve(ctx, request, body, prompt_ids, chat=False, grammar=grammar, echo=echo)
 
     @app.post("/v1/chat/completions")
     async def chat(body: ChatCompletionRequest, request: Request) -> Response:
@@ -485,15 +490,24 @@ async def _grammar(ctx: ServeContext, body: _Sampling) -> Grammar | None:
 
 
 def _engine_request(
-    ctx: ServeContext, body: _Sampling, ids: list[int], grammar: Grammar | None = None
+    ctx: ServeContext,
+    body: _Sampling,
+    ids: list[int],
+    grammar: Grammar | None = None,
+    choice: int = 0,
 ) -> EngineRequest:
+    """Choice ``choice`` of the prompt ``ids`` (it samples with ``seed + choice``). A
+    score-only request generates one token, which the reply drops."""
     _, limit = body.limit()
     max_tokens = ctx.default_max_tokens if limit is None else limit
     if limit is None:  # the default shrinks to what the context leaves
         max_tokens = max(1, min(max_tokens, ctx.max_context - len(ids) - 8))
+    params = _sampling(body)
+    if body.score_only():
+        max_tokens, params = 1, dataclasses.replace(params, min_tokens=0)
     stop = _as_400(body.stop_list, "stop")
     return EngineRequest(
-        ids, max_tokens, _sampling(body), body.ignore_eos, stop=stop,
+        ids, max_tokens, seeded(params, choice), body.ignore_eos, stop=stop,
         stop_token_ids=frozenset(body.stop_token_ids or ()),
         include_stop_str=body.include_stop_str_in_output, grammar=grammar,
     )  # fmt: skip
@@ -501,10 +515,7 @@ def _engine_request(
 
 def _sampling(body: _Sampling) -> SamplingParams:
     """The request's sampling parameters (400 naming the first bad one)."""
-    top_k = 0 if body.top_k == -1 else body.top_k
-    params = SamplingParams(
-        temperature=body.temperature, top_k=top_k, top_p=body.top_p, seed=body.seed
-    )
+    params = body.sampling()
     if problems := [p.replace("sampling.", "", 1) for p in params.problems()]:
         raise ApiError(400, "; ".join(problems), "invalid_request_error", problems[0].split()[0])
     return params
@@ -519,6 +530,7 @@ def _refused(e: RequestError, body: _Sampling, chat: bool) -> ApiError:
     prompt = "messages" if chat else "prompt"
     # past the context: the length field when the client set it (the default shrinks)
     param = name if limit is not None and name in text else prompt
+    param = next((f for f in ("logit_bias", "min_tokens") if text.startswith(f)), param)
     return ApiError(400, text, "invalid_request_error", param)
 
 
@@ -530,10 +542,14 @@ async def _serve(
     *,
     chat: bool,
     grammar: Grammar | None = None,
+    echo: list[str] | None = None,  # completions with echo: each prompt's text
 ) -> Response:
-    """Submit one engine request per choice (``prompts[i]`` is choice ``i``'s) and answer
-    with their choices, streamed or in one body."""
-    reqs = [_engine_request(ctx, body, ids, grammar) for ids in prompts]
+    """Submit one engine request per choice (prompt ``i``'s ``n`` choices are ``i * n ..
+    i * n + n - 1``, submitted together: each prefills its own state) and answer with
+    their choices, streamed or in one body."""
+    n = body.n
+    reqs = [_engine_request(ctx, body, ids, grammar, j) for ids in prompts for j in range(n)]
+    echoes = None if echo is None else [e for e in echo for _ in range(n)]
     queue: asyncio.Queue[tuple[int, Delta] | None] = asyncio.Queue()
     mailbox = _mailbox(asyncio.get_running_loop())
 
@@ -556,7 +572,7 @@ async def _serve(
         if isinstance(e, LoopStopped):
             raise ApiError(503, f"the engine is not running: {e}", "server_error") from None
         raise _refused(e, body, chat) from None
-    reply = _Reply(ctx, body, reqs, chat, rids)
+    reply = _Reply(ctx, body, reqs, chat, rids, echo=echoes)
     if body.stream:
         return StreamingResponse(
             _sse(ctx, request, queue, reply),
@@ -689,16 +705,19 @@ async def _sse(
                 break
             i, d = item
             reply.live[i] = d.generation
+            tokens = [] if reply.score_only else d.token_ids
             if d.finished:  # the final text, cut before a stop string its tokens completed
                 gen = gens[i] = d.generation
                 if gen.finish_reason == "error":
                     yield _data(error_body(gen.error or "failed", "server_error", code=500))
                     break
-                piece = texts[i].finish(reply.final_text(i, gen))
-                yield _data(reply.chunk(i, piece, reply.finish_reason(gen)))
+                piece = "" if reply.score_only else texts[i].finish(reply.final_text(i, gen))
+                piece, lps = reply.streamed(i, d, tokens, piece)
+                yield _data(reply.chunk(i, piece, reply.finish_reason(gen), lps))
                 continue
-            if piece := texts[i].push(d.token_ids):
-                yield _data(reply.chunk(i, piece, None))
+            piece, lps = reply.streamed(i, d, tokens, texts[i].push(tokens))
+            if piece or lps is not None:
+                yield _data(reply.chunk(i, piece, None, lps))
         reply.done(list(gens.values()))
         ended = all(gens.get(i) and gens[i].finish_reason != "error" for i in range(len(texts)))
         if ended and reply.include_usage:
@@ -725,8 +744,13 @@ class _Reply:
         reqs: list[EngineRequest],
         chat: bool,
         rids: list[int],
+        *,
+        echo: list[str] | None = None,  # completions with echo: each choice's prompt text
     ):
         self.ctx, self.reqs, self.chat, self.rids = ctx, reqs, chat, rids
+        self.echo, self.score_only = echo, body.score_only()
+        self.logprobs = body.logprob_count() is not None
+        self._streams: dict[int, CompletionLogprobs] = {}  # per choice: its text offsets
         self.id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
         self.created = int(time.time())
         options = body.stream_options
@@ -744,17 +768,17 @@ class _Reply:
         cut = (req.stop or req.stop_token_ids) and gen.finish_reason == "stop"
         return gen.text if cut else self.ctx.decode(gen.token_ids)
 
-    @staticmethod
-    def finish_reason(gen: Generation) -> str:
+    def finish_reason(self, gen: Generation) -> str:
         """OpenAI's ``stop`` / ``length``, and ``abort`` (as vLLM) for a request the
-        server ended (shutdown)."""
+        server ended (shutdown); a score-only request's is ``length``."""
+        if self.score_only:
+            return "length"
         return gen.finish_reason if gen.finish_reason in ("length", "abort") else "stop"
 
-    @staticmethod
-    def usage(gens: list[Generation]) -> dict:
+    def usage(self, gens: list[Generation]) -> dict:
         """Summed over the choices, as OpenAI and vLLM sum them."""
         prompt = sum(len(g.prompt_ids) for g in gens)
-        completion = sum(len(g.token_ids) for g in gens)
+        completion = 0 if self.score_only else sum(len(g.token_ids) for g in gens)
         return {
             "prompt_tokens": prompt,
             "completion_tokens": completion,
@@ -777,27 +801,71 @@ class _Reply:
             raise ApiError(500, failed[0].error or "the request failed", "server_error")
         choices = []
         for i, gen in enumerate(gens):
-            text, reason = self.final_text(i, gen), self.finish_reason(gen)
+            text = "" if self.score_only else self.final_text(i, gen)
+            reason = self.finish_reason(gen)
             if self.chat:
+                lps = chat_logprobs(self.ctx.decode, gen.logprobs or []) if self.logprobs else None
                 choices.append({
                     "index": i,
                     "message": {"role": "assistant", "content": text},
+                    "logprobs": lps,
                     "finish_reason": reason,
                 })  # fmt: skip
             else:
-                choices.append(
-                    {"index": i, "text": text, "logprobs": None, "finish_reason": reason}
-                )
+                text = (self.echo[i] if self.echo else "") + text
+                lp = self._completion_logprobs(i, gen)
+                choices.append({"index": i, "text": text, "logprobs": lp, "finish_reason": reason})
         return {**self._head(), "choices": choices, "usage": self.usage(gens)}
 
-    def chunk(self, i: int, piece: str | dict, reason: str | None) -> dict:
+    def _completion_logprobs(self, i: int, gen: Generation) -> dict | None:
+        """A whole choice's legacy logprobs: the echoed prompt's, then the output's."""
+        if not self.logprobs:
+            return None
+        out = CompletionLogprobs(self.ctx.decode)
+        parts = []
+        if self.echo is not None:
+            prompt = gen.prompt_ids
+            parts.append(out.block(prompt, gen.prompt_logprobs or [None] * len(prompt)))
+        if not self.score_only:
+            parts.append(out.block(gen.token_ids, gen.logprobs or []))
+        return {k: [x for p in parts for x in p[k]] for k in parts[0]} if parts else None
+
+    def streamed(
+        self, i: int, delta: Delta, tokens: list[int], piece: str
+    ) -> tuple[str, dict | None]:
+        """Choice ``i``'s chunk text and logprobs for a delta's ``tokens``; its first
+        chunk leads with the echoed prompt (and its logprobs)."""
+        first = i not in self._streams
+        if first:
+            self._streams[i] = CompletionLogprobs(self.ctx.decode)
+        if self.echo is not None and first:
+            piece = self.echo[i] + piece
+        if not self.logprobs:
+            return piece, None
+        entries = (delta.logprobs or [])[: len(tokens)]
+        if self.chat:
+            return piece, chat_logprobs(self.ctx.decode, entries) if entries else None
+        blocks = []
+        out, gen = self._streams[i], delta.generation
+        if self.echo is not None and first:
+            prompt = gen.prompt_ids
+            blocks.append(out.block(prompt, gen.prompt_logprobs or [None] * len(prompt)))
+        if tokens:
+            blocks.append(out.block(tokens, entries))
+        if not blocks:
+            return piece, None
+        return piece, {k: [x for b in blocks for x in b[k]] for k in blocks[0]}
+
+    def chunk(self, i: int, piece: str | dict, reason: str | None, lps: dict | None = None) -> dict:
         head = self._head()
         if self.chat:
             head["object"] = "chat.completion.chunk"
             delta = piece if isinstance(piece, dict) else ({"content": piece} if piece else {})
             choice: dict = {"index": i, "delta": delta, "finish_reason": reason}
+            if self.logprobs:
+                choice["logprobs"] = lps
         else:
-            choice = {"index": i, "text": piece, "logprobs": None, "finish_reason": reason}
+            choice = {"index": i, "text": piece, "logprobs": lps, "finish_reason": reason}
         if self.continuous_usage and self.live:
             return {**head, "choices": [choice], "usage": self.usage(list(self.live.values()))}
         return {**head, "choices": [choice]}

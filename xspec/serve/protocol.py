@@ -8,10 +8,9 @@ of three kinds:
 * **served**: a declared field of the model below, range-checked (a value out of range is a
   400 naming the field);
 * **refused by name** (:data:`REFUSED`): a field of OpenAI's or vLLM's API that xspec does
-  not honour. A value that changes nothing (``null``, or the field's neutral value: 0
-  penalties, ``n: 1``, ``{"type": "text"}``) is accepted; any other is a 400 naming the
-  field, so a client never believes it got what it asked for. ``logprobs: 0`` is not
-  "off": it asks for the sampled token's log-probability;
+  not honour. A value that changes nothing (``null``, or the field's neutral value:
+  ``best_of: 1``, ``min_p: 0``) is accepted; any other is a 400 naming the field, so a
+  client never believes it got what it asked for;
 * **ignored by name** (:data:`IGNORED`): fields that do not change the output (``user``,
   ``metadata``, scheduling hints), accepted as OpenAI and vLLM accept them.
 
@@ -23,13 +22,15 @@ gets its name in the 400 and can drop it.)
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Any, ClassVar, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, StrictInt
 
 from xspec.errors import RequestError
 from xspec.grammar import GrammarSpec, request_spec
+from xspec.sampling import MAX_LOGPROBS, SamplingParams, as_logit_bias
 
 
 @dataclass(frozen=True)
@@ -41,17 +42,10 @@ class Refused:
     why: str = "not supported"
 
 
-# Fields of both endpoints. The sampling surface (n, logprobs, echo, the penalties,
-# logit_bias, min_tokens) is refused here until the engine applies it: a field the server
-# starts to honour becomes a declared field of _Sampling (or of one endpoint's request)
-# and leaves this table.
+# Fields of both endpoints xspec does not honour: a field the server starts to honour
+# becomes a declared field of _Sampling (or of one endpoint's request) and leaves this
+# table.
 _REFUSED_BOTH: dict[str, Refused] = {
-    "n": Refused((1,), "xspec generates one choice per request (n=1)"),
-    "presence_penalty": Refused((0,)),
-    "frequency_penalty": Refused((0,)),
-    "repetition_penalty": Refused((1,)),  # vLLM
-    "logit_bias": Refused(({},)),
-    "min_tokens": Refused((0,)),  # vLLM
     "min_p": Refused((0,)),  # vLLM
     "best_of": Refused((1,)),
     # vLLM's extensions
@@ -73,15 +67,11 @@ _REFUSED_BOTH: dict[str, Refused] = {
 REFUSED: dict[str, dict[str, Refused]] = {
     "completions": {
         **_REFUSED_BOTH,
-        "logprobs": Refused((), "token log-probabilities are not supported"),
-        "echo": Refused((False,)),
         "suffix": Refused(("",)),
         "add_special_tokens": Refused((True,)),  # vLLM
     },
     "chat": {
         **_REFUSED_BOTH,
-        "logprobs": Refused((False,), "token log-probabilities are not supported"),
-        "top_logprobs": Refused((0,), "token log-probabilities are not supported"),
         "tools": Refused(([],), "tool calling is not supported"),
         "tool_choice": Refused(("none", "auto"), "tool calling is not supported"),
         "functions": Refused(([],), "function calling is not supported"),
@@ -144,6 +134,7 @@ def extra_problems(extra: dict[str, Any], refused: dict[str, Refused]) -> list[t
 
 MAX_STOP_IDS = 64  # stop_token_ids a request may give
 MAX_PROMPTS = 64  # prompts one completions request may batch
+MAX_N = 16  # choices per prompt
 
 
 class StreamOptions(BaseModel):
@@ -182,6 +173,38 @@ class _Sampling(BaseModel):
     guided_regex: str | None = None
     guided_choice: list[str] | None = None
     guided_grammar: str | None = None
+    # the sampling surface (docs/sampling.md), exact under speculation
+    n: int = 1  # choices per prompt, 1..MAX_N: choice j samples with seed + j
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    repetition_penalty: float | None = None  # vLLM extension
+    logit_bias: dict[str, Any] | None = None
+    min_tokens: int | None = None  # vLLM extension
+    logprobs_mode: str = "raw"  # xspec extension: "raw" (vLLM's default) or "processed"
+
+    def logprob_count(self) -> int | None:
+        """Alternatives per generated token the request asks for (None: no logprobs)."""
+        return None
+
+    def sampling(self) -> SamplingParams:
+        """The request's :class:`~xspec.sampling.SamplingParams` (not yet checked)."""
+        return SamplingParams(
+            temperature=self.temperature,
+            top_k=0 if self.top_k == -1 else self.top_k,
+            top_p=self.top_p,
+            seed=self.seed,
+            presence_penalty=self.presence_penalty or 0.0,
+            frequency_penalty=self.frequency_penalty or 0.0,
+            repetition_penalty=1.0 if self.repetition_penalty is None else self.repetition_penalty,
+            logit_bias=as_logit_bias(self.logit_bias),
+            min_tokens=self.min_tokens or 0,
+            logprobs=self.logprob_count(),
+            logprobs_mode=self.logprobs_mode,
+        )
+
+    def score_only(self) -> bool:
+        """``echo`` with ``max_tokens: 0``: the prompt's logprobs, nothing generated."""
+        return False
 
     def limit(self) -> tuple[str, int | None]:
         """The output length limit the request set, and the field it set it in."""
@@ -193,8 +216,13 @@ class _Sampling(BaseModel):
         engine request is made (:class:`~xspec.sampling.SamplingParams`)."""
         out = []
         name, limit = self.limit()
-        if limit is not None and limit < 1:
+        if limit is not None and limit < 1 and not self.score_only():
             out.append((name, f"{name} must be >= 1 (got {limit})"))
+        if isinstance(self.n, bool) or not 1 <= self.n <= MAX_N:
+            out.append(("n", f"n must be an integer in [1, {MAX_N}] (got {self.n})"))
+        if (k := self.logprob_count()) is not None and not 0 <= k <= MAX_LOGPROBS:
+            field = "logprobs" if self.kind == "completions" else "top_logprobs"
+            out.append((field, f"{field} must be in [0, {MAX_LOGPROBS}] (got {k})"))
         if self.stream_options is not None and not self.stream:
             out.append(("stream_options", "stream_options is only allowed with stream: true"))
         ids = self.stop_token_ids or []
@@ -237,6 +265,21 @@ class CompletionRequest(_Sampling):
     """``POST /v1/completions``: ``prompt`` is text or token ids (one prompt)."""
 
     prompt: str | list[int] | list[str] | list[list[int]]
+    # the legacy logprobs: top-k alternatives per token (0: the chosen token's only)
+    logprobs: StrictInt | None = None
+    echo: bool = False  # the prompt before the completion (with logprobs: the prompt's)
+
+    def logprob_count(self) -> int | None:
+        return self.logprobs
+
+    def score_only(self) -> bool:
+        return self.echo and self.max_tokens == 0
+
+    def sampling(self) -> SamplingParams:
+        params = super().sampling()
+        if self.echo and self.logprobs is not None:  # the prompt's logprobs too
+            return dataclasses.replace(params, prompt_logprobs=self.logprobs)
+        return params
 
     def prompts(self) -> list[str | list[int]]:
         """The request's prompts, one choice each: a text, token ids, or a list of either
@@ -266,7 +309,18 @@ class ChatCompletionRequest(_Sampling):
 
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = None
+    logprobs: bool = False
+    top_logprobs: int | None = None  # alternatives per token, with logprobs: true
     chat_template_kwargs: dict[str, Any] | None = None  # vLLM extension (enable_thinking)
+
+    def logprob_count(self) -> int | None:
+        return (self.top_logprobs or 0) if self.logprobs else None
+
+    def problems(self) -> list[tuple[str, str]]:
+        out = super().problems()
+        if self.top_logprobs is not None and not self.logprobs:
+            out.append(("top_logprobs", "top_logprobs needs logprobs: true"))
+        return out
 
     def limit(self) -> tuple[str, int | None]:
         if self.max_completion_tokens is not None:  # OpenAI's newer name wins
