@@ -21,6 +21,7 @@ import torch
 
 import xspec
 from tests.spec.test_verify_stats import CHI2_CRIT_0001, N, assert_follows, chi_square
+from xspec.engine.engine import Request
 from xspec.errors import RequestError
 from xspec.sampling import SamplingParams, logits_to_probs
 from xspec.spec.processors import Processors, process_rows
@@ -221,6 +222,14 @@ def test_min_tokens_masks_the_stop_ids_until_reached(spec: str) -> None:
     assert first.token_ids == [eos] and first.finish_reason == "stop"
     gen = llm.generate(E2E_PROMPTS[:1], 16, logit_bias=bias, min_tokens=5)[0]
     assert len(gen.token_ids) == 6 and gen.token_ids[-1] == eos and eos not in gen.token_ids[:5]
+    # a request's stop_token_ids are masked as well (vLLM's min_tokens)
+    stop_id = 40
+    prompt = llm.tokenizer.encode(E2E_PROMPTS[0])
+    req = Request(prompt, 16, SamplingParams(logit_bias=((stop_id, 100.0),), min_tokens=4),
+                  ignore_eos=True, stop_token_ids=frozenset({stop_id}))  # fmt: skip
+    out = llm.engine.run([req], 1)[0]
+    assert len(out.token_ids) == 5 and out.token_ids[-1] == stop_id
+    assert stop_id not in out.token_ids[:4]
 
 
 @pytest.mark.parametrize(

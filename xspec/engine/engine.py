@@ -640,10 +640,10 @@ class Engine:
 
     def _processors(self, req: Request) -> Processors | None:
         """The request's logits processors (None without any): ``min_tokens`` masks the
-        engine's stop ids (unless ``ignore_eos``)."""
+        engine's stop ids (unless ``ignore_eos``) and the request's ``stop_token_ids``."""
         if not req.params.has_processors:
             return None
-        stop = frozenset() if req.ignore_eos else self.stop_ids
+        stop = (frozenset() if req.ignore_eos else self.stop_ids) | req.stop_token_ids
         target = self.target
         return Processors(req.params, req.prompt_ids, stop, target.vocab_size, target.device)
 
