@@ -300,3 +300,5 @@ def test_generate_with_structured_output(base: xspec.LLM) -> None:
         base.generate("x", structured_outputs={"regex": "[0-9"})
     with pytest.raises(RequestError, match="ignore_eos cannot go with structured output"):
         base.generate("x", ignore_eos=True, structured_outputs={"choice": ["a"]})
+    with pytest.raises(RequestError, match="min_tokens cannot go with structured output"):
+        base.generate("x", min_tokens=2, structured_outputs={"choice": ["a"]})

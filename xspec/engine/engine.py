@@ -513,6 +513,11 @@ class Engine:
                 f"{where}: ignore_eos cannot go with structured output (the grammar ends "
                 "in a stop token); drop one of them"
             )
+        if req.grammar is not None and req.params.min_tokens:
+            raise RequestError(
+                f"{where}: min_tokens cannot go with structured output (a complete grammar "
+                "admits only a stop token, which min_tokens masks); drop min_tokens"
+            )
         if req.grammar is not None and req.grammar.vocab_size != vocab:
             raise RequestError(f"{where}: the grammar was compiled for another vocabulary")
         if bad := [t for t, _ in req.params.logit_bias if not t < vocab]:
