@@ -38,8 +38,16 @@ import torch
 
 from xspec.config import RunConfig, SpecConfig, gamma_schedule_problems, validate
 from xspec.engine.engine import Engine
-from xspec.engine.memory import LayoutPlan, MemoryPlan, budget_of, plan_memory, weight_bytes
+from xspec.engine.memory import (
+    LayoutPlan,
+    MemoryPlan,
+    budget_of,
+    cache_capacity,
+    plan_memory,
+    weight_bytes,
+)
 from xspec.engine.parallel import ParallelEngine
+from xspec.engine.prefix_cache import PrefixCache
 from xspec.errors import CheckpointError, ConfigError, MemoryBudgetError, UserError
 from xspec.grammar import GrammarCompiler
 from xspec.models.base import CapturePoint, TargetModel, modules_of
@@ -423,6 +431,8 @@ def build(cfg: RunConfig, *, depth_policy: DepthPolicy | None = None) -> Built:
         # fixed gamma under torchrun: _checks refuses spec.adaptive / gamma_schedule there
         policy=depth_policy or _depth_policy(cfg, drafter, profile, platform),
     )
+    if not parallel.distributed:  # (lockstep: every rank prefills the same forwards)
+        kw["prefix_cache"] = prefix_cache_of(cfg.engine, plan, target.prefix_granularity)
     experts = routed_expert_bytes(target, drafter)
     if parallel.distributed:
         lockstep = Lockstep(parallel, target, drafter)  # type: ignore[arg-type]
@@ -505,6 +515,35 @@ def _plan(cfg: RunConfig, platform: Platform, target: TargetModel, drafter: Draf
     plan = plan_memory(target, drafter, budget, weights)
     plan.check_one_sequence()
     return plan
+
+
+def prefix_cache_of(engine: Any, plan: MemoryPlan, granularity: int) -> PrefixCache | None:
+    """The ``engine`` section's prefix cache (None: ``engine.prefix_cache=false``): at most
+    ``prefix_cache_gib``, else a quarter of the plan's memory for caches. ConfigError for a
+    block the model cannot snapshot at, or a cache that cannot hold one block."""
+    if not engine.prefix_cache:
+        return None
+    block = engine.prefix_block
+    if block % granularity:
+        raise ConfigError(
+            f"engine.prefix_block={block}: the model snapshots its state every "
+            f"{granularity} tokens (its compression ratios); use a multiple of {granularity}"
+        )
+    capacity = cache_capacity(engine, plan)
+    one_block = plan.block_bytes(block)
+    if capacity < one_block:
+        raise ConfigError(
+            f"the prefix cache ({capacity} bytes: "
+            + (
+                f"engine.prefix_cache_gib={engine.prefix_cache_gib:g}"
+                if engine.prefix_cache_gib is not None
+                else f"a quarter of the plan's {max(0, plan.available)} bytes for caches"
+            )
+            + f") cannot hold one block of {block} tokens ({one_block} bytes); raise "
+            "engine.prefix_cache_gib or engine.memory_budget, lower engine.prefix_block, "
+            "or turn it off with engine.prefix_cache=false"
+        )
+    return PrefixCache(block, capacity)
 
 
 def stop_ids_of(*sources: object) -> frozenset[int]:

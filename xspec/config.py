@@ -235,6 +235,16 @@ class EngineConfig:
     # long); null = every waiting request a slot and the memory plan allow (why 2048:
     # docs/architecture.md, the engine)
     max_prefill_tokens: int | None = 2048
+    # the prefix cache (docs/prefix_cache.md): a new request restores the model and
+    # drafter state of the longest prompt prefix cached at a block boundary and prefills
+    # only the rest; false = every prompt prefilled whole, in max_prefill_tokens chunks
+    prefix_cache: bool = True
+    # the most memory it holds (GiB); null = a quarter of the plan's memory for caches and
+    # workspace. It gives way to the requests' reservations whatever its size
+    prefix_cache_gib: float | None = None
+    # prompt tokens per cached block (a multiple of the model's compression ratios); a
+    # cache-enabled prefill runs one block per forward
+    prefix_block: int = 256
 
 
 @dataclass(kw_only=True)
@@ -446,6 +456,15 @@ def engine_problems(e: EngineConfig) -> list[str]:
             f"engine.device_memory_gib must be > 0 and at most {MAX_MEMORY_GIB} GiB (1 PiB), "
             f"or null (got {device:g}); give one device's memory in GiB, e.g. 80"
         )
+    gib = e.prefix_cache_gib
+    if gib is not None and not 0 < gib <= MAX_MEMORY_GIB:
+        out.append(
+            f"engine.prefix_cache_gib must be > 0 and at most {MAX_MEMORY_GIB} GiB, or null "
+            f"for a quarter of the memory plan (got {gib:g}); turn the cache off with "
+            "engine.prefix_cache=false"
+        )
+    if e.prefix_block < 1:
+        out.append(f"engine.prefix_block must be >= 1 tokens (got {e.prefix_block})")
     tokens = e.max_prefill_tokens
     if tokens is not None and tokens < 1:
         out.append(

@@ -50,6 +50,12 @@ class ScriptedDrafter(Drafter):
     def kv_bytes(self) -> KvBytes:
         return KvBytes()
 
+    def snapshot(self, state: Any, start: int) -> Any:
+        raise NotImplementedError  # the test runs no prefix cache
+
+    def restore(self, state: Any, chain: Any) -> Any:
+        raise NotImplementedError
+
     def observe(self, states: list[Script], rows: CommittedRows) -> None:
         self.seen.append(rows)
         for s, n in zip(states, rows.seq_lens):

@@ -22,6 +22,11 @@ Times are seconds on the engine's clock (:meth:`Engine.reset_clock`; a batch run
 it, and every request of a batch arrives at 0); TTFT and latency count from admission,
 the wait before it is the queue time (:class:`Generation`).
 
+With a prefix cache (:mod:`xspec.engine.prefix_cache`) admission looks each prompt up
+and a newcomer's states are restored from its longest cached prefix; every prefill then
+runs in cache blocks (:mod:`xspec.spec.block_prefill`), snapshotting each boundary. The
+cache gives way to reservations: a request that fits the plan without it fits with it.
+
 Under expert parallelism (``lockstep``) each iteration first agrees its shape with the
 other ranks and tops up with idle forwards; a rank without work keeps iterating until no
 rank has any (:mod:`xspec.parallel.lockstep`).
@@ -40,11 +45,13 @@ from typing import TYPE_CHECKING, Literal
 
 from xspec.acceptance import SpecCounts
 from xspec.engine.memory import MemoryPlan, ReservationPool, allocated_bytes, context_problem
+from xspec.engine.prefix_cache import Entry, Hit, PrefixCache
 from xspec.engine.stop import StopMatcher, stop_problem
 from xspec.errors import RequestError, UserError
 from xspec.metrics import SpecDecodeMetrics
 from xspec.models.base import CapturePoint, TargetModel
 from xspec.sampling import SamplingParams, TokenLogprob, make_generator
+from xspec.spec.block_prefill import prefill_blocks
 from xspec.spec.drafter import Drafter
 from xspec.spec.policy import DepthPolicy
 from xspec.spec.processors import Processors
@@ -120,6 +127,7 @@ class Generation:
     logprobs: list[TokenLogprob] | None = None
     # SamplingParams.prompt_logprobs: one per prompt token, the first None
     prompt_logprobs: list[TokenLogprob | None] | None = None
+    cached_tokens: int = 0  # prompt tokens restored from the prefix cache (not prefilled)
 
     @property
     def queue_s(self) -> float:
@@ -193,13 +201,19 @@ class Engine:
         check_sampling: Callable[[list[SamplingParams]], None] | None = None,
         # how many drafts each request drafts and verifies (xspec.spec.policy)
         policy: DepthPolicy = FIXED_DEPTH,
+        # prompt prefixes' states (xspec.engine.prefix_cache); None: every prompt prefilled whole
+        prefix_cache: PrefixCache | None = None,
     ) -> None:
+        if lockstep is not None and prefix_cache is not None:
+            raise ValueError("the prefix cache does not run under expert parallelism (lockstep)")
         if lockstep is not None and not policy.lockstep_safe:
             raise ValueError(
                 f"{type(policy).__name__} cannot run under expert parallelism: every rank "
                 "must draft the iteration's agreed width (a lockstep-safe depth policy)"
             )
         self.policy = policy
+        self.prefix_cache = prefix_cache
+        self._hits: dict[Hashable, Hit] = {}  # admitted, not yet prefilled: their pinned entries
         self.check_sampling = check_sampling
         self.target, self.drafter, self.capture = target, drafter, capture
         self.stop_ids = frozenset(stop_ids)  # a request ends at any of these (unless ignore_eos)
@@ -306,6 +320,7 @@ class Engine:
                 self._waiting.remove(rid)
             else:  # admitted, but an exception (KeyboardInterrupt) cut its prefill short
                 self.pool.release(rid)
+                self._unpin([rid])
             self._requests.pop(rid)
         gen.finish_reason = "abort"
         gen.finished_at = time.perf_counter() - self._t0
@@ -381,10 +396,13 @@ class Engine:
         requests' records change only once it has run."""
         lock, running = self.lockstep, self._running
         if admitted:
-            seqs = [self._start(self._requests[i]) for i in admitted]
-            result = prefill(
-                self.target, self.drafter, seqs, self.capture, self.prefill_chunk, lock
-            )
+            try:
+                seqs = [self._start(self._requests[i], self._hits.get(i)) for i in admitted]
+                for i, s in zip(admitted, seqs):
+                    self._gens[i].cached_tokens = s.target_state.num_tokens
+                result = self._prefill(admitted, seqs)
+            finally:
+                self._unpin(admitted)
             if lock is not None:
                 lock.idle_decode()
             now = self.now()
@@ -574,7 +592,7 @@ class Engine:
             req = self._requests[waiting[0]]
             if budget is not None and admitted and tokens + len(req.prompt_ids) > budget:
                 break
-            if not self.pool.try_reserve(waiting[0], self._reservation(req)):
+            if not self._reserve(waiting[0], req):
                 break
             tokens += len(req.prompt_ids)
             admitted.append(waiting.popleft())
@@ -584,6 +602,80 @@ class Engine:
                 f"({self.pool.reserved} of {self.pool.capacity} bytes still reserved)"
             )
         return admitted
+
+    # ---- the prefix cache -------------------------------------------------------------
+
+    def _reserve(self, rid: Hashable, req: Request) -> bool:
+        """Reserve ``req``'s worst case, the prefix cache giving way (its least recently
+        used entries evicted, its hit for this prompt too if need be), and pin its hit."""
+        nbytes, cache = self._reservation(req), self.prefix_cache
+        if cache is None:
+            return self.pool.try_reserve(rid, nbytes)
+        # prompt logprobs score every prompt row: such a request prefills all of it
+        scored = req.params.prompt_logprobs is not None
+        hit = Hit() if scored else cache.match(req.prompt_ids)
+        if not self._room_for(nbytes):
+            cache.release(hit.entries)  # its own prefix gives way too
+            if not self._room_for(nbytes):
+                return False
+            hit = Hit() if scored else cache.match(req.prompt_ids)  # what is left of it
+        reserved = self.pool.try_reserve(rid, nbytes)
+        assert reserved, "the pool refused what _room_for made room for"
+        self._hits[rid] = hit
+        return True
+
+    def _room_for(self, nbytes: int) -> bool:
+        """Whether ``nbytes`` more fit beside the reservations and the cache, after
+        evicting the unpinned entries they need."""
+        cache = self.prefix_cache
+        assert cache is not None
+        over = self.pool.reserved + nbytes + cache.nbytes - self.pool.capacity
+        if over > 0:
+            cache.evict(over)
+        return self.pool.reserved + nbytes + cache.nbytes <= self.pool.capacity
+
+    def _prefill(self, rids: list[Hashable], seqs: list[RunningSeq]) -> StepResult:
+        """Prefill the newcomers: whole (no cache) or in cache blocks, caching each
+        boundary a sequence reaches while every entry before it is its own lineage."""
+        cache = self.prefix_cache
+        if cache is None:
+            return prefill(
+                self.target, self.drafter, seqs, self.capture, self.prefill_chunk, self.lockstep
+            )
+        pinned = [self._hits[i].entries for i in rids]  # each lineage: its last is the parent
+        active = [True] * len(seqs)
+
+        def on_boundary(j: int) -> None:
+            if not active[j]:
+                return
+            seq, parent = seqs[j], pinned[j][-1] if pinned[j] else None
+            end, start = seq.target_state.num_tokens, parent.end if parent else 0
+            if cache.cached(parent, seq.token_ids, end):  # another prefill's lineage
+                active[j] = False
+                return
+            entry = cache.insert(
+                parent,
+                seq.token_ids,
+                end,
+                self.target.snapshot(seq.target_state, start),
+                self.drafter.snapshot(seq.draft_state, start),
+                room=self.pool.capacity - self.pool.reserved - cache.nbytes,
+            )
+            if entry is None:
+                active[j] = False
+            else:
+                pinned[j].append(entry)
+
+        return prefill_blocks(
+            self.target, self.drafter, seqs, self.capture, cache.block, on_boundary
+        )
+
+    def _unpin(self, rids: list[Hashable]) -> None:
+        """The prefix-cache entries these admitted requests pinned may be evicted again."""
+        for rid in rids:
+            hit = self._hits.pop(rid, None)
+            if hit is not None and self.prefix_cache is not None:
+                self.prefix_cache.release(hit.entries)
 
     def _new_pool(self) -> ReservationPool:
         return ReservationPool(self.plan.available if self.plan is not None else math.inf)
@@ -624,18 +716,29 @@ class Engine:
             for s in self._running.values()
         )
 
-    def _start(self, req: Request) -> RunningSeq:
+    def _start(self, req: Request, hit: Hit | None = None) -> RunningSeq:
+        """``req``'s running sequence, restored from its prefix-cache ``hit`` if any."""
         if self.check_sampling is not None:
             self.check_sampling([req.params])
-        return self._new_seq(req)
+        if hit is None or self.prefix_cache is None:
+            return self._new_seq(req)
+        self.prefix_cache.count(len(req.prompt_ids), hit.tokens)
+        return self._new_seq(req, hit.entries)
 
-    def _new_seq(self, req: Request) -> RunningSeq:
+    def _new_seq(self, req: Request, cached: Sequence[Entry] = ()) -> RunningSeq:
+        """A request's running sequence, its states restored from ``cached`` (the prefix
+        cache's entries of its prompt, from the first block) or empty."""
         # the states may grow up to the reserved length, no further
         tokens = len(req.prompt_ids) + req.max_new_tokens + self.drafter.gamma
+        target_state = self.target.new_state(tokens)
+        draft_state = self.drafter.new_state(tokens)
+        if cached:
+            self.target.restore(target_state, [e.target for e in cached])
+            draft_state = self.drafter.restore(draft_state, [e.draft for e in cached])
         return RunningSeq(
             token_ids=list(req.prompt_ids),
-            target_state=self.target.new_state(tokens),
-            draft_state=self.drafter.new_state(tokens),
+            target_state=target_state,
+            draft_state=draft_state,
             params=req.params,
             generator=make_generator(req.params),
             max_len=len(req.prompt_ids) + req.max_new_tokens,

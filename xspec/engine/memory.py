@@ -146,6 +146,11 @@ class MemoryPlan:
             )
         return None
 
+    def block_bytes(self, block: int) -> int:
+        """Bytes one prefix-cache block holds at most: a sequence's state (target and
+        draft) of ``block`` tokens, its fixed-size parts included."""
+        return self.target.at(block) + self.draft.at(block)
+
     def check_one_sequence(self) -> None:
         """MemoryBudgetError unless one minimal sequence (1 prompt + 1 new token) fits."""
         need = self.weights + self.seq_bytes(1, 1)
@@ -175,6 +180,17 @@ class MemoryPlan:
                 f"{concurrency}",
             ]
         )
+
+
+PREFIX_CACHE_SHARE = 0.25  # of the plan's memory for caches, when prefix_cache_gib is null
+
+
+def cache_capacity(engine: Any, plan: MemoryPlan) -> int:
+    """Bytes the prefix cache may hold (``engine.prefix_cache_gib``, else a share of the
+    plan's memory for caches and workspace)."""
+    if engine.prefix_cache_gib is not None:
+        return int(engine.prefix_cache_gib * GIB)
+    return int(PREFIX_CACHE_SHARE * max(0, plan.available))
 
 
 def _b(n: float) -> str:

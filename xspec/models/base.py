@@ -16,6 +16,14 @@ by the platform from checkpoint layer ids, see ``Platform.capture_point``); the 
 returns the hidden state at each point, concatenated in list order, as
 ``aux_hidden [T, K*d]``. Core code never adds +1 to a layer id itself.
 
+Prefix snapshots (the engine's prefix cache, :mod:`xspec.engine.prefix_cache`): at a
+block boundary ``end`` (a multiple of ``prefix_granularity``) ``snapshot(state, start)``
+copies what the state gained since the previous boundary ``start`` (append-only rows:
+KV, compressed entries) and what a continuation reads of its fixed-size parts at ``end``
+(rings, compressor rows). ``restore(fresh, chain)`` rebuilds, in an empty state, the
+state after ``chain[-1].end`` tokens from the snapshots of every block up to it; a
+forward continuing from it gives bit for bit what the state that was snapshotted gives.
+
 Logits: ``logit_rows`` names the rows whose logits the caller reads (a prefill needs
 only each prompt's last row); the model scores only those, so a prompt chunk of
 ``T`` rows never holds ``[T, V]`` logits (at DeepSeek-V4's 129k vocabulary, 0.5 MiB of
@@ -25,7 +33,7 @@ fp32 a row: 1 GiB for one 2048-row chunk). ``None``: every row (verification, pa
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
@@ -127,6 +135,20 @@ class Footprint:
     max_context: int = 0
 
 
+class Snapshot(Protocol):
+    """What a state gained over one prefix block, and its fixed-size parts at the block's
+    end (see the module docstring)."""
+
+    @property
+    def end(self) -> int:
+        """Tokens the state held when it was taken (the block's end boundary)."""
+        ...
+
+    def nbytes(self) -> int:
+        """Bytes of the tensors it holds."""
+        ...
+
+
 @runtime_checkable
 class DecodeState(Protocol):
     """Per-sequence decoding state (KV caches, compressor state...)."""
@@ -176,6 +198,22 @@ class TargetModel(Protocol):
         ...
 
     def forward(self, batch: ForwardBatch) -> ModelOutput: ...
+
+    @property
+    def prefix_granularity(self) -> int:
+        """Prefix-cache blocks must be a multiple of this many tokens (DeepSeek-V4: its
+        compression ratios, so a block's compressed entries are whole)."""
+        ...
+
+    def snapshot(self, state: Any, start: int) -> Snapshot:
+        """A copy of what ``state`` gained since the boundary ``start`` (see the module
+        docstring); ``state`` holds exactly its boundary's tokens and is left unchanged."""
+        ...
+
+    def restore(self, state: Any, chain: Sequence[Any]) -> None:
+        """Fill the empty ``state`` (from :meth:`new_state`) with ``chain``: the snapshots
+        of consecutive blocks from token 0 to ``chain[-1].end``."""
+        ...
 
     def truncate(self, state: Any, num_tokens: int) -> None:
         """Roll ``state`` (one this model made) back to its first ``num_tokens`` tokens."""

@@ -7,6 +7,7 @@ A family's draft module (``models/<family>/dspark.py``) implements :class:`Block
 from __future__ import annotations
 
 import enum
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
@@ -51,6 +52,15 @@ class BlockDraftModel(Protocol):
 
     def kv_bytes(self, gamma: int) -> KvBytes:
         """Analytic per-sequence bytes of :meth:`new_cache`."""
+        ...
+
+    def snapshot(self, cache: Any, start: int) -> Any:
+        """A prefix-cache snapshot of ``cache`` (:meth:`xspec.spec.drafter.Drafter.snapshot`):
+        what it gained since ``start`` and what a continuation reads; ``nbytes()``."""
+        ...
+
+    def restore(self, cache: Any, chain: Sequence[Any]) -> None:
+        """Fill the empty ``cache`` with ``chain`` (consecutive blocks from position 0)."""
         ...
 
     def write_context(self, caches: list[Any], aux: torch.Tensor, seq_lens: list[int]) -> None:

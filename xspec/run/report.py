@@ -237,6 +237,7 @@ def plan_summary(built: Built) -> str:
     prompt_len, max_new_tokens = max(lengths, key=lambda n: (sum(n), n[0]), default=(1, 1))
     assert built.engine.plan is not None
     text = built.engine.plan.describe(prompt_len, max_new_tokens, w.concurrency)
+    text += "\n" + prefix_cache_line(built)
     topo = built.parallel.topology
     if topo.world > 1 and built.expert_bytes:
         mib = [f"{b / 2**20:.1f}" for b in built.expert_bytes]
@@ -247,6 +248,19 @@ def plan_summary(built: Built) -> str:
     if built.profile is not None:
         text += "\n" + built.profile.describe() + "\n" + adaptive_summary(built)
     return text
+
+
+def prefix_cache_line(built: Built) -> str:
+    """The plan's line about the prefix cache: its share, its block, a block's bytes."""
+    cache, plan = built.engine.prefix_cache, built.engine.plan
+    if cache is None:
+        return "  prefix cache: off"
+    assert plan is not None
+    return (
+        f"  prefix cache: up to {cache.capacity / 2**20:.1f} MiB of it, blocks of "
+        f"{cache.block} tokens (at most {plan.block_bytes(cache.block) / 2**20:.2f} MiB each); "
+        "it gives way to the requests' reservations"
+    )
 
 
 def adaptive_summary(built: Built) -> str:

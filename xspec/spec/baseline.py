@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -36,6 +37,12 @@ class NoDrafter(Drafter):
 
     def kv_bytes(self) -> KvBytes:
         return KvBytes()
+
+    def snapshot(self, state: Any, start: int) -> None:
+        return None
+
+    def restore(self, state: Any, chain: Sequence[Any]) -> None:
+        return None
 
     def observe(self, states: list[Any], rows: CommittedRows) -> None:
         pass

@@ -32,6 +32,7 @@ implements :class:`~xspec.models.block_draft.BlockDraftModel`.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -155,6 +156,13 @@ class BlockDrafter(Drafter):
 
     def kv_bytes(self) -> KvBytes:
         return self.model.kv_bytes(self.gamma)
+
+    def snapshot(self, state: Any, start: int) -> Any:
+        return self.model.snapshot(state, start)
+
+    def restore(self, state: Any, chain: Sequence[Any]) -> Any:
+        self.model.restore(state, chain)
+        return state
 
     @torch.no_grad()
     def observe(self, states: list[Any], rows: CommittedRows) -> None:

@@ -43,6 +43,14 @@ resolves it before ``preflight`` and the constructor see the spec section), and 
 compiler) to the constructors of the modules it builds. Its model family comes from
 ``xspec.registry.family_named(model_cfg.arch)``; a drafter never names a family.
 
+Prefix caching (:mod:`xspec.engine.prefix_cache`): every drafter states what a cached
+prompt boundary keeps of its state, through the abstract ``snapshot(state, start)`` (a
+copy of what the state gained since the boundary ``start`` and of what its continuation
+reads at the current one: MTP its last row's hidden state and logits and its own SWA
+ring, DSpark its context rings and held-back captures, DFlash its context K/V) and
+``restore(state, chain)``. A hit must continue exactly as the cold run: a drafter that
+forgets a part of its state proposes other drafts (the engine tests compare them).
+
 Checkpoint layer ids in ``capture_layer_ids`` are raw: the platform maps them to capture
 points; drafters never add +1 themselves.
 """
@@ -51,6 +59,7 @@ from __future__ import annotations
 
 import abc
 import itertools
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar
@@ -207,6 +216,19 @@ class Drafter(abc.ABC):
     @abc.abstractmethod
     def kv_bytes(self) -> KvBytes:
         """Analytic per-sequence bytes of :meth:`new_state` (``KvBytes()`` for none)."""
+
+    @abc.abstractmethod
+    def snapshot(self, state: Any, start: int) -> Any:
+        """A prefix-cache snapshot of ``state`` at a prompt block boundary (the rows it
+        observed end there): a copy of what it gained since the boundary ``start`` and of
+        everything a continuation reads; ``state`` is left unchanged. None for a method
+        without state; otherwise an object with ``nbytes()``."""
+
+    @abc.abstractmethod
+    def restore(self, state: Any, chain: Sequence[Any]) -> Any:
+        """Fill the empty ``state`` (from :meth:`new_state`) with ``chain``, the snapshots
+        of consecutive blocks from position 0, and return it: the state the last one was
+        taken of, bit for bit."""
 
     @abc.abstractmethod
     def observe(self, states: list[Any], rows: CommittedRows) -> None:

@@ -23,6 +23,7 @@ The MTP consumes ``CommittedRows.hidden``, not aux captures: ``capture_layer_ids
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -56,6 +57,20 @@ class MtpState:
 
     def nbytes_allocated(self) -> int:
         return int(self.cache.nbytes_allocated())
+
+
+@dataclass(frozen=True, eq=False)
+class MtpSnapshot:
+    """A prefix-cache snapshot of an :class:`MtpState`: its cache's (the SWA ring: fixed
+    size) and copies of the last row's logits and hidden state."""
+
+    cache: Any  # the MTP block's LayerSnapshot
+    logits: torch.Tensor | None  # [V]
+    hidden: torch.Tensor | None  # [hc, d]
+
+    def nbytes(self) -> int:
+        own = [t for t in (self.logits, self.hidden) if t is not None]
+        return int(self.cache.nbytes()) + sum(t.numel() * t.element_size() for t in own)
 
 
 class MtpDrafter(Drafter):
@@ -133,6 +148,18 @@ class MtpDrafter(Drafter):
         return KvBytes(fixed, per_token)
 
     @torch.no_grad()
+    def snapshot(self, state: MtpState, start: int) -> MtpSnapshot:
+        own = [None if t is None else t.clone() for t in (state.logits, state.hidden)]
+        return MtpSnapshot(state.cache.snapshot(start), *own)
+
+    def restore(self, state: MtpState, chain: Sequence[MtpSnapshot]) -> MtpState:
+        state.cache.restore([s.cache for s in chain])
+        if chain:
+            last = chain[-1]
+            state.logits = None if last.logits is None else last.logits.clone()
+            state.hidden = None if last.hidden is None else last.hidden.clone()
+        return state
+
     def observe(self, states: list[MtpState], rows: CommittedRows) -> None:
         """One MTP row per committed target row: (its hidden, the next token)."""
         seq_lens = rows.seq_lens

@@ -189,13 +189,7 @@ def prefill(
             - prefill_forwards([len(p) for p in prompts], chunk_tokens)
         )
     # the first generated token comes from the last prompt row
-    raw, bad = _mask_nonfinite(torch.stack(last_logits), [1] * len(seqs))  # [B, V], [B]
-    no_drafts = torch.empty(len(seqs), 0, dtype=torch.long, device=device)  # [B, 0]
-    logits = _processed(seqs, raw, [1] * len(seqs), no_drafts)  # [B, V]
-    first_masks = [None if s.constraint is None else s.constraint.allowed()[None] for s in seqs]
-    logits = _grammar_rows(logits, first_masks, [1] * len(seqs))
-    probs = logits_to_probs(logits, [s.params for s in seqs])  # [B, V]
-    first = sample(probs, [s.generator for s in seqs], check_greedy=False)  # [B] on the device
+    first, bad, sampled = first_tokens(seqs, last_logits)  # [B], [B] on the device
     # the drafter observes every prompt: the chunks' rows, gathered sequence by sequence
     seq_lens = [len(p) for p in prompts]
     ids = torch.cat(prompts)  # [N]
@@ -211,11 +205,41 @@ def prefill(
         starts=starts,
     )
     drafter.observe([s.draft_state for s in seqs], rows)
+    prompt_logprobs = prompt_token_logprobs(seqs, prompts, prompt_rows)
+    return commit_first(seqs, first, bad, sampled, prompt_logprobs)
+
+
+def first_tokens(
+    seqs: list[RunningSeq], last_logits: list[torch.Tensor]
+) -> tuple[torch.Tensor, torch.Tensor, SampledRows]:
+    """Each sequence's first generated token, sampled from its last prompt row's logits
+    (``[V]`` each) after its processors and grammar: ``first [B]`` and ``bad [B]``
+    (non-finite logits), on the device, and the rows as sampled (for logprobs)."""
+    ones = [1] * len(seqs)
+    raw, bad = _mask_nonfinite(torch.stack(last_logits), ones)  # [B, V], [B]
+    no_drafts = torch.empty(len(seqs), 0, dtype=torch.long, device=raw.device)  # [B, 0]
+    logits = _processed(seqs, raw, ones, no_drafts)  # [B, V]
+    first_masks = [None if s.constraint is None else s.constraint.allowed()[None] for s in seqs]
+    logits = _grammar_rows(logits, first_masks, ones)
+    probs = logits_to_probs(logits, [s.params for s in seqs])  # [B, V]
+    first = sample(probs, [s.generator for s in seqs], check_greedy=False)  # [B] on the device
+    return first, bad, SampledRows(raw, logits, probs, ones)
+
+
+def commit_first(
+    seqs: list[RunningSeq],
+    first: torch.Tensor,
+    bad: torch.Tensor,
+    sampled: SampledRows,
+    prompt_logprobs: list[list[TokenLogprob | None] | None] | None = None,
+) -> StepResult:
+    """Append each sequence's first token (``first [B]``; ``bad [B]`` flags it; sampled
+    from ``sampled``) after one host sync: a prefill's result."""
     host = torch.stack([first, bad.long()], dim=1).tolist()  # [B, 2]: the one host sync
     _flag(seqs, [b == 1 for _, b in host])
     new_tokens = [[t] for t, _ in host]
     ones = [1] * len(seqs)
-    logprobs = committed_logprobs(seqs, SampledRows(raw, logits, probs, ones), first[:, None], ones)
+    logprobs = committed_logprobs(seqs, sampled, first[:, None], ones)
     for s, new in zip(seqs, new_tokens):
         s.token_ids += new
         if s.constraint is not None:
@@ -226,7 +250,7 @@ def prefill(
         num_drafts=zeros,
         num_accepted=list(zeros),
         logprobs=logprobs,
-        prompt_logprobs=prompt_token_logprobs(seqs, prompts, prompt_rows),
+        prompt_logprobs=prompt_logprobs,
     )
 
 

@@ -8,6 +8,7 @@ drafter proposes a token one id off the target's greedy choice at every position
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -42,6 +43,13 @@ class OracleDrafter(Drafter):
 
     def kv_bytes(self) -> KvBytes:
         return self.target.kv_bytes()  # a private target state per sequence
+
+    def snapshot(self, state: Any, start: int) -> Any:
+        return self.target.snapshot(state, start)  # its private target state
+
+    def restore(self, state: Any, chain: Sequence[Any]) -> Any:
+        self.target.restore(state, chain)
+        return state
 
     def observe(self, states: list[Any], rows: CommittedRows) -> None:
         # Mirror the committed context into the private state.

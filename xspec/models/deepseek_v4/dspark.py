@@ -37,7 +37,7 @@ number of visible keys is ``ori_win_left + 1``.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -361,6 +361,42 @@ class DSparkCache:
             tensors.append(self.backlog)
         return sum(t.numel() * t.element_size() for t in tensors)
 
+    def snapshot(self) -> DSparkSnapshot:
+        """A copy of everything it holds (all of it fixed-size: the context rings, the
+        captures held back and their backlog)."""
+        backlog = None if self.backlog is None else self.backlog.clone()
+        return DSparkSnapshot(
+            tuple(r.data.clone() for r in self.rings),
+            self.held[: self.pending_rows].clone(),
+            backlog,
+            self.backlog_rows,
+            self.num_tokens,
+        )
+
+    def restore(self, snap: DSparkSnapshot) -> None:
+        """Hold what ``snap`` was taken of (an empty cache of the same draft)."""
+        for ring, data in zip(self.rings, snap.rings, strict=True):
+            ring.data.copy_(data)
+        self.held[: snap.held.shape[0]] = snap.held
+        self.pending_rows = snap.held.shape[0]
+        self.backlog = None if snap.backlog is None else snap.backlog.clone()
+        self.backlog_rows, self.num_tokens = snap.backlog_rows, snap.num_tokens
+
+
+@dataclass(frozen=True, eq=False)
+class DSparkSnapshot:
+    """A prefix-cache snapshot of a :class:`DSparkCache`: all of it."""
+
+    rings: tuple[torch.Tensor, ...]  # [window, head_dim] per stage
+    held: torch.Tensor  # [pending_rows, K*d]
+    backlog: torch.Tensor | None  # [window, K*d]
+    backlog_rows: int
+    num_tokens: int
+
+    def nbytes(self) -> int:
+        tensors = [*self.rings, self.held] + ([] if self.backlog is None else [self.backlog])
+        return sum(t.numel() * t.element_size() for t in tensors)
+
 
 class DSparkDraft(nn.Module):
     """The S stages (state_dict keys = the official ``mtp.{i}.*`` names) as a
@@ -434,6 +470,13 @@ class DSparkDraft(nn.Module):
             stage.window = window
 
     # -- BlockDraftModel ------------------------------------------------------------------
+
+    def snapshot(self, cache: DSparkCache, start: int) -> DSparkSnapshot:
+        return cache.snapshot()  # fixed-size: nothing is append-only
+
+    def restore(self, cache: DSparkCache, chain: Sequence[DSparkSnapshot]) -> None:
+        if chain:
+            cache.restore(chain[-1])
 
     def kv_bytes(self, gamma: int) -> KvBytes:
         itemsize = self.stages[0].attn.dtype.itemsize

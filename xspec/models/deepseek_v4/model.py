@@ -14,6 +14,7 @@ with a cache from ``block.new_cache(...)`` and a :class:`BlockContext`.
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -32,7 +33,13 @@ from xspec.models.deepseek_v4.args import DeepseekV4Args
 from xspec.models.deepseek_v4.attention import Attention
 from xspec.models.deepseek_v4.mhc import HyperHead, RMSNorm, hc_post, hc_pre, new_hc_params
 from xspec.models.deepseek_v4.moe import MoE
-from xspec.models.deepseek_v4.state import BlockContext, DeepseekV4State, LayerCache, kv_bytes
+from xspec.models.deepseek_v4.state import (
+    BlockContext,
+    DeepseekV4State,
+    LayerCache,
+    StateSnapshot,
+    kv_bytes,
+)
 from xspec.models.deepseek_v4.steps import Steps, steps_for
 from xspec.models.ops import EAGER_STEPS, StepOptions
 
@@ -207,6 +214,17 @@ class DeepseekV4Model(nn.Module, HyperHead):
     def kv_bytes(self) -> KvBytes:
         fixed, per_token = kv_bytes(self.args, self.dtype, self.max_rollback)
         return KvBytes(fixed, per_token)
+
+    @property
+    def prefix_granularity(self) -> int:
+        """Blocks hold whole compressed entries: a multiple of every compression ratio."""
+        return math.lcm(1, *(r for r in self.args.target_compress_ratios if r))
+
+    def snapshot(self, state: DeepseekV4State, start: int) -> StateSnapshot:
+        return state.snapshot(start)
+
+    def restore(self, state: DeepseekV4State, chain: Sequence[StateSnapshot]) -> None:
+        state.restore(chain)
 
     def truncate(self, state: DeepseekV4State, num_tokens: int) -> None:
         state.truncate(num_tokens)

@@ -143,6 +143,16 @@ class CompressorCache:
     def truncate(self, num_tokens: int) -> None:
         self.n_entries = num_tokens // self.ratio
 
+    def snapshot(self, start: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(copies of) the rows ring and the entries made since token ``start``."""
+        return self.rows.clone(), self.entries[start // self.ratio : self.n_entries].clone()
+
+    def restore(self, rows: torch.Tensor, entries: list[torch.Tensor]) -> None:
+        """Take the rows ring and the consecutive entries from the first (empty cache)."""
+        self.ring.data.copy_(rows)
+        if entries:
+            self.put_entries(0, torch.cat(entries))
+
     def nbytes_fixed(self) -> int:
         return _nbytes(self.rows)
 
@@ -237,6 +247,30 @@ class LayerCache(TokenCount):
         for c in self.compressors():
             c.reserve(num_tokens)
 
+    def snapshot(self, start: int) -> LayerSnapshot:
+        """What a prefix-cache snapshot keeps of this layer at ``num_tokens``: the SWA
+        ring and the compressor rows (fixed size), the entries made since ``start``."""
+        parts = [c.snapshot(start) for c in self.compressors()]
+        return LayerSnapshot(
+            self.num_tokens,
+            self.swa.clone(),
+            tuple(rows for rows, _ in parts),
+            tuple(entries for _, entries in parts),
+        )
+
+    def restore(self, chain: Sequence[LayerSnapshot]) -> None:
+        """Hold the state ``chain`` (one layer's snapshots of consecutive blocks from 0)
+        was taken of; this cache must be empty."""
+        if self.high_water:
+            raise ValueError(f"restore into a layer cache holding {self.num_tokens} tokens")
+        if not chain:
+            return
+        last = chain[-1]
+        self.swa_ring.data.copy_(last.swa)
+        for k, c in enumerate(self.compressors()):
+            c.restore(last.rows[k], [s.entries[k] for s in chain])
+        self.num_tokens = self.high_water = last.end
+
     def parts(self) -> list[CompressorCache]:
         return self.compressors()
 
@@ -250,12 +284,49 @@ class LayerCache(TokenCount):
         return _nbytes(self.swa) + sum(c.nbytes_allocated() for c in self.compressors())
 
 
+@dataclass(frozen=True, eq=False)
+class LayerSnapshot:
+    """One layer of a prefix-cache snapshot: at ``end`` tokens, the SWA ring
+    ``[ring_size, head_dim]`` and each compressor's rows ring, and each compressor's
+    entries of the block (``[block // ratio, width]``: the block is a multiple of the
+    ratio)."""
+
+    end: int
+    swa: torch.Tensor
+    rows: tuple[torch.Tensor, ...]  # one per compressor (main, indexer)
+    entries: tuple[torch.Tensor, ...]
+
+    def nbytes(self) -> int:
+        return sum(_nbytes(t) for t in (self.swa, *self.rows, *self.entries))
+
+
+@dataclass(frozen=True, eq=False)
+class StateSnapshot:
+    """A prefix-cache snapshot of a :class:`DeepseekV4State`: one per layer."""
+
+    end: int
+    layers: tuple[LayerSnapshot, ...]
+
+    def nbytes(self) -> int:
+        return sum(layer.nbytes() for layer in self.layers)
+
+
 class DeepseekV4State(TokenCount):
     """Decoding state of one sequence: one :class:`LayerCache` per target layer."""
 
     def __init__(self, layers: list[LayerCache], max_rollback: int) -> None:
         super().__init__(max_rollback)
         self.layers = layers
+
+    def snapshot(self, start: int) -> StateSnapshot:
+        """Every layer's :meth:`LayerCache.snapshot` since the boundary ``start``."""
+        return StateSnapshot(self.num_tokens, tuple(c.snapshot(start) for c in self.layers))
+
+    def restore(self, chain: Sequence[StateSnapshot]) -> None:
+        """Hold the state ``chain`` (consecutive blocks from 0) was taken of (empty state)."""
+        for i, layer in enumerate(self.layers):
+            layer.restore([s.layers[i] for s in chain])
+        self.num_tokens = self.high_water = chain[-1].end if chain else 0
 
     def parts(self) -> list[LayerCache]:
         return self.layers

@@ -33,6 +33,7 @@ tables): the draft is Qwen3 math, not a second copy of it. Draft layers are alwa
 from __future__ import annotations
 
 import logging
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -50,6 +51,7 @@ from xspec.models.qwen3.args import Qwen3Args
 from xspec.models.qwen3.draft_config import DraftConfig, parse_config
 from xspec.models.qwen3.model import (
     DecoderLayer,
+    KvRows,
     Qwen3State,
     RMSNorm,
     rope_inv_freq,
@@ -281,6 +283,12 @@ class Qwen3BlockDraft(nn.Module):
             dtype=self.dtype, device=self.device,
         )  # fmt: skip
         return DraftCache(num_tokens=0, kv=kv, max_tokens=max_tokens)
+
+    def snapshot(self, cache: DraftCache, start: int) -> KvRows:
+        return cache.snapshot(start)  # context K/V rows: append-only, like the target's
+
+    def restore(self, cache: DraftCache, chain: Sequence[KvRows]) -> None:
+        cache.restore(chain, self.max_context)
 
     def kv_bytes(self, gamma: int) -> KvBytes:
         """Context K/V of every committed position, per draft layer; nothing fixed."""

@@ -20,6 +20,7 @@ resetting ``num_tokens``: rows past it are never read and get overwritten.
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -60,6 +61,33 @@ class Qwen3State:
         kv = self.kv.new_empty(*self.kv.shape[:3], capacity, self.kv.shape[4])
         kv[:, :, :, : self.num_tokens] = self.kv[:, :, :, : self.num_tokens]
         self.kv = kv
+
+    def snapshot(self, start: int) -> KvRows:
+        """A copy of the K/V rows of positions ``start .. num_tokens - 1`` (full attention
+        keeps nothing else)."""
+        return KvRows(self.kv[:, :, :, start : self.num_tokens].clone(), self.num_tokens)
+
+    def restore(self, chain: Sequence[KvRows], max_context: int) -> None:
+        """Hold the rows of ``chain`` (consecutive blocks from position 0); the state must
+        be empty."""
+        if self.num_tokens:
+            raise ValueError(f"restore into a state holding {self.num_tokens} tokens")
+        end = chain[-1].end if chain else 0
+        self.reserve(end, max_context)
+        if chain:
+            self.kv[:, :, :, :end] = torch.cat([c.rows for c in chain], dim=3)
+        self.num_tokens = end
+
+
+@dataclass(frozen=True, eq=False)
+class KvRows:
+    """A prefix-cache snapshot of a :class:`Qwen3State`: the K/V rows of one block."""
+
+    rows: torch.Tensor  # [L, 2, KV, n, hd]
+    end: int  # tokens the state held when it was taken
+
+    def nbytes(self) -> int:
+        return self.rows.numel() * self.rows.element_size()
 
 
 class RMSNorm(nn.Module):
@@ -367,6 +395,16 @@ class Qwen3Model(nn.Module):
             device=self.device,
         )
         return Qwen3State(num_tokens=0, kv=kv, max_tokens=max_tokens)
+
+    @property
+    def prefix_granularity(self) -> int:
+        return 1  # K/V rows: any boundary
+
+    def snapshot(self, state: Qwen3State, start: int) -> KvRows:
+        return state.snapshot(start)
+
+    def restore(self, state: Qwen3State, chain: Sequence[KvRows]) -> None:
+        state.restore(chain, self.max_context)
 
     def truncate(self, state: Qwen3State, num_tokens: int) -> None:
         """Keep the first ``num_tokens`` tokens; full attention needs nothing else reset."""
