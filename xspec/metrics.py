@@ -230,6 +230,17 @@ class SpecDecodeMetrics:
             "1 + accepted tokens / drafts so far (vLLM's and SGLang's acceptance length)",
             registry=reg,
         )
+        # the prefix cache, in prompt tokens (as vLLM's prefix_cache_queries / _hits)
+        self._prefix_queries = Counter(
+            "xspec_prefix_cache_queries",
+            "Prompt tokens looked up in the prefix cache",
+            registry=reg,
+        )
+        self._prefix_hits = Counter(
+            "xspec_prefix_cache_hits", "Prompt tokens restored from the prefix cache", registry=reg
+        )
+        self.prefix_queries = 0
+        self.prefix_hits = 0
         # Python totals mirror the counters: the report reads these, not the registry.
         self._steps = 0
         self._row_steps = 0
@@ -377,9 +388,23 @@ class SpecDecodeMetrics:
                 entry[i] += v
                 self._child(self._regime_counters[key], regime=name).inc(v)
 
+    def observe_prefix(self, prompt_tokens: int, cached_tokens: int) -> None:
+        """One prefill's prefix-cache lookup: its prompt tokens, those restored."""
+        self.prefix_queries += prompt_tokens
+        self.prefix_hits += cached_tokens
+        self._prefix_queries.inc(prompt_tokens)
+        self._prefix_hits.inc(cached_tokens)
+
+    @property
+    def prefix_hit_rate(self) -> float | None:
+        """Prompt tokens restored from the prefix cache / looked up (None: no lookup)."""
+        return self.prefix_hits / self.prefix_queries if self.prefix_queries else None
+
     def totals(self) -> dict[str, Any]:
         """Every count so far (plain values: picklable for another rank's :meth:`absorb`)."""
         return {
+            "prefix_queries": self.prefix_queries,
+            "prefix_hits": self.prefix_hits,
             "steps": self._steps,
             "row_steps": self._row_steps,
             "drafts": self._num_drafts,
@@ -399,6 +424,7 @@ class SpecDecodeMetrics:
     def absorb(self, t: dict[str, Any]) -> None:
         """Add another engine's :meth:`totals` (a DP replica's): counts add, so every
         derived rate is the one a single engine over all the requests would report."""
+        self.observe_prefix(t.get("prefix_queries", 0), t.get("prefix_hits", 0))
         self._steps += t["steps"]
         self._row_steps += t["row_steps"]
         self._num_drafts += t["drafts"]

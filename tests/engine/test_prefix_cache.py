@@ -118,6 +118,31 @@ def test_a_hit_is_the_cold_run(model: str, spec: str) -> None:
             assert (got.drafted, got.accepted) == (cold.drafted, cold.accepted)
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("fmt", ["fp8", "w8a8"])
+def test_a_hit_is_the_cold_run_on_a_quantized_checkpoint(
+    fmt: str, tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    """The same on FP8 / W8A8 copies of the tiny DeepSeek-V4 (weights stay quantized in
+    memory), with its MTP drafter."""
+    from xspec.models.deepseek_v4.convert import quantize_fp8, quantize_w8a8
+    from xspec.models.deepseek_v4.tiny import generate_tiny
+
+    root = tmp_path_factory.mktemp(f"prefix_{fmt}")
+    generate_tiny(root / "float")
+    (quantize_fp8 if fmt == "fp8" else quantize_w8a8)(root / "float", root / fmt)
+    overrides = {"model.path": str(root / fmt), "model.dtype": "float32", "model.tokenizer": "byte"}
+    llm = xspec.LLM(model="dsv4_flash", spec="mtp", platform="cpu", overrides=overrides)
+    _, fill, lookup, hit = next(cases())
+    for params in REGIMES:
+        warm = engine(llm)
+        run(warm, fill, params)
+        got, got_drafts = run(warm, lookup, params)
+        cold, cold_drafts = run(engine(llm), lookup, params)
+        assert got.cached_tokens == hit
+        assert (got.token_ids, got_drafts) == (cold.token_ids, cold_drafts)
+
+
 @pytest.mark.parametrize("model", ["dsv4_tiny", "qwen3_tiny"])
 def test_restored_state_gives_the_same_logits(model: str) -> None:
     """Model level: a state restored from block snapshots scores the rest of a prompt
@@ -290,3 +315,18 @@ def test_cli_refuses_a_tiny_cache_with_exit_2_and_prints_its_share(xspec_cache: 
     )  # fmt: skip
     assert r.returncode == 0, r.stderr
     assert "prefix cache: up to" in r.stdout
+
+
+def test_metrics_count_prompt_tokens_looked_up_and_restored() -> None:
+    """Prometheus ``xspec_prefix_cache_queries_total`` / ``..._hits_total`` in prompt
+    tokens, as the engine's metrics report them."""
+    e = engine(llm_of("qwen3_tiny", "none"))
+    prompt = ids(BLOCK + 10, 40)
+    run(e, prompt, SamplingParams())
+    run(e, prompt, SamplingParams())
+    m = e.metrics
+    assert (m.prefix_queries, m.prefix_hits) == (2 * len(prompt), BLOCK)
+    assert m.prefix_hit_rate == BLOCK / (2 * len(prompt))
+    text = m.exposition()
+    assert f"xspec_prefix_cache_queries_total {2 * len(prompt)}.0" in text
+    assert f"xspec_prefix_cache_hits_total {BLOCK}.0" in text

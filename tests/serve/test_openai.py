@@ -160,3 +160,17 @@ def test_models_health_and_metrics(served: LiveServer) -> None:
     served.openai().completions.create(model=served.name, prompt="x = 1", max_tokens=3)
     text = httpx.get(served.url + "/metrics").text
     assert 'xspec_request_e2e_seconds_count{model="dsv4_tiny",spec="none"}' in text
+
+
+@pytest.mark.parametrize("served", SERVERS[:1], indirect=True, ids=lambda s: s[1])
+def test_usage_reports_the_prompt_tokens_served_from_the_prefix_cache(served: LiveServer) -> None:
+    """``usage.prompt_tokens_details.cached_tokens``: 0 cold, the cached blocks (256 tokens
+    each by default) when the same prompt comes again, with the same completion."""
+    client = served.openai()
+    prompt = [(7 * k) % 200 + 5 for k in range(300)]
+    first = client.completions.create(model=served.name, prompt=prompt, max_tokens=4, temperature=0)
+    again = client.completions.create(model=served.name, prompt=prompt, max_tokens=4, temperature=0)
+    assert first.usage is not None and again.usage is not None
+    assert first.usage.prompt_tokens_details.cached_tokens == 0  # type: ignore[union-attr]
+    assert again.usage.prompt_tokens_details.cached_tokens == 256  # type: ignore[union-attr]
+    assert again.choices[0].text == first.choices[0].text

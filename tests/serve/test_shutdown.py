@@ -23,6 +23,8 @@ ROOT = Path(__file__).resolve().parents[2]
 MODEL = "dsv4_tiny_random"
 GRACE = 0.2
 LONG = [10 + i % 240 for i in range(2000)]  # one prefill step: 1-2 s on one CPU thread
+# as long, with no block in common with LONG (the prefix cache would serve LONG again)
+OTHER_LONG = [11 + i % 240 for i in range(2000)]
 
 
 def url_of(proc: subprocess.Popen) -> str:
@@ -54,7 +56,7 @@ def test_sigterm_during_a_long_step_keeps_the_grace() -> None:
         long: list[openai.types.Completion] = []
         other = threading.Thread(
             target=lambda: long.append(
-                client.completions.create(model=MODEL, prompt=LONG, max_tokens=1)
+                client.completions.create(model=MODEL, prompt=OTHER_LONG, max_tokens=1)
             )
         )
         other.start()

@@ -723,6 +723,7 @@ class Engine:
         if hit is None or self.prefix_cache is None:
             return self._new_seq(req)
         self.prefix_cache.count(len(req.prompt_ids), hit.tokens)
+        self.metrics.observe_prefix(len(req.prompt_ids), hit.tokens)
         return self._new_seq(req, hit.entries)
 
     def _new_seq(self, req: Request, cached: Sequence[Entry] = ()) -> RunningSeq:

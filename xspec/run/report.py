@@ -140,6 +140,14 @@ def run_workload(
         print(built.engine.metrics.report().format(), file=out)
     if (line := step_time_summary(built)) is not None:
         print(line, file=out)
+    if (cache := built.engine.prefix_cache) is not None:
+        m = built.engine.metrics
+        print(
+            f"prefix cache: {m.prefix_hits} of {m.prefix_queries} prompt tokens restored "
+            f"(hit rate {m.prefix_hit_rate or 0:.1%}), {len(cache)} blocks held "
+            f"({cache.nbytes / 2**20:.1f} MiB), {cache.stats.evicted} evicted",
+            file=out,
+        )
     return runs
 
 

@@ -82,6 +82,22 @@ def _request(g: Generation, repeat: int) -> dict[str, Any]:
     }
 
 
+def _prefix_cache(built: Built) -> dict[str, Any] | None:
+    """The prefix cache's figures of the run (prompt tokens), None when it is off."""
+    cache, m = built.engine.prefix_cache, built.engine.metrics
+    if cache is None:
+        return None
+    return {
+        "queries": m.prefix_queries,
+        "hits": m.prefix_hits,
+        "hit_rate": m.prefix_hit_rate,
+        "bytes_held": cache.nbytes,
+        "entries": len(cache),
+        "evicted": cache.stats.evicted,
+        "block": cache.block,
+    }
+
+
 def job_results(
     built: Built, w: WorkloadConfig, runs: list[list[Generation]], model_option: str
 ) -> dict[str, Any]:
@@ -133,6 +149,7 @@ def job_results(
         "gamma_schedule": cfg.spec.gamma_schedule,
         "acceptance": acceptance,
         "spec_decode": asdict(rep),  # the counters the Prometheus export serves
+        "prefix_cache": _prefix_cache(built),
         "num_repeats": len(runs),
         "half_range": half_ranges,  # (max - min) / 2 over the repeats
         "repeats": per_run,

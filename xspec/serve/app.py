@@ -783,6 +783,8 @@ class _Reply:
             "prompt_tokens": prompt,
             "completion_tokens": completion,
             "total_tokens": prompt + completion,
+            # prompt tokens restored from the prefix cache (OpenAI's field)
+            "prompt_tokens_details": {"cached_tokens": sum(g.cached_tokens for g in gens)},
             # per request, as vLLM's --per-request-spec-decode-metrics; counted as the
             # Prometheus counters count (xspec.acceptance)
             "spec_decode": sum((g.spec for g in gens), SpecCounts()).usage(),
