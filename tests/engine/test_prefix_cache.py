@@ -1,7 +1,7 @@
 """The prefix cache: a hit is the cold run bit for bit (logits, drafts step by step,
 greedy and seeded outputs) for every model x drafter pair, on partial hits mid-block,
 exactly at a boundary, covering all of a prompt but its last token, after evictions and
-among other prefills; the cache's own bookkeeping (keys, next token, lineage, LRU,
+among other prefills; the cache's own bookkeeping (keys, lineage, LRU,
 pins); a planted stale drafter state is caught; the configuration's refusals."""
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ from xspec.engine.prefix_cache import PrefixCache
 from xspec.errors import ConfigError
 from xspec.models.base import ForwardBatch
 from xspec.sampling import SamplingParams
+from xspec.spec.block_prefill import HeldRow
 
 BLOCK = 128  # DeepSeek-V4's granularity (its compression ratios 4 and 128)
 PAIRS = [
@@ -94,7 +95,7 @@ def cases() -> Iterator[tuple[str, list[int], list[int], int]]:
     """(name, the prompt that fills the cache, the prompt looked up, tokens it hits)."""
     base = ids(3 * BLOCK + 40, 1)
     yield "mid-block", base[: 2 * BLOCK + 50], base[: 2 * BLOCK + 30] + ids(25, 2), 2 * BLOCK
-    yield "at a boundary", base[: 2 * BLOCK] + ids(9, 3), base[: 2 * BLOCK] + ids(12, 4), BLOCK
+    yield "at a boundary", base[: 2 * BLOCK] + ids(9, 3), base[: 2 * BLOCK] + ids(12, 4), 2 * BLOCK
     yield "all but the last token", base[: 2 * BLOCK + 1], base[: 2 * BLOCK + 1], 2 * BLOCK
 
 
@@ -102,8 +103,8 @@ def cases() -> Iterator[tuple[str, list[int], list[int], int]]:
 @pytest.mark.parametrize(("model", "spec"), PAIRS)
 def test_a_hit_is_the_cold_run(model: str, spec: str) -> None:
     """For each case and sampling regime: the lookup restores the expected prefix, and
-    its tokens and every step's drafts equal a cold engine's; at the boundary case the
-    fill prompt's next token differs, so the hit stops one block earlier."""
+    its tokens and every step's drafts equal a cold engine's (at the boundary case the
+    two prompts differ from the boundary's token on: MTP's held-back row)."""
     llm = llm_of(model, spec)
     for name, fill, lookup, hit in cases():
         for params in REGIMES:
@@ -231,6 +232,9 @@ def test_batched_prefills_with_hits_and_misses() -> None:
 # ---- the cache's bookkeeping --------------------------------------------------------------
 
 
+HELD = HeldRow(torch.zeros(0), None)  # 0 bytes
+
+
 class Snap:
     def __init__(self, end: int, n: int = 100) -> None:
         self.end, self.n = end, n
@@ -242,14 +246,14 @@ class Snap:
 def fill(cache: PrefixCache, prompt: list[int], upto: int) -> list:
     parent, out = None, []
     for end in range(cache.block, upto + 1, cache.block):
-        parent = cache.insert(parent, prompt, end, Snap(end), None, room=math.inf)
+        parent = cache.insert(parent, prompt, end, Snap(end), None, HELD, room=math.inf)
         assert parent is not None
         out.append(parent)
     cache.release(out)
     return out
 
 
-def test_match_takes_the_longest_prefix_with_the_same_next_token() -> None:
+def test_match_takes_the_longest_prefix_short_of_the_last_token() -> None:
     cache = PrefixCache(4, math.inf)
     p = list(range(20))
     fill(cache, p, 12)
@@ -257,7 +261,7 @@ def test_match_takes_the_longest_prefix_with_the_same_next_token() -> None:
     assert cache.match(p[:13]).tokens == 12  # all but the last token
     assert cache.match(p[:12]).tokens == 8  # never the whole prompt
     assert cache.match(p[:6] + [99] * 10).tokens == 4
-    assert cache.match(p[:8] + [99] * 4).tokens == 4  # the token after 8 differs
+    assert cache.match(p[:8] + [99] * 4).tokens == 8  # the token after 8 differs
     assert cache.match([99, *p[1:]]).tokens == 0
 
 
@@ -279,13 +283,15 @@ def test_eviction_is_lru_leaves_first_and_spares_pins() -> None:
 def test_insert_respects_capacity_and_room() -> None:
     cache = PrefixCache(4, 250)
     p = list(range(30))
-    e1 = cache.insert(None, p, 4, Snap(4), None, room=math.inf)
-    e2 = cache.insert(e1, p, 8, Snap(8), None, room=math.inf)
-    assert e2 is not None and cache.insert(e2, p, 12, Snap(12), None, room=math.inf) is None
+    e1 = cache.insert(None, p, 4, Snap(4), None, HELD, room=math.inf)
+    e2 = cache.insert(e1, p, 8, Snap(8), None, HELD, room=math.inf)
+    assert e2 is not None and cache.insert(e2, p, 12, Snap(12), None, HELD, room=math.inf) is None
     cache.release([e1, e2])  # unpinned: the leaf gives way to a new prompt's block
-    assert cache.insert(None, [7] * 8, 4, Snap(4), None, room=math.inf) is not None
+    assert cache.insert(None, [7] * 8, 4, Snap(4), None, HELD, room=math.inf) is not None
     assert cache.nbytes == 200 and cache.stats.evicted == 1
-    assert cache.insert(None, [8] * 8, 4, Snap(4), None, room=0) is None or cache.nbytes <= 200
+    assert (
+        cache.insert(None, [8] * 8, 4, Snap(4), None, HELD, room=0) is None or cache.nbytes <= 200
+    )
 
 
 def test_a_cache_that_cannot_hold_one_block_is_refused() -> None:

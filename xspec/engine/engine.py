@@ -51,7 +51,7 @@ from xspec.errors import RequestError, UserError
 from xspec.metrics import SpecDecodeMetrics
 from xspec.models.base import CapturePoint, TargetModel
 from xspec.sampling import SamplingParams, TokenLogprob, make_generator
-from xspec.spec.block_prefill import prefill_blocks
+from xspec.spec.block_prefill import HeldRow, prefill_blocks
 from xspec.spec.drafter import Drafter
 from xspec.spec.policy import DepthPolicy
 from xspec.spec.processors import Processors
@@ -645,7 +645,7 @@ class Engine:
         pinned = [self._hits[i].entries for i in rids]  # each lineage: its last is the parent
         active = [True] * len(seqs)
 
-        def on_boundary(j: int) -> None:
+        def on_boundary(j: int, held: HeldRow) -> None:
             if not active[j]:
                 return
             seq, parent = seqs[j], pinned[j][-1] if pinned[j] else None
@@ -658,7 +658,9 @@ class Engine:
                 seq.token_ids,
                 end,
                 self.target.snapshot(seq.target_state, start),
-                self.drafter.snapshot(seq.draft_state, start),
+                # the drafter holds one row less than the target (the held-back row)
+                self.drafter.snapshot(seq.draft_state, max(0, start - 1)),
+                held,
                 room=self.pool.capacity - self.pool.reserved - cache.nbytes,
             )
             if entry is None:
@@ -666,8 +668,9 @@ class Engine:
             else:
                 pinned[j].append(entry)
 
+        held = [p[-1].held if p else None for p in pinned]  # the restored ones'
         return prefill_blocks(
-            self.target, self.drafter, seqs, self.capture, cache.block, on_boundary
+            self.target, self.drafter, seqs, self.capture, cache.block, held, on_boundary
         )
 
     def _unpin(self, rids: list[Hashable]) -> None:

@@ -16,10 +16,12 @@ id is never reused, so a key made of an evicted parent cannot match a new one. (
 tree would match any token count; the states can only be snapshotted where a forward
 ended, so boundaries are fixed anyway and a chain of dict lookups is all it needs.)
 
-**The next token.** A drafter's state at ``b`` may read the token at ``b`` (MTP's last
-row embeds it), so an entry also records the prompt token that followed it, and a hit
-ends at the deepest boundary whose recorded token is the prompt's. A hit never covers a
-whole prompt: at least its last token is prefilled, to sample the first output.
+**The row before a boundary.** A drafter may read the token after each row it observes
+(MTP embeds it), which at ``b`` is not part of the key; so the drafter's state at ``b``
+has observed every row but the last, and the entry keeps that row's target hidden states
+(:class:`~xspec.spec.block_prefill.HeldRow`), observed with the new prompt's next token
+after a restore. A hit never covers a whole prompt: at least its last token is
+prefilled, to sample the first output.
 
 **Lineage.** A sequence inserts its boundaries only while every entry before them is
 its own or the chain it restored: when a boundary is already cached from another
@@ -41,6 +43,7 @@ from itertools import count
 from typing import Any
 
 from xspec.models.base import Snapshot
+from xspec.spec.block_prefill import HeldRow
 
 ROOT = 0  # the parent id of a prompt's first block
 
@@ -53,9 +56,9 @@ class Entry:
     key: tuple[int, tuple[int, ...]]  # (parent id, the block's tokens)
     parent: Entry | None
     end: int  # the boundary: tokens before it
-    next_token: int  # the prompt token at ``end`` when it was made
     target: Snapshot
     draft: Any  # the drafter's snapshot (None for a drafter without state)
+    held: HeldRow  # the row before the boundary, not yet observed by the drafter
     nbytes: int
     children: int = 0
     pins: int = 0
@@ -128,8 +131,6 @@ class PrefixCache:
                 break
             chain.append(entry)
             parent = entry.id
-        while chain and chain[-1].next_token != prompt[chain[-1].end]:
-            chain.pop()
         for e in chain:  # most recently used, the deepest last (evicted after its parents)
             self._entries.move_to_end(e.key)
             e.pins += 1
@@ -160,6 +161,7 @@ class PrefixCache:
         end: int,
         target: Snapshot,
         draft: Any,
+        held: HeldRow,
         room: float,
     ) -> Entry | None:
         """Cache the states at boundary ``end`` of ``prompt`` (after ``parent``), pinned,
@@ -169,13 +171,13 @@ class PrefixCache:
         key = self.key_of(parent, prompt, end)
         if key in self._entries:
             return None
-        nbytes = target.nbytes() + (0 if draft is None else int(draft.nbytes()))
+        nbytes = target.nbytes() + (0 if draft is None else int(draft.nbytes())) + held.nbytes()
         limit = min(self.capacity, self.nbytes + room)
         if self.nbytes + nbytes > limit:
             self.evict(self.nbytes + nbytes - limit)
             if self.nbytes + nbytes > min(self.capacity, self.nbytes + room):
                 return None
-        entry = Entry(next(self._ids), key, parent, end, prompt[end], target, draft, nbytes, pins=1)
+        entry = Entry(next(self._ids), key, parent, end, target, draft, held, nbytes, pins=1)
         self._entries[key] = entry
         if parent is not None:
             parent.children += 1

@@ -219,10 +219,11 @@ class Drafter(abc.ABC):
 
     @abc.abstractmethod
     def snapshot(self, state: Any, start: int) -> Any:
-        """A prefix-cache snapshot of ``state`` at a prompt block boundary (the rows it
-        observed end there): a copy of what it gained since the boundary ``start`` and of
-        everything a continuation reads; ``state`` is left unchanged. None for a method
-        without state; otherwise an object with ``nbytes()``."""
+        """A prefix-cache snapshot of ``state`` at a prompt block boundary ``b``, having
+        observed the rows before ``b - 1`` (the last row waits: its next token is not
+        part of the prefix): a copy of what it gained since it had observed ``start`` rows
+        (the previous snapshot's) and of everything a continuation reads; ``state`` is
+        left unchanged. None for a method without state; else an object with ``nbytes()``."""
 
     @abc.abstractmethod
     def restore(self, state: Any, chain: Sequence[Any]) -> Any:
