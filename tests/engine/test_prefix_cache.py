@@ -336,3 +336,31 @@ def test_metrics_count_prompt_tokens_looked_up_and_restored() -> None:
     text = m.exposition()
     assert f"xspec_prefix_cache_queries_total {2 * len(prompt)}.0" in text
     assert f"xspec_prefix_cache_hits_total {BLOCK}.0" in text
+
+
+def _rss_mib() -> float:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * 4096 / 2**20
+
+
+@pytest.mark.slow
+def test_load_with_more_prefixes_than_fit_keeps_memory_flat() -> None:
+    """Forty distinct two-block prompts through a cache of four blocks, ten at a time: it
+    evicts, every request completes, the cache never holds more than its capacity, and
+    the process's resident memory after the first rounds stays flat."""
+    llm = llm_of("qwen3_tiny", "none")
+    probe = engine(llm)
+    run(probe, ids(2 * BLOCK + 3, 60), SamplingParams())
+    block_bytes = probe.prefix_cache.nbytes // 2  # type: ignore[union-attr]
+    e = engine(llm, capacity=4 * block_bytes)
+    cache = e.prefix_cache
+    assert cache is not None
+    rss = []
+    for r in range(4):
+        prompts = [ids(2 * BLOCK + 3, 100 + 10 * r + k) for k in range(10)]
+        gens = e.run([Request(p, 3, SamplingParams(), ignore_eos=True) for p in prompts], 4)
+        assert all(g.error is None and len(g.token_ids) == 3 for g in gens)
+        assert cache.nbytes <= 4 * block_bytes and len(cache) <= 4
+        rss.append(_rss_mib())
+    assert cache.stats.evicted >= 30
+    assert rss[-1] - rss[1] < 32, rss  # MiB: no growth with the number of prefixes seen
