@@ -6,6 +6,7 @@ pins); a planted stale drafter state is caught; the configuration's refusals."""
 
 from __future__ import annotations
 
+import json
 import math
 from collections.abc import Iterator
 from pathlib import Path
@@ -364,3 +365,18 @@ def test_load_with_more_prefixes_than_fit_keeps_memory_flat() -> None:
         rss.append(_rss_mib())
     assert cache.stats.evicted >= 30
     assert rss[-1] - rss[1] < 32, rss  # MiB: no growth with the number of prefixes seen
+
+
+def test_every_repeat_of_a_cli_run_starts_cold(tmp_path: Path, xspec_cache: Path) -> None:
+    """``workload.repeats``: the cache is cleared before each measured run, so the
+    repeats measure the same thing (here: synthetic prompts that share nothing)."""
+    out = tmp_path / "run"
+    r = run_cli(
+        "model=qwen3_tiny", "spec=none", "platform=cpu", "workload=synthetic",
+        "workload.input_len=300", "workload.output_len=2", "workload.num_requests=2",
+        "workload.repeats=2", f"hydra.run.dir={out}", cache=xspec_cache,
+    )  # fmt: skip
+    assert r.returncode == 0, r.stderr
+    figures = json.loads((out / "results.json").read_text())["prefix_cache"]
+    assert figures["hits"] == 0 and figures["queries"] == 1200 and figures["evicted"] == 0
+    assert "prefix cache: 0 of 1200 prompt tokens restored" in r.stdout

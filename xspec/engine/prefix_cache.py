@@ -206,5 +206,7 @@ class PrefixCache:
         return freed
 
     def clear(self) -> None:
-        """Drop every entry nobody pins."""
+        """Drop every entry nobody pins (not counted as evictions)."""
+        evicted = self.stats.evicted
         self.evict(float("inf"))
+        self.stats.evicted = evicted

@@ -108,6 +108,8 @@ def run_workload(
     main = built.parallel.topology.is_main
     with progress_bar(built, requests, w.repeats, enabled=out.isatty() and main):
         for _ in range(w.repeats):
+            if built.engine.prefix_cache is not None:  # each repeat starts cold, as the first
+                built.engine.prefix_cache.clear()
             runs.append(built.engine.run(requests, w.concurrency))
             on_run(runs[-1])
     if not main:  # rank 0 reports every replica's requests
