@@ -92,7 +92,9 @@ def batched(on: xspec.LLM, off: xspec.LLM, args: argparse.Namespace) -> None:
             if rep:
                 rates[name].append(sum(len(x.token_ids) for x in gens) / wall)
                 steps = sum(x.num_steps for x in gens)
-                per_step[name].append(sum(x.accepted + x.num_steps for x in gens) / max(steps, 1))
+                per_step[name].append(
+                    sum(x.spec.num_accepted_tokens + x.num_steps for x in gens) / max(steps, 1)
+                )
     for name in ("on", "off"):
         print(
             f"  concurrency {n}, cache {name:3s}: {statistics.median(rates[name]):7.1f} tok/s, "
