@@ -138,7 +138,7 @@ def _built_for(workload: object) -> object:
     return SimpleNamespace(
         cfg=SimpleNamespace(workload=workload),
         tokenizer=ByteTokenizer(300, None, [1]),
-        engine=SimpleNamespace(plan=plan),
+        engine=SimpleNamespace(plan=plan, prefix_cache=None),
         parallel=SimpleNamespace(topology=SimpleNamespace(world=1)),
         expert_bytes=None,
         profile=None,

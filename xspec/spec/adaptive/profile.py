@@ -109,7 +109,9 @@ def profile_key(cfg: Any, platform: Any, gamma: int, context: int | None) -> dic
     }
     if context is None:
         del key["context"]
-    return key
+    # as a saved file reads back (tuples such as SamplingParams.logit_bias become lists),
+    # so that a key compares equal to the one its file was saved with
+    return json.loads(json.dumps(key))
 
 
 def _sampling(cfg: Any) -> SamplingParams:
