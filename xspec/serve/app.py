@@ -55,6 +55,8 @@ from xspec.chat import (
     load_chat_template,
 )
 from xspec.chat.renderer import RenderLimits, TemplateRenderer
+from xspec.chat.tool_grammar import ToolPlan, plan_tools
+from xspec.chat.tools import ToolCallStream
 from xspec.config import RunConfig
 from xspec.engine.engine import Delta, Engine, Generation, seeded
 from xspec.engine.engine import Request as EngineRequest
@@ -90,7 +92,8 @@ class ServeContext:
     loop: EngineLoop
     encode: Callable[..., list[int]]  # (text, special=True): the tokenizer's
     decode: Callable[[list[int]], str]
-    chat_text: Callable[[list[dict[str, Any]], dict[str, Any]], str]  # messages -> prompt text
+    # (messages, template options, tools) -> prompt text
+    chat_text: Callable[[list[dict[str, Any]], dict[str, Any], list[dict[str, Any]] | None], str]
     chat_encode: Callable[[str], list[int]]  # that text -> ids
     model_name: str
     spec: str
@@ -103,6 +106,7 @@ class ServeContext:
     metrics: RequestMetrics
     renderer: TemplateRenderer | None = None
     grammars: GrammarCompiler | None = None  # structured output: compiles request grammars
+    template: ChatTemplate | None = None  # the chat template (its tool-call format)
     # chat templates render one at a time (one renderer process): their waits queue here,
     # not in the default pool that tokenizes
     render_pool: ThreadPoolExecutor = field(
@@ -112,7 +116,7 @@ class ServeContext:
     def chat_ids(self, messages: list[dict[str, Any]], options: dict[str, Any]) -> list[int]:
         """The prompt ids of a chat request (blocking: the handlers call its two halves
         off the event loop)."""
-        return self.chat_encode(self.chat_text(messages, options))
+        return self.chat_encode(self.chat_text(messages, options, None))
 
     @property
     def max_prompt_bytes(self) -> int | None:
@@ -172,10 +176,13 @@ def context(
     # a rendered prompt is cut where no tokenization could fit it in the context
     max_chars = jinja.MAX_ITEMS if max_token_bytes is None else max_context * max_token_bytes
 
-    def chat_text(messages: list[dict[str, Any]], options: dict[str, Any]) -> str:
+    def chat_text(
+        messages: list[dict[str, Any]], options: dict[str, Any], tools: list[dict[str, Any]] | None
+    ) -> str:
         return chat_prompt(
-            messages, template=template, options=options, renderer=renderer, max_chars=max_chars
-        )
+            messages, template=template, options=options, renderer=renderer,
+            max_chars=max_chars, tools=tools,
+        )  # fmt: skip
 
     def chat_encode(text: str) -> list[int]:
         return encode_chat_prompt(text, template=template, tokenizer=tokenizer)
@@ -197,6 +204,7 @@ def context(
         metrics=metrics,
         renderer=renderer,
         grammars=built.grammars,
+        template=template,
     )
 
 
@@ -386,10 +394,47 @@ def make_app(ctx: ServeContext) -> FastAPI:
                 "the model cannot think first; set chat_template_kwargs thinking (or "
                 "enable_thinking) to false", "invalid_request_error", "chat_template_kwargs",
             )  # fmt: skip
-        ids = await _chat_ids(ctx, body.messages, body.chat_template_kwargs)
-        return await _serve(ctx, request, body, [ids], chat=True, grammar=grammar)
+        plan = await _tool_plan(ctx, body)
+        if plan is not None and plan.grammar is not None:
+            if grammar is not None:
+                raise ApiError(
+                    400, "tools (with tool_choice other than none) and response_format / "
+                    "structured_outputs both constrain the reply; send one of them",
+                    "invalid_request_error", "tools",
+                )  # fmt: skip
+            spec, grammars = plan.grammar, ctx.grammars
+            assert grammars is not None  # the server's context always has one
+            grammar = await _off_loop(None, "tools", lambda: grammars.compile(spec))
+        tools = plan.tools if plan is not None else None
+        ids = await _chat_ids(ctx, body.messages, body.chat_template_kwargs, tools)
+        return await _serve(ctx, request, body, [ids], chat=True, grammar=grammar, tools=plan)
 
     return app
+
+
+async def _tool_plan(ctx: ServeContext, body: ChatCompletionRequest) -> ToolPlan | None:
+    """The request's tools read once (:func:`~xspec.chat.tool_grammar.plan_tools`): the
+    tools its prompt shows, its call grammar, its output parser; None: no tools. Refused
+    with a thinking mode on (the reply's reasoning is not split off before parsing)."""
+    if body.tools is not None and _thinking(body.chat_template_kwargs):
+        raise ApiError(
+            400, "tools with a thinking mode on are not served yet (the reasoning would be "
+            "parsed as the reply); set chat_template_kwargs thinking (or enable_thinking) "
+            "to false", "invalid_request_error", "chat_template_kwargs",
+        )  # fmt: skip
+    if body.tools is None and body.tool_choice is None:
+        return None
+    template = ctx.template
+    if template is None:
+        raise ApiError(
+            400, "tools: this server has no chat template", "invalid_request_error", "tools"
+        )
+    field = "tool_choice" if body.tools is not None and body.tool_choice is not None else "tools"
+    return await _off_loop(
+        None,
+        field,
+        lambda: plan_tools(template, body.tools, body.tool_choice, body.parallel_tool_calls),
+    )
 
 
 def _model_card(ctx: ServeContext) -> dict:
@@ -413,14 +458,19 @@ def _known_model(ctx: ServeContext, name: str) -> None:
 
 
 async def _chat_ids(
-    ctx: ServeContext, messages: list[ChatMessage], options: dict[str, Any] | None
+    ctx: ServeContext,
+    messages: list[ChatMessage],
+    options: dict[str, Any] | None,
+    tools: list[dict[str, Any]] | None = None,
 ) -> list[int]:
     """The prompt ids of a chat's messages (rendered, then tokenized, off the event loop).
     OpenAI's ``developer`` role is its newer name for ``system``, and is rendered as one."""
     dumped = [m.model_dump(exclude_none=True) for m in messages]
     dumped = [m | {"role": "system"} if m.get("role") == "developer" else m for m in dumped]
     kwargs = options or {}
-    text = await _off_loop(ctx.render_pool, "messages", lambda: ctx.chat_text(dumped, kwargs))
+    text = await _off_loop(
+        ctx.render_pool, "messages", lambda: ctx.chat_text(dumped, kwargs, tools)
+    )
     return await _off_loop(
         None, "messages", lambda: _tokens(ctx, text, ctx.chat_encode, "the rendered chat")
     )
@@ -543,6 +593,7 @@ async def _serve(
     chat: bool,
     grammar: Grammar | None = None,
     echo: list[str] | None = None,  # completions with echo: each prompt's text
+    tools: ToolPlan | None = None,  # chat with tools: the reply's calls are parsed out
 ) -> Response:
     """Submit one engine request per choice (prompt ``i``'s ``n`` choices are ``i * n ..
     i * n + n - 1``, submitted together: each prefills its own state) and answer with
@@ -572,7 +623,7 @@ async def _serve(
         if isinstance(e, LoopStopped):
             raise ApiError(503, f"the engine is not running: {e}", "server_error") from None
         raise _refused(e, body, chat) from None
-    reply = _Reply(ctx, body, reqs, chat, rids, echo=echoes)
+    reply = _Reply(ctx, body, reqs, chat, rids, echo=echoes, tools=tools)
     if body.stream:
         return StreamingResponse(
             _sse(ctx, request, queue, reply),
@@ -713,10 +764,17 @@ async def _sse(
                     break
                 piece = "" if reply.score_only else texts[i].finish(reply.final_text(i, gen))
                 piece, lps = reply.streamed(i, d, tokens, piece)
-                yield _data(reply.chunk(i, piece, reply.finish_reason(gen), lps))
+                if reply.tools is not None:
+                    for c in reply.tool_chunks(i, piece, reply.finish_reason(gen), lps):
+                        yield _data(c)
+                else:
+                    yield _data(reply.chunk(i, piece, reply.finish_reason(gen), lps))
                 continue
             piece, lps = reply.streamed(i, d, tokens, texts[i].push(tokens))
-            if piece or lps is not None:
+            if reply.tools is not None:
+                for c in reply.tool_chunks(i, piece, None, lps):
+                    yield _data(c)
+            elif piece or lps is not None:
                 yield _data(reply.chunk(i, piece, None, lps))
         reply.done(list(gens.values()))
         ended = all(gens.get(i) and gens[i].finish_reason != "error" for i in range(len(texts)))
@@ -746,8 +804,11 @@ class _Reply:
         rids: list[int],
         *,
         echo: list[str] | None = None,  # completions with echo: each choice's prompt text
+        tools: ToolPlan | None = None,  # chat with tools: calls parsed out of each reply
     ):
         self.ctx, self.reqs, self.chat, self.rids = ctx, reqs, chat, rids
+        self.tools = tools
+        self._tool_streams: dict[int, ToolCallStream] = {}
         self.echo, self.score_only = echo, body.score_only()
         self.logprobs = body.logprob_count() is not None
         self._streams: dict[int, CompletionLogprobs] = {}  # per choice: its text offsets
@@ -807,11 +868,15 @@ class _Reply:
             reason = self.finish_reason(gen)
             if self.chat:
                 lps = chat_logprobs(self.ctx.decode, gen.logprobs or []) if self.logprobs else None
+                message: dict[str, Any] = {"role": "assistant", "content": text}
+                if self.tools is not None:
+                    parsed = self.tools.parse(text)
+                    message["content"] = parsed.content or None
+                    if parsed.tool_calls:
+                        message["tool_calls"] = [c.openai() for c in parsed.tool_calls]
+                        reason = "tool_calls" if reason == "stop" else reason
                 choices.append({
-                    "index": i,
-                    "message": {"role": "assistant", "content": text},
-                    "logprobs": lps,
-                    "finish_reason": reason,
+                    "index": i, "message": message, "logprobs": lps, "finish_reason": reason,
                 })  # fmt: skip
             else:
                 text = (self.echo[i] if self.echo else "") + text
@@ -871,6 +936,27 @@ class _Reply:
         if self.continuous_usage and self.live:
             return {**head, "choices": [choice], "usage": self.usage(list(self.live.values()))}
         return {**head, "choices": [choice]}
+
+    def tool_chunks(self, i: int, piece: str, reason: str | None, lps: dict | None) -> list[dict]:
+        """Choice ``i``'s chunks for a piece of its reply when it has tools: content and
+        complete calls as the stream parser releases them (no part of a tag as content),
+        logprobs in a chunk of their own, and with ``reason`` (its last piece) the end,
+        ``tool_calls`` when calls came."""
+        assert self.tools is not None
+        stream = self._tool_streams.get(i)
+        if stream is None:
+            stream = self._tool_streams[i] = self.tools.stream()
+        deltas = stream.feed(piece) if piece else []
+        if reason is not None:
+            deltas += stream.finish()
+        out = [self.chunk(i, d, None) for d in deltas]
+        if lps is not None:
+            out.append(self.chunk(i, {}, None, lps))
+        if reason is not None:
+            out.append(
+                self.chunk(i, {}, "tool_calls" if stream.calls and reason == "stop" else reason)
+            )
+        return out
 
     def usage_chunk(self, gens: list[Generation]) -> dict:
         head = self._head()

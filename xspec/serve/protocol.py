@@ -72,8 +72,6 @@ REFUSED: dict[str, dict[str, Refused]] = {
     },
     "chat": {
         **_REFUSED_BOTH,
-        "tools": Refused(([],), "tool calling is not supported"),
-        "tool_choice": Refused(("none", "auto"), "tool calling is not supported"),
         "functions": Refused(([],), "function calling is not supported"),
         "function_call": Refused(("none", "auto"), "function calling is not supported"),
         "prediction": Refused(()),
@@ -94,7 +92,7 @@ REFUSED: dict[str, dict[str, Refused]] = {
 # do): who is asking, storage and tracing tags, scheduling hints.
 IGNORED = frozenset({
     "user", "metadata", "store", "service_tier", "prompt_cache_key", "safety_identifier",
-    "parallel_tool_calls", "priority", "request_id", "cache_salt", "kv_transfer_params",
+    "priority", "request_id", "cache_salt", "kv_transfer_params",
     "vllm_xargs", "mm_processor_kwargs",
     "guided_decoding_backend",  # one grammar engine here (llguidance): the output is the same
 })  # fmt: skip
@@ -309,6 +307,10 @@ class ChatCompletionRequest(_Sampling):
 
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = None
+    # tool calling (docs/chat.md): OpenAI function specs, auto / required / none / a name
+    tools: list[Any] | None = None
+    tool_choice: Any = None
+    parallel_tool_calls: bool | None = None
     logprobs: bool = False
     top_logprobs: int | None = None  # alternatives per token, with logprobs: true
     chat_template_kwargs: dict[str, Any] | None = None  # vLLM extension (enable_thinking)
