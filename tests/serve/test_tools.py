@@ -123,3 +123,50 @@ def test_bad_tools_are_400s(served: LiveServer, extra: dict, param: str, needle:
     assert r.status_code == 400, r.text
     err = r.json()["error"]
     assert needle in err["message"] and err["param"] == param, err
+
+
+@pytest.mark.parametrize("served", SERVERS, indirect=True, ids=lambda s: s[1])
+def test_a_tool_call_round_trip(served: LiveServer) -> None:
+    """Call, tool result, answer: the assistant's call and the tool's result go back in
+    the next request (rendered in the model's format) and the model answers in text."""
+    client = served.openai()
+    named = {"type": "function", "function": {"name": "get_weather"}}
+    first = client.chat.completions.create(
+        model=served.name, messages=MESSAGES, tools=TOOLS, tool_choice=named,
+        parallel_tool_calls=False, max_tokens=400, temperature=0,
+    ).choices[0].message  # fmt: skip
+    call = first.tool_calls[0]
+    _check_weather(call)
+    messages = [
+        *MESSAGES,
+        {"role": "assistant", "content": None, "tool_calls": [call.model_dump()]},
+        {"role": "tool", "tool_call_id": call.id, "content": '{"forecast": "rain"}'},
+    ]
+    answer = client.chat.completions.create(
+        model=served.name, messages=messages, tools=TOOLS, tool_choice="none",
+        max_tokens=12, temperature=0,
+    ).choices[0]  # fmt: skip
+    assert answer.finish_reason in ("stop", "length") and not answer.message.tool_calls
+    assert answer.message.content
+
+
+@pytest.mark.parametrize("served", SERVERS, indirect=True, ids=lambda s: s[1])
+def test_the_openai_clients_parse_with_a_pydantic_model(served: LiveServer) -> None:
+    """``client.chat.completions.parse(response_format=Model)``: the client sends the
+    model's strict JSON Schema and validates the reply into the model."""
+    from typing import Literal
+
+    from pydantic import BaseModel, Field
+
+    class Ref(BaseModel):
+        name: str = Field(pattern="^[a-z_]{1,10}$")
+        kind: Literal["function", "class"]
+        tags: list[Literal["io", "math"]] = Field(max_length=2)
+
+    for temperature in (0.0, 0.8):
+        done = served.openai().chat.completions.parse(
+            model=served.name, messages=[{"role": "user", "content": "Describe parse()."}],
+            response_format=Ref, max_tokens=64, temperature=temperature, seed=2,
+        )  # fmt: skip
+        parsed = done.choices[0].message.parsed
+        assert isinstance(parsed, Ref) and parsed.kind in ("function", "class")
