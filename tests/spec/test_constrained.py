@@ -144,3 +144,19 @@ def test_greedy_constrained_speculation_equals_spec_none(model: str, specs: list
             assert re.match(r"(def|class) ", text), text
             if finished:
                 assert re.fullmatch(REGEX, text), text
+
+
+def test_greedy_constrained_adaptive_speculation_equals_spec_none() -> None:
+    """The adaptive depth policy (the engine's own, spec.adaptive=true) under a grammar:
+    greedy outputs equal spec=none's, and it drafted."""
+    grammars = [GrammarSpec.regex(REGEX)]
+    baseline, _ = _engine_outputs("dsv4_tiny", "none", grammars)
+    b = xspec.LLM(
+        model="dsv4_tiny", spec="dspark", platform="cpu", overrides={"spec.adaptive": True}
+    ).built
+    prompts = [b.tokenizer.encode(t) for t in ("def parse(", "import os\n", "Person:")]
+    assert b.grammars is not None
+    grammar = b.grammars.compile(grammars[0])
+    gens = b.engine.run([Request(p, 32, SamplingParams(), grammar=grammar) for p in prompts], 3)
+    assert [g.token_ids for g in gens] == baseline
+    assert sum(g.spec.num_draft_tokens for g in gens) > 0
