@@ -9,8 +9,12 @@ The engine is llguidance (a lexer/parser split that computes a token mask in ten
 microseconds for a 128k vocabulary; its matcher rolls back, which speculation needs).
 What speculation asks of a constraint:
 
-- :meth:`Constraint.path_masks`: the mask at every verify row of a draft path (the
-  committed prefix, then each draft prefix). The matcher walks the drafts as far as the
+- :meth:`Constraint.allowed`, :meth:`Constraint.push` and :meth:`Constraint.pop`: the
+  mask here, a tentative step and its rollback, from which the speculative step walks
+  its drafts (:func:`xspec.spec.constrained.constrain_drafts`, which also redraws and
+  proposes forced tokens).
+- :meth:`Constraint.path_masks`: the masks along a given draft path (the committed
+  prefix, then each draft prefix). The matcher walks the drafts as far as the
   grammar allows and rolls back, so after the call it is where it was. A draft the grammar
   forbids has masked probability 0 and is rejected for certain, and a stop token ends the
   request: the rows past either are never sampled (they repeat the last reachable mask,
@@ -319,7 +323,9 @@ class Constraint:
 
     def allowed(self) -> torch.Tensor:
         """[vocab] bool: the tokens the grammar admits next."""
-        return self.path_masks([])[0]
+        words = torch.zeros(self._words, dtype=torch.int32)
+        self._mask_into(words)
+        return self._unpack(words)
 
     def path_masks(self, drafts: list[int]) -> torch.Tensor:
         """[len(drafts) + 1, vocab] bool: row j is the mask after the committed tokens and

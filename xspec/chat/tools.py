@@ -32,6 +32,7 @@ from __future__ import annotations
 import json
 import re
 import uuid
+from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -162,22 +163,22 @@ def call_arguments(call: dict[str, Any], where: str) -> dict[str, Any]:
 # -- formats ---------------------------------------------------------------------------
 
 
-class ToolFormat:
+class ToolFormat(ABC):
     """How one chat format writes calls. A subclass gives the tag that opens calls
     (``open``) and :meth:`_scan_calls`, which reads the calls from that tag on."""
 
     name: str
     open: str
 
+    @abstractmethod
     def render_calls(self, tool_calls: Sequence[dict[str, Any]], where: str) -> str:
         """An assistant message's OpenAI ``tool_calls`` as the model writes them."""
-        raise NotImplementedError
 
+    @abstractmethod
     def _scan_calls(self, text: str, start: int, final: bool) -> tuple[list[Event], int, bool]:
         """The calls from ``text[start:]`` (which begins with :attr:`open`): (events,
         where reading stopped, whether the calls end there). Unfinished text stops the
         scan before it unless ``final``; a malformed call is a ``("bad", start)`` event."""
-        raise NotImplementedError
 
     def parse(
         self,

@@ -62,7 +62,7 @@ from xspec.engine.engine import Delta, Engine, Generation, seeded
 from xspec.engine.engine import Request as EngineRequest
 from xspec.engine.loop import EngineLoop, LoopStopped, QueueFull
 from xspec.errors import RequestError
-from xspec.grammar import Grammar, GrammarCompiler
+from xspec.grammar import Grammar, GrammarCompiler, GrammarSpec
 from xspec.run.exporter import RequestMetrics
 from xspec.sampling import SamplingParams
 from xspec.serve.logprobs import CompletionLogprobs, chat_logprobs
@@ -402,9 +402,7 @@ def make_app(ctx: ServeContext) -> FastAPI:
                     "structured_outputs both constrain the reply; send one of them",
                     "invalid_request_error", "tools",
                 )  # fmt: skip
-            spec, grammars = plan.grammar, ctx.grammars
-            assert grammars is not None  # the server's context always has one
-            grammar = await _off_loop(None, "tools", lambda: grammars.compile(spec))
+            grammar = await _compiled(ctx, plan.grammar, "tools")
         tools = plan.tools if plan is not None else None
         ids = await _chat_ids(ctx, body.messages, body.chat_template_kwargs, tools)
         return await _serve(ctx, request, body, [ids], chat=True, grammar=grammar, tools=plan)
@@ -529,8 +527,12 @@ async def _grammar(ctx: ServeContext, body: _Sampling) -> Grammar | None:
     field that asked for it."""
     field = "response_format" if body.response_format is not None else "structured_outputs"
     spec = _as_400(body.grammar_spec, field)
-    if spec is None:
-        return None
+    return None if spec is None else await _compiled(ctx, spec, field)
+
+
+async def _compiled(ctx: ServeContext, spec: GrammarSpec, field: str) -> Grammar:
+    """``spec`` compiled off the event loop (a large schema takes a while; compiled
+    grammars are cached); its errors are 400s naming ``field``."""
     grammars = ctx.grammars
     if grammars is None:
         raise ApiError(
