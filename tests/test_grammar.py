@@ -11,7 +11,15 @@ import pytest
 import torch
 
 from xspec.errors import RequestError
-from xspec.grammar import CACHE_SIZE, MAX_SPEC_CHARS, GrammarCompiler, GrammarSpec, request_spec
+from xspec.grammar import (
+    CACHE_SIZE,
+    MAX_SPEC_CHARS,
+    SAFE_INTEGER,
+    GrammarCompiler,
+    GrammarSpec,
+    compact_schema,
+    request_spec,
+)
 from xspec.tokenizer import ByteTokenizer, load_tokenizer
 
 TINY = Path(__file__).resolve().parents[1] / "xspec" / "assets" / "dsv4_tiny"
@@ -100,6 +108,66 @@ def test_samples_under_the_mask_satisfy_the_grammar(byte: GrammarCompiler) -> No
         out = tok.decode(_walk(byte, GrammarSpec.grammar('root ::= "x" [0-9]+ "y"'), seed, 12))
         assert re.fullmatch("x[0-9]+y?", out), out
     assert json.loads(tok.decode(_walk(byte, GrammarSpec.json_object(), 0, 400)[:-1])) is not None
+
+
+def _accepts(compiler: GrammarCompiler, schema: dict, text: str) -> bool:
+    """Whether ``text`` (then a stop token) is a whole output under ``schema``."""
+    c = compiler.compile(GrammarSpec.json_schema(schema)).constraint()
+    for t in compiler.tokenizer.encode(text):
+        if not c.allowed()[t]:
+            return False
+        c.commit([t])
+    return bool(c.allowed()[1])
+
+
+def test_schemas_compile_closed_and_bounded(byte: GrammarCompiler) -> None:
+    item = {"type": "object", "properties": {"x": {"type": "integer"}}}
+    schema = {
+        "type": "object",
+        "properties": {"items": {"type": "array", "items": {"$ref": "#/$defs/item"}}},
+        "$defs": {"item": item},
+    }
+    closed = compact_schema(schema)
+    assert closed["additionalProperties"] is False and "additionalProperties" not in schema
+    got = closed["$defs"]["item"]
+    assert got["additionalProperties"] is False
+    assert got["properties"]["x"] == {
+        "type": "integer", "minimum": -SAFE_INTEGER, "maximum": SAFE_INTEGER
+    }  # fmt: skip
+    assert _accepts(byte, schema, '{"items": [{"x": 1}]}')
+    assert not _accepts(byte, schema, '{"items": [{"x": 1, "y": 2}]}')  # not listed
+    assert not _accepts(byte, schema, '{"items": [], "z": 0}')
+    assert not _accepts(byte, schema, '{"items": [{"x": 90071992547409910}]}')  # > 2**53 - 1
+    number = {"type": "number", "maximum": 10}
+    assert compact_schema(number) == number | {"minimum": -SAFE_INTEGER, "multipleOf": 1e-9}
+    for text, ok in [
+        ("2.5", True),
+        ("-0.123456789", True),
+        ("0.1234567891", False),
+        ("1e1", False),
+    ]:
+        assert _accepts(byte, number, text) is ok, text
+    open_map = {
+        "type": "object",
+        "properties": {"a": {}},
+        "additionalProperties": {"type": "string"},
+    }
+    assert _accepts(byte, open_map, '{"a": 1, "b": "c"}')  # given: kept
+
+
+def test_schemas_whose_closing_could_empty_them_stay_as_given() -> None:
+    part = {"type": "object", "properties": {"a": {"type": "string"}}}
+    both = {"allOf": [part, {"properties": {"b": {"type": "string"}}}]}
+    assert compact_schema(both) == both
+    shared = {"$ref": "#/$defs/p", "properties": {"b": {"type": "string"}}, "$defs": {"p": part}}
+    assert compact_schema(shared)["$defs"] == {"p": part}
+    assert "additionalProperties" not in compact_schema(shared)  # its own $ref beside
+    # a bound given on one side only: the other is added unless it would contradict it
+    assert compact_schema({"type": "integer", "minimum": 2**60}) == {
+        "type": "integer", "minimum": 2**60
+    }  # fmt: skip
+    assert compact_schema({"type": ["integer", "null"], "multipleOf": 5})["maximum"] == SAFE_INTEGER
+    assert compact_schema(True) is True
 
 
 def test_forced_tokens_and_the_end(byte: GrammarCompiler) -> None:
