@@ -173,6 +173,14 @@ def test_what_the_grammars_admit(compiler: GrammarCompiler, fmt: ToolFormat) -> 
             "type": "object", "additionalProperties": True}}}])  # fmt: skip
         spec = tool_grammar(fmt, open_, check_tool_choice("required", open_))
         assert spec is not None and accepts(compiler, spec, call("f", {"x": 1}))
+    # nested objects are closed, numbers bounded, as in a response's schema
+    nested = check_tools([{"type": "function", "function": {"name": "g", "parameters": {
+        "type": "object", "properties": {"at": {"type": "object", "properties": {
+            "n": {"type": "number"}}}}}}}])  # fmt: skip
+    spec = tool_grammar(fmt, nested, check_tool_choice("required", nested))
+    assert spec is not None and accepts(compiler, spec, call("g", {"at": {"n": 2.5}}))
+    assert not accepts(compiler, spec, call("g", {"at": {"n": 2.5, "x": 1}}))
+    assert not accepts(compiler, spec, call("g", {"at": {"n": 1e300}}))
 
 
 def test_dsml_needs_parameters_it_can_split() -> None:

@@ -44,7 +44,7 @@ from xspec.chat.tools import (
     new_call_id,
 )
 from xspec.errors import RequestError
-from xspec.grammar import JSON_LAYOUT, GrammarSpec
+from xspec.grammar import JSON_LAYOUT, GrammarSpec, compact_schema
 
 # keys a DSML parameters schema may hold at its top (others cannot be split into parameters)
 DSML_TOP_KEYS = {"type", "properties", "required", "additionalProperties", "description",
@@ -119,10 +119,13 @@ def _lit(text: str) -> str:
 
 
 def _json(schema: Any, defs: dict[str, Any]) -> str:
-    """``%json`` of ``schema`` in xspec's JSON layout, the root's definitions carried."""
+    """``%json`` of ``schema`` in xspec's JSON layout, closed and bounded as a
+    response's schema (:func:`xspec.grammar.compact_schema`), the root's definitions
+    carried."""
     if isinstance(schema, bool):
         schema = {} if schema else {"not": {}}
-    return "%json " + json.dumps({**defs, **schema, "x-guidance": JSON_LAYOUT}, ensure_ascii=False)
+    body = compact_schema({**defs, **schema})
+    return "%json " + json.dumps({**body, "x-guidance": JSON_LAYOUT}, ensure_ascii=False)
 
 
 def _excluding(tag: str) -> str:
