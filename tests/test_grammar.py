@@ -168,6 +168,8 @@ def test_schemas_whose_closing_could_empty_them_stay_as_given() -> None:
     }  # fmt: skip
     assert compact_schema({"type": ["integer", "null"], "multipleOf": 5})["maximum"] == SAFE_INTEGER
     assert compact_schema(True) is True
+    other = {"type": "object", "properties": {"a": {}}, "required": ["a", "b"]}
+    assert compact_schema(other) == other  # closed, "b" could not be written
 
 
 def test_forced_tokens_and_the_end(byte: GrammarCompiler) -> None:

@@ -128,8 +128,8 @@ def compact_schema(schema: Any) -> Any:
     writes under it ends (a small model at T > 0 otherwise writes digits, or keys, until
     ``max_tokens``). Every document the result admits is valid under ``schema``:
 
-    - an object schema with ``properties`` and no ``additionalProperties`` /
-      ``patternProperties`` admits only its listed properties (as xgrammar's strict mode,
+    - an object schema with ``properties`` (that ``required`` names no other) and no
+      ``additionalProperties`` / ``patternProperties`` admits only its listed properties (as xgrammar's strict mode,
       vLLM's default); set ``additionalProperties`` to admit others;
     - an ``integer`` or ``number`` without a bound gets JSON's interoperable one,
       +-(2**53 - 1), and a ``number`` without ``multipleOf`` at most 9 decimal places
@@ -146,6 +146,7 @@ def compact_schema(schema: Any) -> Any:
 
 
 _OBJECT_KEYS = ("properties", "required", "additionalProperties", "patternProperties")
+_OPEN_KEYS = ("additionalProperties", "patternProperties", "minProperties")
 _APPLICATORS = ("allOf", "anyOf", "oneOf", "$ref", "not", "if", "then", "else")
 _ANNOTATIONS = {"$ref", "title", "description", "default", "examples", "$comment"}
 
@@ -174,10 +175,13 @@ def _compact(node: Any, close_defs: bool, depth: int = 0) -> Any:
         return _compact(value, close_defs, depth + 1)
 
     shaped = any(k in node for k in _OBJECT_KEYS)
-    if isinstance(node.get("properties"), dict):
-        out["properties"] = {k: sub(v) for k, v in node["properties"].items()}
-        if not any(k in node for k in ("additionalProperties", "patternProperties")) and not any(
-            k in node for k in _APPLICATORS
+    if isinstance(props := node.get("properties"), dict):
+        out["properties"] = {k: sub(v) for k, v in props.items()}
+        required = node.get("required", [])
+        if (
+            not any(k in node for k in _OPEN_KEYS + _APPLICATORS)
+            and isinstance(required, list)
+            and set(required) <= set(props)  # else closing would leave nothing
         ):
             out["additionalProperties"] = False
     if isinstance(node.get("additionalProperties"), dict):
