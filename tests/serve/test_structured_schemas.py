@@ -13,6 +13,7 @@ from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
+import httpx
 import pytest
 
 from tests.schema_cases import SCHEMAS, check, response_format
@@ -130,3 +131,24 @@ def test_spec_none_gives_the_same_greedy_outputs(outputs: Outputs) -> None:
     for case in cases:
         check(case[0], got[case][0])
         assert got[case] == outputs[case], case
+
+
+@pytest.mark.parametrize(
+    ("schema", "needle"),
+    [
+        ({"type": "object", "unevaluatedProperties": False}, 'Unimplemented keys: ["unevaluatedProperties"]'),
+        ({"oneOf": [{"type": "integer"}, {"type": "number"}]}, "oneOf constraints are not supported"),
+        ({"type": "string", "format": "credit-card"}, "Unknown format: credit-card"),
+        ({"type": "string", "pattern": "(?=a)b"}, "look-around"),
+        ({"properties": {"a": {"$ref": "#/$defs/gone"}}}, "Pointer '/$defs/gone' does not exist"),
+    ],
+)  # fmt: skip
+def test_unsupported_schema_features_are_400s_naming_them(
+    default_server: LiveServer, schema: dict, needle: str
+) -> None:
+    fmt = {"type": "json_schema", "json_schema": {"name": "x", "schema": schema}}
+    body = {"model": default_server.name, "messages": MESSAGES, "response_format": fmt}
+    r = httpx.post(default_server.url + "/v1/chat/completions", json=body, timeout=60)
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert needle in err["message"] and err["param"] == "response_format", err
