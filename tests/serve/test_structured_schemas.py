@@ -1,10 +1,11 @@
 """Every structured output of a live server parses and validates (``jsonschema``): the
-schemas of :mod:`tests.schema_cases` through the ``openai`` client, greedy and at
-T=0.8 (two seeds), streamed and not, on completions and chat, all in flight together on
-the default server (``python -m xspec.serve`` with no overrides: dsv4_tiny, DSpark).
-Each ends with ``finish_reason: "stop"`` well within ``max_tokens``; a cut by
-``max_tokens`` ends with ``"length"``. The slow part runs the same requests on
-``spec=none`` and finds the greedy outputs equal."""
+schemas of :mod:`tests.schema_cases` through the ``openai`` client, greedy and at T=0.8
+(two seeds; the second seed's completions ask through vLLM's ``structured_outputs``),
+streamed and not, on completions and chat, all in flight together on the default server
+(``python -m xspec.serve`` with no overrides: dsv4_tiny, DSpark). Each ends with
+``finish_reason: "stop"`` well within ``max_tokens``; a cut by ``max_tokens`` ends with
+``"length"``; an unsupported schema feature is a 400 naming it. The slow part runs the
+same requests on ``spec=none`` and finds the greedy outputs equal."""
 
 from __future__ import annotations
 
