@@ -1,24 +1,32 @@
-"""What logprobs and the logits processors cost under speculation: tokens per decode step
-and TPOT of the same workload with ``logprobs``, with penalties (presence, frequency,
-repetition, logit_bias, min_tokens) and with both, against neither, in one process.
+"""What logprobs and the logits processors cost under speculation: tokens per decode step,
+TPOT and process CPU time per output token of the same workload with ``logprobs``, with
+the penalties (presence, frequency, repetition) and with a ``logit_bias``, against none of
+them, for every spec method, in one process.
 
-    python benchmarks/bench_sampling.py [--spec mtp dspark] [--concurrency 4] [--requests 8]
-        [--max-new 64] [--reps 3] [--temperature 0] [key=value ...]   # e.g. model=dsv4_tiny
+    python benchmarks/bench_sampling.py [--spec none mtp dspark] [--concurrency 4]
+        [--requests 4] [--max-new 32] [--reps 3] [--temperature 0] [--threads 1]
+        [key=value ...]
 
-Each spec method is built once; the settings of a repeat run back to back in a rotated
-order (a slow spell of a shared machine falls on all of them), every request generating
-``--max-new`` tokens (EOS ignored). Printed per method and setting: median TPOT (ms),
-tokens per decode step (committed tokens after the first / decode steps, per request
-summed), and both as ratios to the plain setting. Penalties change the text, so they
-change acceptance: the tokens-per-step ratio is that effect, the TPOT ratio the sum of it
-and of the processors' own time.
+Every spec method is built first; then each repeat runs every (method, setting) once,
+methods and settings in an order rotated from one repeat to the next (a slow spell of a
+shared machine falls on all of them), every request generating ``--max-new`` tokens (EOS
+ignored). Printed per method and setting, medians over the repeats: TPOT (ms, wall
+clock), tokens per decode step (committed tokens after the first / decode steps, per
+request summed), CPU time per output token (ms, this process's CPU time over the run,
+all threads: steadier than wall time on a loaded machine, since time the process waits
+for a core is not counted), and each as a ratio to the plain setting of the same method.
+Penalties and biases change the text, so they change acceptance: the tokens-per-step
+ratio is that effect, the TPOT and CPU ratios its sum with the processors' own time.
 """
 
 from __future__ import annotations
 
 import argparse
 import statistics
+import time
 from typing import Any
+
+import torch
 
 import xspec
 
@@ -28,24 +36,19 @@ PROMPTS = [
     "class Stack:\n    def push(self",
     "The quick brown fox",
 ]
-PENALTIES: dict[str, Any] = dict(
-    presence_penalty=0.3,
-    frequency_penalty=0.3,
-    repetition_penalty=1.1,
-    logit_bias={32: 1.0},
-    min_tokens=8,
-)
 SETTINGS: dict[str, dict[str, Any]] = {
     "plain": {},
     "logprobs=5": {"logprobs": 5},
-    "penalties": PENALTIES,
-    "both": {**PENALTIES, "logprobs": 5},
+    "penalties": dict(presence_penalty=0.5, frequency_penalty=0.5, repetition_penalty=1.1),
+    "logit_bias": {"logit_bias": {t: -2.0 for t in range(100, 116)}},
 }
+Row = tuple[float, float, float]  # (TPOT s, tokens per step, CPU s per output token)
 
 
-def run(llm: xspec.LLM, args: argparse.Namespace, kw: dict[str, Any]) -> tuple[float, float]:
-    """One run of the workload: (median TPOT in s, tokens per decode step)."""
+def run(llm: xspec.LLM, args: argparse.Namespace, kw: dict[str, Any]) -> Row:
+    """One run of the workload."""
     prompts = [PROMPTS[i % len(PROMPTS)] for i in range(args.requests)]
+    cpu = time.process_time()
     gens = llm.generate(
         prompts,
         args.max_new,
@@ -54,43 +57,55 @@ def run(llm: xspec.LLM, args: argparse.Namespace, kw: dict[str, Any]) -> tuple[f
         concurrency=args.concurrency,
         **kw,
     )
+    cpu = time.process_time() - cpu
     tpot = statistics.median(g.tpot_s for g in gens if g.tpot_s is not None)
     per_step = sum(len(g.token_ids) - 1 for g in gens) / sum(g.num_steps for g in gens)
-    return tpot, per_step
+    return tpot, per_step, cpu / sum(len(g.token_ids) for g in gens)
+
+
+def _rotated(items: list[str], k: int) -> list[str]:
+    return items[k % len(items) :] + items[: k % len(items)]
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--spec", nargs="+", default=["mtp", "dspark"])
+    ap.add_argument("--spec", nargs="+", default=["none", "mtp", "dspark"])
     ap.add_argument("--concurrency", type=int, default=4)
-    ap.add_argument("--requests", type=int, default=8)
-    ap.add_argument("--max-new", type=int, default=64)
+    ap.add_argument("--requests", type=int, default=4)
+    ap.add_argument("--max-new", type=int, default=32)
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--temperature", type=float, default=0.0)
+    ap.add_argument("--threads", type=int, default=1, help="torch threads (CPU time per token "
+                    "counts spinning threads too: one thread keeps it the work's)")  # fmt: skip
     args, overrides = ap.parse_known_args()
+    overrides += [s for s in args.spec if "=" in s]  # key=value after --spec's names
+    args.spec = [s for s in args.spec if "=" not in s]
     cfg = dict(o.split("=", 1) for o in overrides)
+    torch.set_num_threads(args.threads)
     model = cfg.pop("model", "dsv4_tiny")
     platform = cfg.pop("platform", "auto")
     print(f"model={model} T={args.temperature} concurrency={args.concurrency} "
-          f"requests={args.requests} max_new={args.max_new} reps={args.reps}")  # fmt: skip
+          f"requests={args.requests} max_new={args.max_new} reps={args.reps} "
+          f"threads={args.threads}")  # fmt: skip
+    llms = {s: xspec.LLM(model=model, spec=s, platform=platform, overrides=cfg) for s in args.spec}
+    for llm in llms.values():
+        run(llm, args, {})  # warm-up
+    results: dict[tuple[str, str], list[Row]] = {}
+    for rep in range(args.reps):
+        for i, spec in enumerate(_rotated(args.spec, rep)):
+            for name in _rotated(list(SETTINGS), rep + i):
+                results.setdefault((spec, name), []).append(run(llms[spec], args, SETTINGS[name]))
     print(
-        f"{'spec':8} {'setting':12} {'TPOT ms':>8} {'tok/step':>8} {'TPOT x':>7} {'tok/step x':>10}"
+        f"{'spec':7} {'setting':11} {'TPOT ms':>8} {'tok/step':>8} {'CPU ms/tok':>10} "
+        f"{'TPOT x':>7} {'tok/step x':>10} {'CPU x':>6}"
     )
     for spec in args.spec:
-        llm = xspec.LLM(model=model, spec=spec, platform=platform, overrides=cfg)
-        run(llm, args, {})  # warm-up
-        results: dict[str, list[tuple[float, float]]] = {name: [] for name in SETTINGS}
-        names = list(SETTINGS)
-        for rep in range(args.reps):
-            for name in names[rep % len(names) :] + names[: rep % len(names)]:
-                results[name].append(run(llm, args, SETTINGS[name]))
-        base_t = statistics.median(t for t, _ in results["plain"])
-        base_s = statistics.median(s for _, s in results["plain"])
-        for name, runs in results.items():
-            t = statistics.median(x for x, _ in runs)
-            s = statistics.median(y for _, y in runs)
+        base = [statistics.median(r[k] for r in results[spec, "plain"]) for k in range(3)]
+        for name in SETTINGS:
+            t, s, c = (statistics.median(r[k] for r in results[spec, name]) for k in range(3))
             print(
-                f"{spec:8} {name:12} {t * 1e3:8.2f} {s:8.2f} {t / base_t:7.3f} {s / base_s:10.3f}"
+                f"{spec:7} {name:11} {t * 1e3:8.2f} {s:8.2f} {c * 1e3:10.2f} "
+                f"{t / base[0]:7.3f} {s / base[1]:10.3f} {c / base[2]:6.3f}"
             )
 
 
