@@ -1,11 +1,13 @@
 """What logprobs and the logits processors cost under speculation: tokens per decode step,
 TPOT and process CPU time per output token of the same workload with ``logprobs``, with
 the penalties (presence, frequency, repetition) and with a ``logit_bias``, against none of
-them, for every spec method, in one process.
+them, for every spec method, in one process; with ``--batch-invariant`` also the plain
+workload on a second build with ``platform.batch_invariant=true`` (logprobs bit for bit
+equal across speculation and batching: docs/sampling.md).
 
     python benchmarks/bench_sampling.py [--spec none mtp dspark] [--concurrency 4]
         [--requests 4] [--max-new 32] [--reps 3] [--temperature 0] [--threads 1]
-        [key=value ...]
+        [--batch-invariant] [key=value ...]
 
 Every spec method is built first; then each repeat runs every (method, setting) once,
 methods and settings in an order rotated from one repeat to the next (a slow spell of a
@@ -42,6 +44,7 @@ SETTINGS: dict[str, dict[str, Any]] = {
     "penalties": dict(presence_penalty=0.5, frequency_penalty=0.5, repetition_penalty=1.1),
     "logit_bias": {"logit_bias": {t: -2.0 for t in range(100, 116)}},
 }
+INVARIANT = "batch_inv."  # the plain workload on the platform.batch_invariant build
 Row = tuple[float, float, float]  # (TPOT s, tokens per step, CPU s per output token)
 
 
@@ -75,6 +78,8 @@ def main() -> None:
     ap.add_argument("--max-new", type=int, default=32)
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--temperature", type=float, default=0.0)
+    ap.add_argument("--batch-invariant", action="store_true", help="also time a "
+                    "platform.batch_invariant=true build")  # fmt: skip
     ap.add_argument("--threads", type=int, default=1, help="torch threads (CPU time per token "
                     "counts spinning threads too: one thread keeps it the work's)")  # fmt: skip
     args, overrides = ap.parse_known_args()
@@ -87,21 +92,32 @@ def main() -> None:
     print(f"model={model} T={args.temperature} concurrency={args.concurrency} "
           f"requests={args.requests} max_new={args.max_new} reps={args.reps} "
           f"threads={args.threads}")  # fmt: skip
-    llms = {s: xspec.LLM(model=model, spec=s, platform=platform, overrides=cfg) for s in args.spec}
+    settings = {name: (name, kw) for name, kw in SETTINGS.items()}
+    variants = {"": cfg}
+    if args.batch_invariant:
+        variants[INVARIANT] = {**cfg, "platform.batch_invariant": True}
+        settings[INVARIANT] = (INVARIANT, {})
+    llms = {
+        (s, v): xspec.LLM(model=model, spec=s, platform=platform, overrides=o)
+        for s in args.spec
+        for v, o in variants.items()
+    }
     for llm in llms.values():
         run(llm, args, {})  # warm-up
     results: dict[tuple[str, str], list[Row]] = {}
     for rep in range(args.reps):
         for i, spec in enumerate(_rotated(args.spec, rep)):
-            for name in _rotated(list(SETTINGS), rep + i):
-                results.setdefault((spec, name), []).append(run(llms[spec], args, SETTINGS[name]))
+            for name in _rotated(list(settings), rep + i):
+                variant = INVARIANT if name == INVARIANT else ""
+                row = run(llms[spec, variant], args, settings[name][1])
+                results.setdefault((spec, name), []).append(row)
     print(
         f"{'spec':7} {'setting':11} {'TPOT ms':>8} {'tok/step':>8} {'CPU ms/tok':>10} "
         f"{'TPOT x':>7} {'tok/step x':>10} {'CPU x':>6}"
     )
     for spec in args.spec:
         base = [statistics.median(r[k] for r in results[spec, "plain"]) for k in range(3)]
-        for name in SETTINGS:
+        for name in settings:
             t, s, c = (statistics.median(r[k] for r in results[spec, name]) for k in range(3))
             print(
                 f"{spec:7} {name:11} {t * 1e3:8.2f} {s:8.2f} {c * 1e3:10.2f} "

@@ -93,6 +93,8 @@ ADAPTIVE = ["model=qwen3_tiny", "spec=dspark", "spec.adaptive=true", "platform=c
         (["model=qwen3", "spec=none", "model.path=/does/not/exist"], ["/does/not/exist"]),
         (["platform=npu"], ["torch_npu"]),
         (["platform=cpu", "platform.native_sas=on"], ["native_sas"]),
+        (["platform.batch_invariant=true", "model.dtype=bfloat16"], ["platform.batch_invariant=true holds for fp32"]),
+        (["platform.batch_invariant=maybe"], ["platform.batch_invariant", "not a valid bool"]),
         (["workload.prompts=[]"], ["workload.prompts"]),
         (["workload.num_requests=0"], ["workload.num_requests must be >= 1 (got 0)"]),
         (["workload.concurrency=-1"], ["workload.concurrency must be >= 1 (got -1)"]),

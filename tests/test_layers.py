@@ -18,7 +18,7 @@ LAYERS: list[tuple[str, ...]] = [
     ("xspec.config", "xspec.compose", "xspec.registry", "xspec.sampling", "xspec.tokenizer",
      "xspec.grammar", "xspec.chat", "xspec.metrics", "xspec.acceptance"),
     ("xspec.parallel",),
-    ("xspec.models.ops", "xspec.models.quantized"),
+    ("xspec.models.ops", "xspec.models.quantized", "xspec.models.invariant"),
     ("xspec.platforms",),
     ("xspec.models",),
     ("xspec.spec",),
@@ -210,8 +210,14 @@ def test_adaptive_speculation_is_reached_through_build_only() -> None:
     assert users == ADAPTIVE_USERS
 
 
-# what platforms may import from models/: the op protocols and the quantized-weight type
-OP_INTERFACE = {"xspec.models", "xspec.models.ops", "xspec.models.quantized"}
+# what platforms may import from models/: the op protocols, the quantized-weight type and
+# the row-invariance probe
+OP_INTERFACE = {
+    "xspec.models",
+    "xspec.models.ops",
+    "xspec.models.quantized",
+    "xspec.models.invariant",
+}
 
 
 def test_platforms_import_only_the_op_protocols_from_models() -> None:

@@ -148,6 +148,10 @@ class PlatformConfig:
     native_sas: NativeSas = NativeSas.auto
     compile: StepCompile = StepCompile.auto
     kernels: StepKernels = StepKernels.auto
+    # every row of the target's forward computed as it would be alone (GEMM rows padded to
+    # the platform's invariant tile): logprobs under speculation and batching equal
+    # spec=none's bit for bit, at a cost per step (docs/sampling.md); eager steps only
+    batch_invariant: bool = False
 
 
 @dataclass(kw_only=True)

@@ -55,6 +55,7 @@ class PlatformCfg:
     native_sas: NativeSas = NativeSas.auto
     compile: str = "auto"
     kernels: str = "auto"
+    batch_invariant: bool = False
 
 
 # Run in a fresh interpreter: import the given modules, report what got loaded.

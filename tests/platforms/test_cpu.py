@@ -76,6 +76,42 @@ def test_native_sas_on_rejected_on_cpu() -> None:
     assert "platform.native_sas=on" in problems[0] and "platform=cpu" in problems[0]
 
 
+def test_batch_invariant_pads_fp32_gemm_rows_and_drops_grouped_gemms() -> None:
+    platform = CpuPlatform(PlatformCfg(name="cpu", batch_invariant=True))
+    steps, tile = platform.step_options(), platform.gemm_row_tile(torch.float32)
+    assert tile is not None and steps.row_tile == tile  # MKL on AVX2: 4
+    assert ("batch-invariant" in steps.describe) == (tile > 1)
+    if tile > 1:  # expert groups' rows follow the batch: per-expert GEMMs
+        assert steps.ops.grouped_mm_dtypes == frozenset()
+    assert CpuPlatform(PlatformCfg(name="cpu")).step_options().row_tile == 1
+
+
+@pytest.mark.parametrize(
+    ("settings", "dtype", "needle"),
+    [
+        ({"compile": "on"}, "float32", "runs eager steps: set platform.compile=off"),
+        ({"kernels": "reference"}, "float32", "platform.kernels=reference"),
+        ({}, "bfloat16", "model.dtype=bfloat16"),
+    ],
+)
+def test_batch_invariant_where_it_is_not_shown_is_refused(
+    settings: dict[str, str], dtype: str, needle: str
+) -> None:
+    platform = CpuPlatform(PlatformCfg(name="cpu", batch_invariant=True, **settings))
+    problems = platform.validate(dtype=dtype)
+    assert any("platform.batch_invariant=true" in p and needle in p for p in problems), problems
+    assert (
+        CpuPlatform(PlatformCfg(name="cpu", batch_invariant=True)).validate(dtype="float32") == []
+    )
+
+
+def test_batch_invariant_needs_the_platform_to_promise_row_invariant_gemms() -> None:
+    """A platform that does not override ``gemm_row_tile`` (the NPU policy emulation)."""
+    platform = NpuPolicyCpuPlatform(PlatformCfg(name="npu_emulated", batch_invariant=True))
+    problems = platform.validate(dtype="float32")
+    assert any("does not make its fp32 GEMMs row-invariant" in p for p in problems), problems
+
+
 def test_host_memory_within_meminfo() -> None:
     meminfo = Path("/proc/meminfo")
     if not meminfo.exists():

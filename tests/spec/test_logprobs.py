@@ -1,9 +1,11 @@
 """Logprobs from the verify forward's rows, equal to ``spec=none``'s.
 
-The tokens (and the top alternatives' ids) are equal under speculation; the values agree
-to the forward's row-count invariance (TOL, as tests/models/deepseek_v4/test_chunking.py:
-BLAS blocks a verify block of n + 1 rows differently from one row, ~1e-6 in fp32), not
-bit for bit. Prompt logprobs are the ones ``xspec.LLM.score`` gives, bit for bit.
+The tokens (and the top alternatives' ids) are equal under speculation; by default the
+values agree to the forward's row-count invariance (TOL, as
+tests/models/deepseek_v4/test_chunking.py: BLAS blocks a verify block of n + 1 rows
+differently from one row, ~1e-6 in fp32), and with ``platform.batch_invariant=true`` bit
+for bit (xspec.models.invariant), also across batch compositions. Prompt logprobs are the
+ones ``xspec.LLM.score`` gives, bit for bit.
 """
 
 from __future__ import annotations
@@ -23,9 +25,13 @@ NEW = 24
 KW: dict[str, Any] = dict(frequency_penalty=0.7, min_tokens=4, logit_bias={32: 2.0}, logprobs=5)
 
 
-def trained(spec: str) -> xspec.LLM:
-    overrides = {"model.dtype": "float32"}
-    return xspec.LLM(model="dsv4_tiny", spec=spec, platform="cpu", overrides=overrides)
+def trained(spec: str, model: str = "dsv4_tiny", **overrides: Any) -> xspec.LLM:
+    overrides = {"model.dtype": "float32", **overrides}
+    return xspec.LLM(model=model, spec=spec, platform="cpu", overrides=overrides)
+
+
+def invariant(spec: str, model: str = "dsv4_tiny", **overrides: Any) -> xspec.LLM:
+    return trained(spec, model, **{"platform.batch_invariant": True, **overrides})
 
 
 @pytest.fixture(scope="module")
@@ -57,6 +63,42 @@ def test_greedy_logprobs_equal_spec_none(spec: str, baseline: list[Generation]) 
         assert g.logprobs is not None and b.logprobs is not None
         assert len(g.logprobs) == len(g.token_ids)
         assert_same(g.logprobs, b.logprobs)
+
+
+def assert_bit_identical(gens: list[Generation], want: list[Generation]) -> None:
+    for g, b in zip(gens, want, strict=True):
+        assert g.token_ids == b.token_ids
+        assert g.logprobs is not None and g.logprobs == b.logprobs  # values and top-k
+
+
+@pytest.mark.parametrize(
+    ("model", "spec", "adaptive"),
+    [
+        ("dsv4_tiny", "mtp", False),
+        ("dsv4_tiny", "dspark", False),
+        ("dsv4_tiny", "dspark", True),
+        ("qwen3_tiny", "dspark", False),
+        ("qwen3_tiny", "dflash", False),
+    ],
+)
+def test_batch_invariant_logprobs_are_spec_none_s_bit_for_bit(
+    model: str, spec: str, adaptive: bool
+) -> None:
+    want = invariant("none", model).generate(PROMPTS, NEW, **KW)
+    llm = invariant(spec, model, **{"spec.adaptive": adaptive})
+    gens = llm.generate(PROMPTS, NEW, **KW)
+    # its rows came from multi-row verify forwards (the untrained qwen3_tiny drafters'
+    # drafts are rejected: there the values checked are the bonus rows')
+    assert all(g.spec.num_drafts > 0 for g in gens)
+    assert_bit_identical(gens, want)
+
+
+def test_batch_invariant_logprobs_do_not_depend_on_the_batch() -> None:
+    """One request alone and beside two others (rows of other lengths in its forwards)."""
+    llm = invariant("dspark")
+    alone = llm.generate(PROMPTS[:1], NEW, **KW)
+    batched = llm.generate([PROMPTS[0], "import os\nimport sys\n", "Once upon"], NEW, **KW)
+    assert_bit_identical(batched[:1], alone)
 
 
 def test_raw_logprobs_are_the_model_s_and_processed_ones_what_it_samples(

@@ -19,6 +19,7 @@ sparse-attention types (:class:`SasMode`, :class:`DraftAttentionOp`,
 
 from __future__ import annotations
 
+import contextlib
 import enum
 from dataclasses import dataclass
 from typing import Any, Protocol, TypeVar
@@ -266,6 +267,19 @@ class StepOptions:
     ops: ModelOps = REFERENCE_OPS
     compile: Any = None
     describe: str = "eager, reference torch ops"
+    # GEMM rows padded to a multiple of this in the target's forward (1: as they come;
+    # ``platform.batch_invariant``, :mod:`xspec.models.invariant`)
+    row_tile: int = 1
+
+    def rows(self) -> contextlib.AbstractContextManager[Any]:
+        """The context a target's forward runs in: :class:`~xspec.models.invariant.
+        PaddedRows` where ``row_tile`` > 1 (every row's logits independent of the rows
+        sharing its forward), else nothing."""
+        if self.row_tile <= 1:
+            return contextlib.nullcontext()
+        from xspec.models.invariant import PaddedRows
+
+        return PaddedRows(self.row_tile)
 
     def summary(self) -> str:
         """``describe``, plus what compiling has cost so far (graphs, seconds)."""

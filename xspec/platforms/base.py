@@ -109,6 +109,14 @@ def native_sas_setting(cfg: PlatformSettings) -> str:
     return _choice(cfg, "native_sas", NATIVE_SAS_VALUES, "auto")
 
 
+def _flag(cfg: Any, key: str) -> bool:
+    """``cfg.<key>`` as a bool (absent = False)."""
+    value = getattr(cfg, key, False)
+    if not isinstance(value, bool):
+        raise ConfigError(f"platform.{key}={value!r} must be true or false")
+    return value
+
+
 def _choice(cfg: Any, key: str, values: tuple[str, ...], default: str) -> str:
     """``cfg.<key>`` (an Enum or its plain value; absent = ``default``), one of ``values``."""
     raw = getattr(cfg, key, default)
@@ -165,6 +173,7 @@ class Platform(abc.ABC):
         self.native_sas = native_sas_setting(cfg)
         self.compile = _choice(cfg, "compile", COMPILE_VALUES, "auto")
         self.kernels = _choice(cfg, "kernels", KERNELS_VALUES, "auto")
+        self.batch_invariant = _flag(cfg, "batch_invariant")
         self._capabilities = self._build_capabilities()
         self._step_options: StepOptions | None = None
 
@@ -241,7 +250,10 @@ class Platform(abc.ABC):
             )
             if self.kernels == "auto":
                 ops, ops_line = self.model_ops()
-            if self.kernels == "auto" or compiling:  # compiled MoE needs grouped GEMMs
+            # compiled MoE needs grouped GEMMs; padded rows need per-expert ones (a group's
+            # rows are the ones its expert received, which batching changes)
+            tile = self._row_tile() if self.batch_invariant else 1
+            if (self.kernels == "auto" or compiling) and tile <= 1:
                 ops = replace(
                     ops,
                     grouped_mm_dtypes=caps.grouped_mm_dtypes,
@@ -254,8 +266,13 @@ class Platform(abc.ABC):
 
                 compiler = StepCompiler(str(caps.compile_backend))
                 how = f"compiled ({caps.compile_backend})"
+            if tile > 1:
+                how += f", GEMM rows padded to a multiple of {tile} (batch-invariant)"
             self._step_options = StepOptions(
-                ops=ops, compile=compiler, describe=f"steps: {how}, {ops_line}"
+                ops=ops,
+                compile=compiler,
+                describe=f"steps: {how}, {ops_line}",
+                row_tile=tile,
             )
         return self._step_options
 
@@ -275,12 +292,51 @@ class Platform(abc.ABC):
                 f"model.dtype={dtype!r} is not supported on platform={self.name}; "
                 f"use one of {', '.join(sorted(caps.dtypes))}"
             )
+        if self.batch_invariant:
+            problems += self._batch_invariance(dtype)
         if self.native_sas == "on" and not self.supports_native_sas_option:
             problems.append(
                 f"platform.native_sas=on is only supported on NPU platforms with a native sparse "
                 f"attention operator, not on platform={self.name}; set platform.native_sas=auto or off"
             )
         return problems
+
+    def gemm_row_tile(self, dtype: torch.dtype) -> int | None:
+        """The row count whose multiples make this platform's ``dtype`` GEMMs
+        row-invariant (:mod:`xspec.models.invariant`; 1: they are as they come), or None
+        where the platform does not promise it (``platform.batch_invariant`` is then
+        refused). Default: None; a platform that can show it overrides this."""
+        return None
+
+    def _batch_invariance(self, dtype: str) -> list[str]:
+        """``platform.batch_invariant``'s problems for a model in ``dtype``."""
+        key = "platform.batch_invariant=true"
+        compiling = self.compile == "on" or (
+            self.compile == "auto" and self.capabilities.compile_by_default
+        )
+        problems = []
+        if compiling:
+            problems.append(f"{key} runs eager steps: set platform.compile=off")
+        # what it is shown for: the reference sparse attention (kernels=reference, or
+        # where a kernel declines a dtype) attends each query over its batch's widest
+        # key set, whose softmax sums in another order
+        if dtype != "float32" or self.kernels != "auto":
+            problems.append(
+                f"{key} holds for fp32 models with the platform's kernels: set "
+                f"model.dtype=float32 and platform.kernels=auto (got model.dtype={dtype}, "
+                f"platform.kernels={self.kernels})"
+            )
+        elif self.gemm_row_tile(torch.float32) is None:
+            problems.append(
+                f"{key}: platform={self.name} does not make its fp32 GEMMs row-invariant "
+                "(no row padding gives each row the same result in calls of different "
+                "sizes); set platform.batch_invariant=false"
+            )
+        return problems
+
+    def _row_tile(self) -> int:
+        """The fp32 row tile (``validate`` refused the run if there is none)."""
+        return self.gemm_row_tile(torch.float32) or 1
 
     def distributed_backend(self) -> str:
         """torch.distributed backend for DP/EP collectives (gloo, nccl, hccl...)."""

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import os
 from pathlib import Path
 
@@ -68,9 +69,21 @@ class CpuPlatform(HostDevice, Platform):
         kernels, line = native.load()
         return (kernels.ops() if kernels is not None else REFERENCE_OPS), line
 
+    def gemm_row_tile(self, dtype: torch.dtype) -> int | None:
+        """Probed once per dtype: MKL serves a row count below 12 that is not a multiple
+        of 4 with other kernels than a longer call, so 4 is the usual answer."""
+        return _host_row_tile(dtype)
+
     def validate(self, *, dtype: str) -> list[str]:
         problems = super().validate(dtype=dtype)
         return problems + self._device_problems()
+
+
+@functools.cache
+def _host_row_tile(dtype: torch.dtype) -> int | None:
+    from xspec.models.invariant import probe_row_tile
+
+    return probe_row_tile(torch.device("cpu"), dtype)
 
 
 def host_memory_available() -> int:

@@ -232,7 +232,8 @@ class DeepseekV4Model(nn.Module, HyperHead):
     @torch.no_grad()
     def forward(self, batch: ForwardBatch) -> ModelOutput:
         """Score ``batch`` (see ForwardBatch); every state advances by its row count."""
-        return self.score(batch)
+        with self.steps.rows():  # batch-invariant GEMMs where the platform pads rows
+            return self.score(batch)
 
     def score(self, batch: ForwardBatch) -> ModelOutput:
         """:meth:`forward` under the caller's grad mode: training runs the inference

@@ -138,9 +138,11 @@ class Qwen3Family(ModelFamily):
     ) -> Qwen3Model:
         if expert_parallel is not None:
             raise ValueError("Qwen3 targets have no expert-parallel loader")
-        # Qwen3 delegates no op to the platform (every op is its reference): ``steps``
-        # has nothing it reads
-        return load_model(cfg, device=device, max_rollback=max_rollback)
+        # Qwen3 delegates no op to the platform (every op is its reference): of ``steps``
+        # its forward reads only the GEMM row padding (``StepOptions.rows``)
+        model = load_model(cfg, device=device, max_rollback=max_rollback)
+        model.steps = steps
+        return model
 
     def preflight(self, cfg: Any) -> list[str]:
         return preflight(cfg)

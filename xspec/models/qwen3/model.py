@@ -30,6 +30,7 @@ from torch import nn
 
 from xspec.errors import ConfigError, RequestError
 from xspec.models.base import CapturePoint, CaptureSite, ForwardBatch, KvBytes, ModelOutput
+from xspec.models.ops import EAGER_STEPS, StepOptions
 from xspec.models.qwen3.args import Qwen3Args
 
 KV_BLOCK = 16  # cache capacity granularity (tokens)
@@ -332,6 +333,7 @@ class Qwen3Model(nn.Module):
     """
 
     checkpoint_dir: Path | None = None  # set by load_model: tokenizer.json, drafters beside it
+    steps: StepOptions = EAGER_STEPS  # the family's loader sets the platform's (row padding)
 
     def __init__(
         self,
@@ -416,6 +418,10 @@ class Qwen3Model(nn.Module):
 
     @torch.no_grad()
     def forward(self, batch: ForwardBatch) -> ModelOutput:
+        with self.steps.rows():  # batch-invariant GEMMs where the platform pads rows
+            return self._forward(batch)
+
+    def _forward(self, batch: ForwardBatch) -> ModelOutput:
         ids = batch.input_ids.to(self.device)  # [T]
         self._check_batch(batch, ids)
         snapshot_at = [self._snapshot_index(p) for p in batch.capture]
