@@ -11,15 +11,8 @@ import pytest
 import torch
 
 from xspec.errors import RequestError
-from xspec.grammar import (
-    CACHE_SIZE,
-    MAX_SPEC_CHARS,
-    SAFE_INTEGER,
-    GrammarCompiler,
-    GrammarSpec,
-    compact_schema,
-    request_spec,
-)
+from xspec.grammar import CACHE_SIZE, MAX_SPEC_CHARS, GrammarCompiler, GrammarSpec, request_spec
+from xspec.json_schema import SAFE_INTEGER, compact_schema
 from xspec.tokenizer import ByteTokenizer, load_tokenizer
 
 TINY = Path(__file__).resolve().parents[1] / "xspec" / "assets" / "dsv4_tiny"
@@ -153,23 +146,6 @@ def test_schemas_compile_closed_and_bounded(byte: GrammarCompiler) -> None:
         "additionalProperties": {"type": "string"},
     }
     assert _accepts(byte, open_map, '{"a": 1, "b": "c"}')  # given: kept
-
-
-def test_schemas_whose_closing_could_empty_them_stay_as_given() -> None:
-    part = {"type": "object", "properties": {"a": {"type": "string"}}}
-    both = {"allOf": [part, {"properties": {"b": {"type": "string"}}}]}
-    assert compact_schema(both) == both
-    shared = {"$ref": "#/$defs/p", "properties": {"b": {"type": "string"}}, "$defs": {"p": part}}
-    assert compact_schema(shared)["$defs"] == {"p": part}
-    assert "additionalProperties" not in compact_schema(shared)  # its own $ref beside
-    # a bound given on one side only: the other is added unless it would contradict it
-    assert compact_schema({"type": "integer", "minimum": 2**60}) == {
-        "type": "integer", "minimum": 2**60
-    }  # fmt: skip
-    assert compact_schema({"type": ["integer", "null"], "multipleOf": 5})["maximum"] == SAFE_INTEGER
-    assert compact_schema(True) is True
-    other = {"type": "object", "properties": {"a": {}}, "required": ["a", "b"]}
-    assert compact_schema(other) == other  # closed, "b" could not be written
 
 
 def test_forced_tokens_and_the_end(byte: GrammarCompiler) -> None:

@@ -16,7 +16,7 @@ XSPEC = Path(__file__).resolve().parents[1] / "xspec"
 LAYERS: list[tuple[str, ...]] = [
     ("xspec", "xspec.version", "xspec.errors", "xspec.atomic", "xspec.cache", "xspec.capture", "xspec.paths", "xspec.jsonfile"),  # xspec: the package root
     ("xspec.config", "xspec.compose", "xspec.registry", "xspec.sampling", "xspec.tokenizer",
-     "xspec.grammar", "xspec.chat", "xspec.metrics", "xspec.acceptance"),
+     "xspec.grammar", "xspec.json_schema", "xspec.chat", "xspec.metrics", "xspec.acceptance"),
     ("xspec.parallel",),
     ("xspec.models.ops", "xspec.models.quantized", "xspec.models.invariant"),
     ("xspec.platforms",),

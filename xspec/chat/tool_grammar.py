@@ -44,7 +44,8 @@ from xspec.chat.tools import (
     new_call_id,
 )
 from xspec.errors import RequestError
-from xspec.grammar import JSON_LAYOUT, GrammarSpec, compact_schema
+from xspec.grammar import JSON_LAYOUT, GrammarSpec
+from xspec.json_schema import compact_schema
 
 # keys a DSML parameters schema may hold at its top (others cannot be split into parameters)
 DSML_TOP_KEYS = {"type", "properties", "required", "additionalProperties", "description",
@@ -120,7 +121,7 @@ def _lit(text: str) -> str:
 
 def _json(schema: Any, defs: dict[str, Any]) -> str:
     """``%json`` of ``schema`` in xspec's JSON layout, closed and bounded as a
-    response's schema (:func:`xspec.grammar.compact_schema`), the root's definitions
+    response's schema (:func:`xspec.json_schema.compact_schema`), the root's definitions
     carried."""
     if isinstance(schema, bool):
         schema = {} if schema else {"not": {}}
