@@ -282,3 +282,44 @@ def test_forced_tokens_can_be_turned_off() -> None:
         x.commit(tok.encode("123"))
     assert on.forced(8) == tok.encode("-ok") and c.forced(8) == []
     assert torch.equal(on.allowed(), c.allowed())
+
+
+def _follows(compiler: GrammarCompiler, spec: GrammarSpec, text: str) -> bool:
+    """Whether ``text`` (then a stop token) is a whole output under ``spec``."""
+    c = compiler.compile(spec).constraint()
+    for t in compiler.tokenizer.encode(text, False):
+        if not c.allowed()[t]:
+            return False
+        c.commit([t])
+    return bool(c.allowed()[1])
+
+
+@pytest.mark.parametrize("which", ["byte", "bpe"])
+def test_a_grammar_after_the_reasoning(which: str, request: pytest.FixtureRequest) -> None:
+    compiler: GrammarCompiler = request.getfixturevalue(which)
+    answers = {
+        GrammarSpec.json_schema(SCHEMA): '{"name": "ab", "age": 3}',
+        GrammarSpec.json_object(): '{"k": [1]}',
+        GrammarSpec.regex("[0-9]{3}-ok"): "123-ok",
+        GrammarSpec.choice(["yes", "no"]): "no",
+        GrammarSpec.grammar('root ::= "x" [0-9]+ "y"'): "x12y",
+    }
+    for spec, answer in answers.items():
+        opened = spec.after_reasoning()  # DeepSeek-V4: the prompt opened <think>
+        assert _follows(compiler, opened, "a < b, so</think>" + answer)
+        assert _follows(compiler, opened, "</think>" + answer)  # empty reasoning
+        assert not _follows(compiler, opened, answer)  # the reasoning is not skipped
+        assert not _follows(compiler, opened, "x</think>y</think>" + answer)  # the first ends it
+        assert not _follows(compiler, opened, "ok</think>" + answer + "!")
+        written = spec.after_reasoning(opened=False)  # Qwen3 writes <think> itself
+        assert _follows(compiler, written, "<think>\nhm\n</think>\n\n" + answer)
+        assert not _follows(compiler, written, "hm</think>" + answer)
+        bounded = spec.after_reasoning(max_chars=5)
+        assert _follows(compiler, bounded, "12345</think>" + answer)
+        assert not _follows(compiler, bounded, "123456</think>" + answer)
+        c = compiler.compile(bounded).constraint()
+        c.commit(compiler.tokenizer.encode("12345", False))  # the bound reached: </think> forced
+        assert compiler.tokenizer.decode(c.forced(32)).startswith("</think>")
+    assert GrammarSpec.regex("a").after_reasoning() != GrammarSpec.regex("a")  # cached apart
+    with pytest.raises(RequestError, match="reasoning bound"):
+        GrammarSpec.regex("a").after_reasoning(max_chars=-1)

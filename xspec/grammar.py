@@ -30,6 +30,7 @@ stalls a step; a spec's text is bounded by :data:`MAX_SPEC_CHARS`.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import threading
 from collections import OrderedDict
@@ -51,6 +52,31 @@ CACHE_SIZE = 64  # compiled grammars kept per tokenizer
 # (flexible whitespace lets a model pad forever). A schema's own "x-guidance" object
 # overrides this (llguidance's JSON options, e.g. {"whitespace_flexible": true}).
 JSON_LAYOUT: Any = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+MAX_REASONING_CHARS = 1 << 16  # a reasoning bound past this is a 400 (its lexer grows with it)
+
+
+@dataclass(frozen=True)
+class Reasoning:
+    """Free text the output starts with, before its grammar applies: the model's
+    reasoning, up to ``end`` (thinking mode). ``opened``: the prompt opened it
+    (DeepSeek-V4's ends with ``<think>``), else the model writes ``start`` first (Qwen3),
+    and may put up to four spaces or newlines after ``end``. ``max_chars``: at most this
+    many characters of reasoning, then ``end`` is forced (None: unbounded; a model that
+    never closes its reasoning runs to ``max_tokens``)."""
+
+    opened: bool = True
+    max_chars: int | None = None
+    start: str = "<think>"
+    end: str = "</think>"
+
+    def lark(self) -> str:
+        """The Lark terminal of the reasoning with its tags: text that never holds
+        ``end`` (llguidance's ``&`` / ``~`` on regexes), then ``end``."""
+        size = "*" if self.max_chars is None else f"{{0,{self.max_chars}}}"
+        body = f"(/(?s:.{size})/ & ~/(?s:.*){_regex(self.end)}(?s:.*)/)"
+        if self.opened:
+            return f"{body} {json.dumps(self.end)}"
+        return f"{json.dumps(self.start)} {body} {json.dumps(self.end)} /[ \\t\\n]{{0,4}}/"
 
 
 @dataclass(frozen=True)
@@ -61,6 +87,7 @@ class GrammarSpec:
 
     kind: GrammarKind
     source: str = ""
+    reasoning: Reasoning | None = None  # free text first (:meth:`after_reasoning`)
 
     @classmethod
     def json_object(cls) -> GrammarSpec:
@@ -98,8 +125,29 @@ class GrammarSpec:
             raise RequestError(f"{where} must be a non-empty Lark or GBNF grammar string")
         return cls("grammar", _bounded(text, where))
 
+    def after_reasoning(self, *, opened: bool = True, max_chars: int | None = None) -> GrammarSpec:
+        """This constraint after the model's reasoning (thinking mode): the output is free
+        text up to ``</think>`` (:class:`Reasoning`), then this grammar's."""
+        if max_chars is not None and not 0 <= max_chars <= MAX_REASONING_CHARS:
+            raise RequestError(
+                f"the reasoning bound must be in [0, {MAX_REASONING_CHARS}] characters, "
+                f"got {max_chars}"
+            )
+        return dataclasses.replace(self, reasoning=Reasoning(opened, max_chars))
+
     def llguidance(self) -> str:
         """The grammar in llguidance's input form; RequestError if it cannot be read."""
+        grammar = self._answer()
+        if self.reasoning is None:
+            return grammar
+        # the answer is a grammar of its own, which the reasoning's Lark rule names (@answer)
+        top = json.loads(grammar) if grammar.lstrip().startswith("{") else _lark_top(grammar)
+        top["grammars"][0]["name"] = "answer"
+        lark = f"start: REASONING @answer\nREASONING: {self.reasoning.lark()}"
+        top["grammars"].insert(0, {"name": "reasoning", "lark_grammar": lark})
+        return json.dumps(top)
+
+    def _answer(self) -> str:
         from llguidance import LLMatcher
         from llguidance.gbnf_to_lark import any_to_lark
 
@@ -183,6 +231,16 @@ def _structured_outputs(body: Any) -> GrammarSpec | None:
     if value is not True:
         raise RequestError(f"{where} must be true or unset")
     return GrammarSpec.json_object()
+
+
+def _lark_top(lark: str) -> dict[str, Any]:
+    """A Lark grammar as llguidance's top-level grammar object (a list of grammars)."""
+    return {"grammars": [{"name": "lark", "lark_grammar": lark}]}
+
+
+def _regex(text: str) -> str:
+    """``text`` as a literal inside a Lark ``/.../`` regex."""
+    return "".join("\\" + c if c in r"\/.^$*+?()[]{}|-" else c for c in text)
 
 
 def _kind(value: Any) -> str:

@@ -164,6 +164,8 @@ def test_what_the_grammars_admit(compiler: GrammarCompiler, fmt: ToolFormat) -> 
     assert thinking is not None
     prefix = "Let me see.</think>" if fmt is DSML else "<think>\nLet me see.\n</think>\n\n"
     assert accepts(compiler, thinking, prefix + say) and not accepts(compiler, thinking, say)
+    after = required.after_reasoning(opened=fmt is DSML)  # the server's composition
+    assert accepts(compiler, after, prefix + say) and not accepts(compiler, after, say)
     assert tool_grammar(fmt, TOOLS, check_tool_choice("none", TOOLS)) is None
     # only declared properties, unless the schema admits others
     assert not accepts(compiler, required, call("say", {"text": "a", "x": 1}))

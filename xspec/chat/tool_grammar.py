@@ -44,7 +44,7 @@ from xspec.chat.tools import (
     new_call_id,
 )
 from xspec.errors import RequestError
-from xspec.grammar import JSON_LAYOUT, GrammarSpec
+from xspec.grammar import JSON_LAYOUT, GrammarSpec, Reasoning
 from xspec.json_schema import compact_schema
 
 # keys a DSML parameters schema may hold at its top (others cannot be split into parameters)
@@ -188,10 +188,7 @@ def tool_grammar(
     else:
         main = f"{_lit(open_)} {body}"
     if reasoning:  # DeepSeek-V4's prompt opened <think>; Qwen3 writes it
-        if fmt is DSML:
-            rules.append(f'THOUGHT: {_excluding("</think>")} "</think>"')
-        else:
-            rules.append(f'THOUGHT: "<think>" {_excluding("</think>")} "</think>" /[ \\t\\n]*/')
+        rules.append(f"THOUGHT: {Reasoning(opened=fmt is DSML).lark()}")
         main = f"THOUGHT ({main})"
     rules.insert(1, f"start: {main}")
     return GrammarSpec.grammar("\n".join(rules), "tool call grammar")
