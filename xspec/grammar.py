@@ -60,9 +60,9 @@ class Reasoning:
     """Free text the output starts with, before its grammar applies: the model's
     reasoning, up to ``end`` (thinking mode). ``opened``: the prompt opened it
     (DeepSeek-V4's ends with ``<think>``), else the model writes ``start`` first (Qwen3),
-    and may put up to four spaces or newlines after ``end``. ``max_chars``: at most this
-    many characters of reasoning, then ``end`` is forced (None: unbounded; a model that
-    never closes its reasoning runs to ``max_tokens``)."""
+    and may put up to two newlines after ``end`` (as Qwen3's template writes them).
+    ``max_chars``: at most this many characters of reasoning, then ``end`` is forced
+    (None: unbounded; a model that never closes its reasoning runs to ``max_tokens``)."""
 
     opened: bool = True
     max_chars: int | None = None
@@ -76,7 +76,7 @@ class Reasoning:
         body = f"(/(?s:.{size})/ & ~/(?s:.*){_regex(self.end)}(?s:.*)/)"
         if self.opened:
             return f"{body} {json.dumps(self.end)}"
-        return f"{json.dumps(self.start)} {body} {json.dumps(self.end)} /[ \\t\\n]{{0,4}}/"
+        return f"{json.dumps(self.start)} {body} {json.dumps(self.end)} /\\n{{0,2}}/"
 
 
 @dataclass(frozen=True)

@@ -86,13 +86,3 @@ def test_bad_grammars_are_400s(served: LiveServer, extra: dict, param: str, need
     assert r.status_code == 400, r.text
     err = r.json()["error"]
     assert needle in err["message"] and err["param"] == param, err
-
-
-@pytest.mark.parametrize("served", SERVERS, indirect=True, ids=lambda s: s[1])
-def test_thinking_with_a_grammar_is_refused(served: LiveServer) -> None:
-    body = {
-        "model": served.name, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4,
-        "response_format": {"type": "json_object"}, "chat_template_kwargs": {"thinking": True},
-    }  # fmt: skip
-    r = httpx.post(served.url + "/v1/chat/completions", json=body, timeout=60)
-    assert r.status_code == 400 and "cannot think first" in r.json()["error"]["message"]

@@ -114,7 +114,6 @@ def test_tool_choice_none_is_plain_text(served: LiveServer) -> None:
         ({"tools": [{"type": "function"}]}, "tools", "tools"),
         ({"tool_choice": "required"}, "tools", "required"),
         ({"tools": TOOLS, "tool_choice": "required", "response_format": {"type": "json_object"}}, "tools", "send one of them"),
-        ({"tools": TOOLS, "chat_template_kwargs": {"thinking": True}}, "chat_template_kwargs", "thinking"),
     ],
 )  # fmt: skip
 def test_bad_tools_are_400s(served: LiveServer, extra: dict, param: str, needle: str) -> None:

@@ -54,9 +54,11 @@ from xspec.chat import (
     jinja,
     load_chat_template,
 )
+from xspec.chat.reasoning import START as THINK_START
+from xspec.chat.reasoning import ReasoningStream, split_reasoning
 from xspec.chat.renderer import RenderLimits, TemplateRenderer
 from xspec.chat.tool_grammar import ToolPlan, plan_tools
-from xspec.chat.tools import ToolCallStream
+from xspec.chat.tools import DSML, ToolCallStream
 from xspec.config import RunConfig
 from xspec.engine.engine import Delta, Engine, Generation, seeded
 from xspec.engine.engine import Request as EngineRequest
@@ -81,6 +83,7 @@ from xspec.version import __version__
 
 RETRY_AFTER_S = 1  # what a 503 for a full queue tells the client to wait
 DISCONNECT_POLL_S = 0.5  # how often a plain (not streamed) request checks for its client
+FREE_TEXT = r"(?s:.*)"  # the answer of a thinking request with a reasoning bound only
 T = TypeVar("T")
 
 
@@ -387,39 +390,37 @@ def make_app(ctx: ServeContext) -> FastAPI:
     @app.post("/v1/chat/completions")
     async def chat(body: ChatCompletionRequest, request: Request) -> Response:
         _checked(ctx, body)
-        grammar = await _grammar(ctx, body)
-        if grammar is not None and _thinking(body.chat_template_kwargs):
-            raise ApiError(
-                400, "structured output constrains the whole reply from its first token, so "
-                "the model cannot think first; set chat_template_kwargs thinking (or "
-                "enable_thinking) to false", "invalid_request_error", "chat_template_kwargs",
-            )  # fmt: skip
+        field = "response_format" if body.response_format is not None else "structured_outputs"
+        spec = _as_400(body.grammar_spec, field)
         plan = await _tool_plan(ctx, body)
         if plan is not None and plan.grammar is not None:
-            if grammar is not None:
+            if spec is not None:
                 raise ApiError(
                     400, "tools (with tool_choice other than none) and response_format / "
                     "structured_outputs both constrain the reply; send one of them",
                     "invalid_request_error", "tools",
                 )  # fmt: skip
-            grammar = await _compiled(ctx, plan.grammar, "tools")
+            spec, field = plan.grammar, "tools"
         tools = plan.tools if plan is not None else None
-        ids = await _chat_ids(ctx, body.messages, body.chat_template_kwargs, tools)
-        return await _serve(ctx, request, body, [ids], chat=True, grammar=grammar, tools=plan)
+        text, ids = await _chat_prompt(ctx, body.messages, body.chat_template_kwargs, tools)
+        thinking = body.thinking()
+        if thinking and (spec is not None or body.max_reasoning_chars is not None):
+            # the grammar applies after the reasoning; a bound alone: free text after it
+            answer = spec if spec is not None else GrammarSpec.regex(FREE_TEXT)
+            opened = _reasoning_opened(ctx, text)
+            spec = answer.after_reasoning(opened=opened, max_chars=body.max_reasoning_chars)
+        grammar = None if spec is None else await _compiled(ctx, spec, field)
+        return await _serve(
+            ctx, request, body, [ids], chat=True, grammar=grammar, tools=plan, thinking=thinking
+        )
 
     return app
 
 
 async def _tool_plan(ctx: ServeContext, body: ChatCompletionRequest) -> ToolPlan | None:
     """The request's tools read once (:func:`~xspec.chat.tool_grammar.plan_tools`): the
-    tools its prompt shows, its call grammar, its output parser; None: no tools. Refused
-    with a thinking mode on (the reply's reasoning is not split off before parsing)."""
-    if body.tools is not None and _thinking(body.chat_template_kwargs):
-        raise ApiError(
-            400, "tools with a thinking mode on are not served yet (the reasoning would be "
-            "parsed as the reply); set chat_template_kwargs thinking (or enable_thinking) "
-            "to false", "invalid_request_error", "chat_template_kwargs",
-        )  # fmt: skip
+    tools its prompt shows, its call grammar (with a thinking mode on, the chat handler
+    puts the reasoning before it), its output parser; None: no tools."""
     if body.tools is None and body.tool_choice is None:
         return None
     template = ctx.template
@@ -463,15 +464,26 @@ async def _chat_ids(
 ) -> list[int]:
     """The prompt ids of a chat's messages (rendered, then tokenized, off the event loop).
     OpenAI's ``developer`` role is its newer name for ``system``, and is rendered as one."""
+    return (await _chat_prompt(ctx, messages, options, tools))[1]
+
+
+async def _chat_prompt(
+    ctx: ServeContext,
+    messages: list[ChatMessage],
+    options: dict[str, Any] | None,
+    tools: list[dict[str, Any]] | None = None,
+) -> tuple[str, list[int]]:
+    """:func:`_chat_ids` with the rendered text."""
     dumped = [m.model_dump(exclude_none=True) for m in messages]
     dumped = [m | {"role": "system"} if m.get("role") == "developer" else m for m in dumped]
     kwargs = options or {}
     text = await _off_loop(
         ctx.render_pool, "messages", lambda: ctx.chat_text(dumped, kwargs, tools)
     )
-    return await _off_loop(
+    ids = await _off_loop(
         None, "messages", lambda: _tokens(ctx, text, ctx.chat_encode, "the rendered chat")
     )
+    return text, ids
 
 
 def _checked(ctx: ServeContext, body: _Sampling) -> None:
@@ -515,10 +527,14 @@ def _tokens(
     return encode(text)
 
 
-def _thinking(options: dict[str, Any] | None) -> bool:
-    """The request turned a thinking mode on (DeepSeek-V4's ``thinking``, Qwen3's
-    ``enable_thinking``)."""
-    return any((options or {}).get(k) is True for k in ("thinking", "enable_thinking"))
+def _reasoning_opened(ctx: ServeContext, prompt: str) -> bool:
+    """Whether a thinking-mode reply starts inside its reasoning: the prompt ends by
+    opening ``<think>`` (DeepSeek-V4), or the model writes DSML calls (the DeepSeek-V4
+    family: the built-in presets' plain prompts follow its convention); else the model
+    writes ``<think>`` itself (Qwen3)."""
+    template = ctx.template
+    dsml = template is not None and template.tools == DSML.name
+    return dsml or prompt.rstrip().endswith(THINK_START)
 
 
 async def _grammar(ctx: ServeContext, body: _Sampling) -> Grammar | None:
@@ -596,6 +612,7 @@ async def _serve(
     grammar: Grammar | None = None,
     echo: list[str] | None = None,  # completions with echo: each prompt's text
     tools: ToolPlan | None = None,  # chat with tools: the reply's calls are parsed out
+    thinking: bool = False,  # chat with a thinking mode on: the reasoning is split off
 ) -> Response:
     """Submit one engine request per choice (prompt ``i``'s ``n`` choices are ``i * n ..
     i * n + n - 1``, submitted together: each prefills its own state) and answer with
@@ -625,7 +642,7 @@ async def _serve(
         if isinstance(e, LoopStopped):
             raise ApiError(503, f"the engine is not running: {e}", "server_error") from None
         raise _refused(e, body, chat) from None
-    reply = _Reply(ctx, body, reqs, chat, rids, echo=echoes, tools=tools)
+    reply = _Reply(ctx, body, reqs, chat, rids, echo=echoes, tools=tools, thinking=thinking)
     if body.stream:
         return StreamingResponse(
             _sse(ctx, request, queue, reply),
@@ -766,18 +783,12 @@ async def _sse(
                     break
                 piece = "" if reply.score_only else texts[i].finish(reply.final_text(i, gen))
                 piece, lps = reply.streamed(i, d, tokens, piece)
-                if reply.tools is not None:
-                    for c in reply.tool_chunks(i, piece, reply.finish_reason(gen), lps):
-                        yield _data(c)
-                else:
-                    yield _data(reply.chunk(i, piece, reply.finish_reason(gen), lps))
+                for c in reply.text_chunks(i, piece, reply.finish_reason(gen), lps):
+                    yield _data(c)
                 continue
             piece, lps = reply.streamed(i, d, tokens, texts[i].push(tokens))
-            if reply.tools is not None:
-                for c in reply.tool_chunks(i, piece, None, lps):
-                    yield _data(c)
-            elif piece or lps is not None:
-                yield _data(reply.chunk(i, piece, None, lps))
+            for c in reply.text_chunks(i, piece, None, lps):
+                yield _data(c)
         reply.done(list(gens.values()))
         ended = all(gens.get(i) and gens[i].finish_reason != "error" for i in range(len(texts)))
         if ended and reply.include_usage:
@@ -807,10 +818,12 @@ class _Reply:
         *,
         echo: list[str] | None = None,  # completions with echo: each choice's prompt text
         tools: ToolPlan | None = None,  # chat with tools: calls parsed out of each reply
+        thinking: bool = False,  # chat in a thinking mode: reasoning split off each reply
     ):
         self.ctx, self.reqs, self.chat, self.rids = ctx, reqs, chat, rids
-        self.tools = tools
+        self.tools, self.thinking = tools, thinking
         self._tool_streams: dict[int, ToolCallStream] = {}
+        self._reasoning: dict[int, ReasoningStream] = {}
         self.echo, self.score_only = echo, body.score_only()
         self.logprobs = body.logprob_count() is not None
         self._streams: dict[int, CompletionLogprobs] = {}  # per choice: its text offsets
@@ -871,7 +884,14 @@ class _Reply:
             if self.chat:
                 lps = chat_logprobs(self.ctx.decode, gen.logprobs or []) if self.logprobs else None
                 message: dict[str, Any] = {"role": "assistant", "content": text}
-                if self.tools is not None:
+                if self.thinking:  # vLLM's reasoning parsers' field; no </think>: no content
+                    split = split_reasoning(text)
+                    message["reasoning_content"], message["content"] = (
+                        split.reasoning,
+                        split.content,
+                    )
+                    text = split.content or ""
+                if self.tools is not None and (text or not self.thinking):
                     parsed = self.tools.parse(text)
                     message["content"] = parsed.content or None
                     if parsed.tool_calls:
@@ -938,6 +958,28 @@ class _Reply:
         if self.continuous_usage and self.live:
             return {**head, "choices": [choice], "usage": self.usage(list(self.live.values()))}
         return {**head, "choices": [choice]}
+
+    def text_chunks(self, i: int, piece: str, reason: str | None, lps: dict | None) -> list[dict]:
+        """Choice ``i``'s chunks for a piece of its text (``reason``: its last piece):
+        in a thinking mode the reasoning first (``delta.reasoning_content``, no part of
+        ``</think>`` released), then the content, as calls when the request has tools."""
+        content = piece
+        out = []
+        if self.thinking:
+            split = self._reasoning.get(i)
+            if split is None:
+                split = self._reasoning[i] = ReasoningStream()
+            reasoning, content = split.feed(piece)
+            if reason is not None:
+                held, _ = split.finish()
+                reasoning += held
+            if reasoning:
+                out.append(self.chunk(i, {"reasoning_content": reasoning}, None))
+        if self.tools is not None:
+            return out + self.tool_chunks(i, content, reason, lps)
+        if content or lps is not None or reason is not None:
+            out.append(self.chunk(i, content, reason, lps))
+        return out
 
     def tool_chunks(self, i: int, piece: str, reason: str | None, lps: dict | None) -> list[dict]:
         """Choice ``i``'s chunks for a piece of its reply when it has tools: content and

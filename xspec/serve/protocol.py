@@ -29,7 +29,7 @@ from typing import Any, ClassVar, Literal
 from pydantic import BaseModel, ConfigDict, Field, StrictInt
 
 from xspec.errors import RequestError
-from xspec.grammar import GrammarSpec, request_spec
+from xspec.grammar import MAX_REASONING_CHARS, GrammarSpec, request_spec
 from xspec.sampling import MAX_LOGPROBS, SamplingParams, as_logit_bias
 
 
@@ -314,14 +314,30 @@ class ChatCompletionRequest(_Sampling):
     logprobs: bool = False
     top_logprobs: int | None = None  # alternatives per token, with logprobs: true
     chat_template_kwargs: dict[str, Any] | None = None  # vLLM extension (enable_thinking)
+    # xspec extension: with a thinking mode on, at most this many characters of reasoning
+    # before </think> is forced (docs/chat.md)
+    max_reasoning_chars: StrictInt | None = None
 
     def logprob_count(self) -> int | None:
         return (self.top_logprobs or 0) if self.logprobs else None
+
+    def thinking(self) -> bool:
+        """A thinking mode is on (DeepSeek-V4's ``thinking``, Qwen3's ``enable_thinking``)."""
+        options = self.chat_template_kwargs or {}
+        return any(options.get(k) is True for k in ("thinking", "enable_thinking"))
 
     def problems(self) -> list[tuple[str, str]]:
         out = super().problems()
         if self.top_logprobs is not None and not self.logprobs:
             out.append(("top_logprobs", "top_logprobs needs logprobs: true"))
+        if (bound := self.max_reasoning_chars) is not None:
+            if not 0 <= bound <= MAX_REASONING_CHARS:
+                out.append(("max_reasoning_chars", "max_reasoning_chars must be in "
+                            f"[0, {MAX_REASONING_CHARS}] (got {bound})"))  # fmt: skip
+            elif not self.thinking():
+                out.append(("max_reasoning_chars", "max_reasoning_chars bounds the reasoning "
+                            "of a thinking mode; set chat_template_kwargs thinking (or "
+                            "enable_thinking) to true, or leave it out"))  # fmt: skip
         return out
 
     def limit(self) -> tuple[str, int | None]:
