@@ -4,10 +4,12 @@ give the same reasoning and content; no part of a tag is released as text."""
 from __future__ import annotations
 
 import itertools
+from pathlib import Path
 
 import pytest
 
-from xspec.chat.reasoning import ReasoningStream, Split, split_reasoning
+from xspec.chat import DEEPSEEK_V4, PLAIN_DSML, PLAIN_HERMES, chat_prompt
+from xspec.chat.reasoning import ReasoningStream, Split, reasoning_opened, split_reasoning
 
 REPLIES = [
     ('plan it</think>{"a": 1}', Split("plan it", '{"a": 1}')),
@@ -63,3 +65,17 @@ def test_a_tag_split_across_chunks_is_held_back() -> None:
     cut = ReasoningStream()
     assert cut.feed("x </thi") == ("x ", "")
     assert cut.finish() == ("</thi", "") and not cut.closed  # cut by max_tokens: reasoning
+
+
+def test_where_a_thinking_reply_starts(tmp_path: Path) -> None:
+    """DeepSeek-V4's thinking prompt opens <think>: its reply starts inside the reasoning;
+    Qwen3's does not (the model writes <think>); the presets follow their family."""
+    from tests.test_chat import qwen3_checkpoint
+
+    messages = [{"role": "user", "content": "Hi"}]
+    on = {"thinking": True, "enable_thinking": True}
+    dsv4 = chat_prompt(messages, template=DEEPSEEK_V4, options=on)
+    assert dsv4.endswith("<think>") and reasoning_opened(DEEPSEEK_V4, dsv4)
+    qwen3 = qwen3_checkpoint(tmp_path)
+    assert not reasoning_opened(qwen3, chat_prompt(messages, template=qwen3, options=on))
+    assert reasoning_opened(PLAIN_DSML, "Hi") and not reasoning_opened(PLAIN_HERMES, "Hi")

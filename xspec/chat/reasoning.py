@@ -10,14 +10,31 @@ it thought) is reasoning only, with no content.
 
 :func:`split_reasoning` splits a whole reply; :class:`ReasoningStream` splits it piece by
 piece as it streams, never releasing a part of a tag as text (a piece that may be the
-start of ``</think>`` is held back until the next one tells).
+start of ``</think>`` is held back until the next one tells). :func:`reasoning_opened`
+says whether a prompt left the reply inside its reasoning (the grammar of a structured
+reply then starts there, :meth:`xspec.grammar.GrammarSpec.after_reasoning`).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from xspec.chat.tools import DSML
+
+if TYPE_CHECKING:
+    from xspec.chat import ChatTemplate
 
 START, END = "<think>", "</think>"
+
+
+def reasoning_opened(template: ChatTemplate | None, prompt: str) -> bool:
+    """Whether a thinking-mode reply to ``prompt`` starts inside its reasoning: the prompt
+    ends by opening ``<think>`` (DeepSeek-V4), or the model writes DSML calls (the
+    DeepSeek-V4 family: the built-in presets' plain prompts follow its convention); else
+    the model writes ``<think>`` itself (Qwen3)."""
+    dsml = template is not None and template.tools == DSML.name
+    return dsml or prompt.rstrip().endswith(START)
 
 
 @dataclass(frozen=True)

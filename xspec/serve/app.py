@@ -54,11 +54,10 @@ from xspec.chat import (
     jinja,
     load_chat_template,
 )
-from xspec.chat.reasoning import START as THINK_START
-from xspec.chat.reasoning import ReasoningStream, split_reasoning
+from xspec.chat.reasoning import ReasoningStream, reasoning_opened, split_reasoning
 from xspec.chat.renderer import RenderLimits, TemplateRenderer
 from xspec.chat.tool_grammar import ToolPlan, plan_tools
-from xspec.chat.tools import DSML, ToolCallStream
+from xspec.chat.tools import ToolCallStream
 from xspec.config import RunConfig
 from xspec.engine.engine import Delta, Engine, Generation, seeded
 from xspec.engine.engine import Request as EngineRequest
@@ -407,7 +406,7 @@ def make_app(ctx: ServeContext) -> FastAPI:
         if thinking and (spec is not None or body.max_reasoning_chars is not None):
             # the grammar applies after the reasoning; a bound alone: free text after it
             answer = spec if spec is not None else GrammarSpec.regex(FREE_TEXT)
-            opened = _reasoning_opened(ctx, text)
+            opened = reasoning_opened(ctx.template, text)
             spec = answer.after_reasoning(opened=opened, max_chars=body.max_reasoning_chars)
         grammar = None if spec is None else await _compiled(ctx, spec, field)
         return await _serve(
@@ -525,16 +524,6 @@ def _tokens(
             f"{ctx.max_token_bytes} bytes); shorten it"
         )
     return encode(text)
-
-
-def _reasoning_opened(ctx: ServeContext, prompt: str) -> bool:
-    """Whether a thinking-mode reply starts inside its reasoning: the prompt ends by
-    opening ``<think>`` (DeepSeek-V4), or the model writes DSML calls (the DeepSeek-V4
-    family: the built-in presets' plain prompts follow its convention); else the model
-    writes ``<think>`` itself (Qwen3)."""
-    template = ctx.template
-    dsml = template is not None and template.tools == DSML.name
-    return dsml or prompt.rstrip().endswith(THINK_START)
 
 
 async def _grammar(ctx: ServeContext, body: _Sampling) -> Grammar | None:
