@@ -87,6 +87,24 @@ def test_a_schema_applies_after_the_reasoning(served: LiveServer) -> None:
         assert (r, content, reason) == (reasoning, c.message.content, "stop"), temperature
 
 
+@pytest.mark.parametrize("served", SERVERS[:1], indirect=True, ids=_ids)
+def test_the_openai_clients_parse_after_the_reasoning(served: LiveServer) -> None:
+    from typing import Literal
+
+    from pydantic import BaseModel, Field
+
+    class Ref(BaseModel):
+        name: str = Field(pattern="^[a-z_]{1,10}$")
+        kind: Literal["function", "class"]
+
+    done = served.openai().chat.completions.parse(
+        model=served.name, messages=MESSAGES, response_format=Ref, max_tokens=120,
+        temperature=0.8, seed=2, extra_body={**THINKING, "max_reasoning_chars": 24},
+    )  # fmt: skip
+    message = done.choices[0].message
+    assert isinstance(message.parsed, Ref) and len(message.reasoning_content) <= 24  # type: ignore[attr-defined]
+
+
 @pytest.mark.parametrize("served", SERVERS, indirect=True, ids=_ids)
 def test_a_reply_cut_while_it_thinks_is_all_reasoning(served: LiveServer) -> None:
     """Without a bound the tiny models never close their reasoning: max_tokens ends it."""
