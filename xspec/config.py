@@ -137,6 +137,10 @@ class SpecConfig:
     # structured output: tokens the grammar forces are proposed without the drafter (one-hot
     # drafts, accepted for certain; at most gamma a step); false = only the drafter's drafts
     forced_tokens: bool = True
+    # structured output: the drafter masks its own proposals with the grammar, position by
+    # position (each draft conditions on an allowed one); false = drafts proposed unmasked
+    # (the verify rows stay masked: outputs are the same, a forbidden draft is rejected)
+    mask_drafts: bool = True
 
 
 @dataclass(kw_only=True)

@@ -13,10 +13,16 @@ import torch
 
 import xspec
 from tests.spec.test_verify_stats import assert_follows
-from xspec.engine.engine import Engine, Request
-from xspec.grammar import GrammarCompiler, GrammarSpec
-from xspec.sampling import SamplingParams
-from xspec.spec.constrained import constrain_drafts
+from xspec.engine.engine import Request
+from xspec.grammar import Constraint, GrammarCompiler, GrammarSpec
+from xspec.sampling import SamplingParams, logits_to_probs, sample
+from xspec.spec.constrained import (
+    ConstrainedDrafts,
+    DraftGuide,
+    advance,
+    constrain_drafts,
+    guided_logits,
+)
 from xspec.spec.verify import rejection_sample
 from xspec.tokenizer import ByteTokenizer
 
@@ -45,11 +51,15 @@ def _pair_distribution(p: torch.Tensor, first: list[int], second: list[int]) -> 
     return (a[:, None] * b[None, :]).flatten()
 
 
-def _sample_pairs(restrict_q: bool, n: int = 6000) -> tuple[torch.Tensor, torch.Tensor]:
-    """``n`` outputs of two tokens under ``[ab][cd]``, decoded speculatively with gamma 2:
-    drafts from q (mostly on tokens the grammar forbids), walked through the grammar,
-    verified against the masked target rows. ``restrict_q=False`` hands the verifier
-    the drafter's q instead of q restricted to the allowed set (the negative control)."""
+def _sample_pairs(mode: str, n: int = 6000) -> tuple[torch.Tensor, torch.Tensor]:
+    """``n`` outputs of two tokens under ``[ab][cd]``, decoded speculatively with gamma 2,
+    drafts from q (mostly on tokens the grammar forbids) verified against the masked
+    target rows. ``mode``: ``after`` (drawn from q, walked afterwards: kept or redrawn
+    from q restricted to the allowed set), ``inside`` (a guided drafter: each position
+    drawn from q masked by the grammar at the path so far), ``unmasked``
+    (``spec.mask_drafts=false``: drawn from q, verified as drawn); ``after!`` and
+    ``inside!`` hand the verifier the drafter's q instead of the one each draft was
+    drawn from (the negative controls)."""
     gen = torch.Generator().manual_seed(7)
     p = torch.rand(3, V, generator=gen) ** 4
     p[:, 97:101] += torch.tensor([0.5, 1.5, 2.0, 0.7])  # a b c d
@@ -64,12 +74,20 @@ def _sample_pairs(restrict_q: bool, n: int = 6000) -> tuple[torch.Tensor, torch.
         c, out = grammar.constraint(), []
         while len(out) < 2:
             pos = len(out)
-            drafts = [int(torch.multinomial(q[pos + j], 1, generator=gen)) for j in range(2 - pos)]
-            walked = constrain_drafts(c, drafts, q[pos : pos + len(drafts)], 2 - pos, gen)
+            if mode.startswith("inside"):
+                walked = _guided_walk(c, q[pos:], 2 - pos, gen)
+            else:
+                drafts = [
+                    int(torch.multinomial(q[pos + j], 1, generator=gen)) for j in range(2 - pos)
+                ]
+                walked = constrain_drafts(
+                    c, drafts, q[pos : pos + len(drafts)], 2 - pos, gen, redraw=mode != "unmasked"
+                )
             k = len(walked.tokens)
             rows = p[pos : pos + k + 1] * walked.masks
             rows = rows / rows.sum(dim=1, keepdim=True)
-            probs = walked.probs if restrict_q else q[pos : pos + k]
+            assert walked.probs is not None
+            probs = q[pos : pos + k] if mode.endswith("!") else walked.probs
             result = rejection_sample(
                 rows[None], torch.tensor([walked.tokens]).reshape(1, k), probs[None], [gen], [k]
             )
@@ -80,13 +98,30 @@ def _sample_pairs(restrict_q: bool, n: int = 6000) -> tuple[torch.Tensor, torch.
     return torch.tensor(cells), _pair_distribution(p, [97, 98], [99, 100])
 
 
-def test_constrained_speculation_follows_the_masked_target() -> None:
-    cells, expected = _sample_pairs(restrict_q=True)
-    assert_follows(cells, expected, "two tokens under [ab][cd]")
+def _guided_walk(
+    c: Constraint, q: torch.Tensor, cap: int, gen: torch.Generator
+) -> ConstrainedDrafts:
+    """What a drafter with a guide does: per position, q's logits masked by the grammar
+    at the path so far, sampled with the request's processing, pushed."""
+    guide, params, probs = DraftGuide(c, cap), [SamplingParams(temperature=1.0)], []
+    for j in range(cap):
+        row = logits_to_probs(guided_logits([guide], q[j : j + 1].log()), params)  # [1, V]
+        advance([guide], sample(row, [gen]))
+        probs.append(row[0])
+    return guide.finish(cap, torch.stack(probs))
 
 
-def test_negative_control_unrestricted_q_is_not_exact() -> None:
-    cells, expected = _sample_pairs(restrict_q=False)
+@pytest.mark.parametrize(
+    "mode", ["after", "inside", pytest.param("unmasked", marks=pytest.mark.slow)]
+)
+def test_constrained_speculation_follows_the_masked_target(mode: str) -> None:
+    cells, expected = _sample_pairs(mode)
+    assert_follows(cells, expected, f"two tokens under [ab][cd], drafts {mode}")
+
+
+@pytest.mark.parametrize("mode", ["after!", "inside!"])
+def test_negative_control_unrestricted_q_is_not_exact(mode: str) -> None:
+    cells, expected = _sample_pairs(mode)
     with pytest.raises(AssertionError, match="chi2="):
         assert_follows(cells, expected, "unrestricted q")
 
@@ -105,33 +140,42 @@ def test_forced_tokens_come_first_and_the_grammar_ends_where_it_was() -> None:
 
 # ---- through the engine: greedy output equals spec=none's with the same grammar ----------
 
+PROMPTS = ("def parse(", "import os\n", "Person:")
+# (model, spec, overrides): every drafter, DSpark with the adaptive depth policy too
+DRAFTERS = [("dsv4_tiny", "mtp", {"spec.num_speculative_tokens": 3})]  # chained MTP drafts
+DRAFTER_IDS = ["mtp"]
 
-def _engine_outputs(model: str, spec: str, specs: list[GrammarSpec]) -> tuple[list[list[int]], Any]:
-    """Greedy outputs of three prompts under each grammar, and the run's tokenizer."""
-    b = xspec.LLM(model=model, spec=spec, platform="cpu").built
-    compiler = GrammarCompiler(b.tokenizer, b.target.vocab_size)
-    engine = Engine(b.target, b.drafter, b.capture, stop_ids=b.tokenizer.stop_ids)
-    prompts = [b.tokenizer.encode(t) for t in ("def parse(", "import os\n", "Person:")]
-    reqs = [
-        Request(p, 32, SamplingParams(), grammar=compiler.compile(s))
-        for s in specs
-        for p in prompts
-    ]
-    gens = engine.run(reqs, concurrency=len(reqs))
+
+def _built(model: str, spec: str, overrides: dict[str, Any]) -> Any:
+    return xspec.LLM(model=model, spec=spec, platform="cpu", overrides=overrides).built
+
+
+def _run(built: Any, specs: list[GrammarSpec], max_new: int = 32) -> list[Any]:
+    """Greedy generations of the three prompts under each grammar, by the run's engine
+    (its own depth policy), compiled with the run's settings (``spec.forced_tokens``)."""
+    prompts = [built.tokenizer.encode(t) for t in PROMPTS]
+    grammars = [built.grammars.compile(s) for s in specs]
+    reqs = [Request(p, max_new, SamplingParams(), grammar=g) for g in grammars for p in prompts]
+    gens = built.engine.run(reqs, len(reqs))
     assert all(g.error is None for g in gens)
-    return [g.token_ids for g in gens], b.tokenizer
+    return gens
 
 
-@pytest.mark.parametrize(
-    ("model", "specs"),
-    [("dsv4_tiny", ["none", "mtp", "dspark"]), ("qwen3_tiny", ["none", "dspark", "dflash"])],
-)
-def test_greedy_constrained_speculation_equals_spec_none(model: str, specs: list[str]) -> None:
-    grammars = [GrammarSpec.json_schema(SCHEMA), GrammarSpec.regex(REGEX)]
-    outs = {s: _engine_outputs(model, s, grammars)[0] for s in specs[1:]}
-    baseline, tok = _engine_outputs(model, "none", grammars)
-    for s in specs[1:]:
-        assert outs[s] == baseline, s
+_BASELINES: dict[str, tuple[list[list[int]], Any]] = {}
+
+
+def _baseline(model: str) -> tuple[list[list[int]], Any]:
+    """``spec=none``'s greedy outputs under both grammars, and the tokenizer (per model)."""
+    if model not in _BASELINES:
+        b = _built(model, "none", {})
+        grammars = [GrammarSpec.json_schema(SCHEMA), GrammarSpec.regex(REGEX)]
+        _BASELINES[model] = ([g.token_ids for g in _run(b, grammars)], b.tokenizer)
+    return _BASELINES[model]
+
+
+@pytest.mark.parametrize("model", ["dsv4_tiny", "qwen3_tiny"])
+def test_constrained_spec_none_output_parses(model: str) -> None:
+    baseline, tok = _baseline(model)
     for i, ids in enumerate(baseline):
         finished = ids[-1] in tok.stop_ids
         text = tok.decode([t for t in ids if t not in tok.stop_ids])
@@ -146,17 +190,75 @@ def test_greedy_constrained_speculation_equals_spec_none(model: str, specs: list
                 assert re.fullmatch(REGEX, text), text
 
 
-def test_greedy_constrained_adaptive_speculation_equals_spec_none() -> None:
-    """The adaptive depth policy (the engine's own, spec.adaptive=true) under a grammar:
-    greedy outputs equal spec=none's, and it drafted."""
-    grammars = [GrammarSpec.regex(REGEX)]
-    baseline, _ = _engine_outputs("dsv4_tiny", "none", grammars)
-    b = xspec.LLM(
-        model="dsv4_tiny", spec="dspark", platform="cpu", overrides={"spec.adaptive": True}
-    ).built
-    prompts = [b.tokenizer.encode(t) for t in ("def parse(", "import os\n", "Person:")]
-    assert b.grammars is not None
-    grammar = b.grammars.compile(grammars[0])
-    gens = b.engine.run([Request(p, 32, SamplingParams(), grammar=grammar) for p in prompts], 3)
-    assert [g.token_ids for g in gens] == baseline
+@pytest.mark.parametrize("forced", [True, False], ids=["forced", "no-forced"])
+@pytest.mark.parametrize("mask", [True, False], ids=["masked", "unmasked"])
+@pytest.mark.parametrize(("model", "spec", "extra"), DRAFTERS, ids=DRAFTER_IDS)
+def test_greedy_constrained_speculation_equals_spec_none(
+    model: str, spec: str, extra: dict[str, Any], mask: bool, forced: bool
+) -> None:
+    """Every drafter, with draft masking and forced tokens on and off: greedy outputs
+    under a JSON schema and a regex equal ``spec=none``'s, and it drafted."""
+    knobs = {"spec.mask_drafts": mask, "spec.forced_tokens": forced}
+    b = _built(model, spec, {**extra, **knobs})
+    assert b.drafter.mask_drafts is mask
+    gens = _run(b, [GrammarSpec.json_schema(SCHEMA), GrammarSpec.regex(REGEX)])
+    assert [g.token_ids for g in gens] == _baseline(model)[0]
     assert sum(g.spec.num_draft_tokens for g in gens) > 0
+
+
+Seen = list[tuple[bool, bool]]  # per guided draft: (the grammar allows it, it had a choice)
+
+
+def _instrument(drafter: Any, seen: Seen) -> None:
+    """Wrap ``drafter.propose``: for every draft of a guided request (as far as its guide
+    took them), record whether the grammar allows it at its place, checked against the
+    constraint's own path masks (:meth:`Constraint.path_masks`), and whether more than
+    one token was allowed there (the drafter chose it)."""
+    propose = drafter.propose
+
+    def recorded(states: Any, requests: Any, num_tokens: int) -> Any:
+        caps = [None if r.guide is None else r.guide.cap for r in requests]
+        proposal = propose(states, requests, num_tokens)
+        for b, (r, cap) in enumerate(zip(requests, caps)):
+            if r.guide is None:
+                continue
+            c = r.guide.constraint
+            drafts = proposal.tokens[b, : min(num_tokens, cap)].tolist()
+            ends = [j for j, t in enumerate(drafts) if t in c.stop_ids]
+            drafts = drafts[: ends[0] + 1] if ends else drafts  # a stop token ends a path
+            assert r.guide.tokens == drafts
+            pushed = [t for t in drafts if t not in c.stop_ids]
+            c.pop(len(pushed))  # back to the committed state, to check from there
+            masks = c.path_masks(drafts)
+            for t in pushed:
+                c.push(t)
+            seen.extend((bool(masks[j, t]), int(masks[j].sum()) > 1) for j, t in enumerate(drafts))
+        return proposal
+
+    drafter.propose = recorded
+
+
+@pytest.mark.parametrize(("model", "spec", "extra"), DRAFTERS[:1], ids=DRAFTER_IDS[:1])
+def test_masked_drafts_are_allowed_and_accepted_more(
+    model: str, spec: str, extra: dict[str, Any]
+) -> None:
+    """With draft masking every proposal the drafter makes is one the grammar allows at
+    its place, and greedy decoding under a JSON schema commits more tokens per step than
+    with the drafts proposed unmasked (forced tokens on in both: the drafter's own
+    drafts make the difference)."""
+    tokens_per_step = {}
+    for mask in (True, False):
+        overrides = {**extra, "spec.mask_drafts": mask, "spec.num_speculative_tokens": 3}
+        b = _built(model, spec, overrides)
+        assert b.drafter.masks_inside
+        seen: Seen = []
+        _instrument(b.drafter, seen)
+        gens = _run(b, [GrammarSpec.json_schema(SCHEMA)])
+        if mask:
+            assert seen and all(ok for ok, _ in seen)
+            assert sum(chose for _, chose in seen) > 10  # not only forced tokens
+        else:
+            assert not seen  # unmasked: no guide reaches the drafter
+        steps = sum(g.num_steps for g in gens)
+        tokens_per_step[mask] = sum(len(g.token_ids) for g in gens) / steps
+    assert tokens_per_step[True] > tokens_per_step[False], tokens_per_step

@@ -73,6 +73,7 @@ if TYPE_CHECKING:
     from xspec.models.base import StepOptions, TargetModel
     from xspec.platforms.base import Platform
     from xspec.spec.adaptive.calibration import ConfidenceCalibration
+    from xspec.spec.constrained import DraftGuide
 
 
 @dataclass(frozen=True)
@@ -143,6 +144,9 @@ class DraftRequest:
     # Drafts this request can still use (its remaining token budget - 1): the step
     # verifies at most this many, so a drafter may stop early for it; informational.
     max_drafts: int
+    # structured output, to a drafter that ``masks_inside``: the request's grammar along
+    # the drafts (mask each position's logits with it, push each draft); None: free text
+    guide: DraftGuide | None = None
 
 
 class Drafter(abc.ABC):
@@ -152,6 +156,12 @@ class Drafter(abc.ABC):
     capture_layer_ids: list[int]  # raw checkpoint layer ids of the aux hidden it consumes
 
     supports_adaptive: ClassVar[bool] = False  # spec.adaptive can schedule with it
+    # structured output: it masks its own proposals with ``DraftRequest.guide``, position
+    # by position (:mod:`xspec.spec.constrained`); else the step masks them afterwards
+    masks_inside: ClassVar[bool] = False
+    # spec.mask_drafts: drafts follow the grammar (false: proposed unmasked; the verify
+    # rows stay masked, outputs are the same). A drafter sets it from its spec section.
+    mask_drafts: bool = True
     calibration: ConfidenceCalibration | None = None  # its confidence calibration, if any
     calibration_file: Path | None = None  # where ``calibration`` was read from
 

@@ -18,6 +18,10 @@ seen by the target):
 
 Drafts go through the request's own :func:`~xspec.sampling.logits_to_probs` and
 generator, so the full q the rejection sampler needs is exactly what was sampled from.
+Under a grammar (``DraftRequest.guide``, ``spec.mask_drafts``) each position's logits are
+first masked to what the grammar allows after the drafts before it (one token where it
+forces one), and the next MTP step runs on that draft
+(:mod:`xspec.spec.constrained`).
 The MTP consumes ``CommittedRows.hidden``, not aux captures: ``capture_layer_ids`` is empty.
 """
 
@@ -34,6 +38,7 @@ from xspec.models.base import Footprint, KvBytes, StepOptions, TargetModel
 from xspec.models.family import ModelFamily
 from xspec.registry import families_where, family_named
 from xspec.sampling import logits_to_probs, sample
+from xspec.spec.constrained import advance, guided_logits
 from xspec.spec.drafter import CommittedRows, DraftDepth, Drafter, DraftProposal, DraftRequest
 
 if TYPE_CHECKING:
@@ -89,12 +94,14 @@ class MtpDrafter(Drafter):
         # resolved by build; drafts 2..gamma chain the MTP's own hidden state
         self.gamma: int = int(cfg.num_speculative_tokens)
         self.capture_layer_ids: list[int] = []
+        self.mask_drafts = bool(cfg.mask_drafts)
         self.target = target
         # built with the target's steps (``steps``: build shares one StepOptions)
         self.module: MtpBlock = family.load_mtp(cfg, target=target, model_cfg=model_cfg)
 
     # -- expert parallelism: MoE forwards per call (xspec/parallel/lockstep.py) ----------
 
+    masks_inside = True  # each position's logits masked by the request's grammar
     supports_expert_parallel = True
     observe_forwards = 1  # observe runs the MTP block once
 
@@ -184,6 +191,7 @@ class MtpDrafter(Drafter):
             )
         params = [r.params for r in requests]
         generators = [r.generator for r in requests]
+        guides = [r.guide for r in requests]  # structured output: xspec.spec.constrained
         start = [s.num_tokens for s in states]  # the anchors' positions
         logits = torch.stack([s.logits for s in states])  # type: ignore[misc]  # [B, V]
         hidden = torch.stack([s.hidden for s in states])  # type: ignore[misc]  # [B, hc, d]
@@ -193,9 +201,10 @@ class MtpDrafter(Drafter):
             if k:  # d_{k+1} from (own hidden, d_k) at the next position
                 hidden = self._run(states, hidden, tokens[-1], [1] * len(states), own=True)
                 logits = self.module.draft_logits(hidden)
-            q = logits_to_probs(logits, params)  # [B, V], the request's processing
+            q = logits_to_probs(guided_logits(guides, logits), params)  # [B, V]
             tokens.append(sample(q, generators, check_greedy=False))  # [B], no device read
             probs.append(q)
+            advance(guides, tokens[-1])  # the grammar's next mask (with a guide: a host read)
         for state, n in zip(states, start):
             state.cache.truncate(n)  # drop the speculative rows (exact)
         greedy = all(p.greedy for p in params)

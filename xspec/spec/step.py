@@ -36,7 +36,7 @@ from xspec.sampling import (
     regime_of,
     sample,
 )
-from xspec.spec.constrained import constrain_drafts
+from xspec.spec.constrained import DraftGuide, constrain_drafts
 from xspec.spec.drafter import CommittedRows, Drafter, DraftProposal, DraftRequest
 from xspec.spec.logprobs import SampledRows, committed_logprobs, prompt_token_logprobs
 from xspec.spec.policy import DepthPolicy, FixedDepth
@@ -270,11 +270,18 @@ def _draft(
     drafting: list[int],
     max_drafts: list[int],
     proposed: int,
+    guides: list[DraftGuide | None] | None = None,
 ) -> DraftProposal:
     """The draft forward for the sequences ``drafting`` (indices into ``seqs``) only; the
     proposal's tensors are laid out over all of ``seqs`` (zero rows for the others)."""
     requests = [
-        DraftRequest(seqs[b].anchor, seqs[b].params, seqs[b].generator, max_drafts=max_drafts[b])
+        DraftRequest(
+            seqs[b].anchor,
+            seqs[b].params,
+            seqs[b].generator,
+            max_drafts=max_drafts[b],
+            guide=None if guides is None else guides[b],
+        )
         for b in drafting
     ]
     proposal = drafter.propose([seqs[b].draft_state for b in drafting], requests, proposed)
@@ -303,7 +310,8 @@ class _Drafts:
     verified: list[int]  # [B] drafts each sequence verifies (the policy's trim of its depth)
     # [B]: each constrained sequence's allowed set per verify row ([verified+1, V]), or None
     masks: list[torch.Tensor | None] | None = None
-    forced: list[int] | None = None  # [B] leading drafts its grammar forced (not drafted)
+    # [B]: per verified draft, whether its grammar forced it (not drafted), or None
+    forced: list[list[bool]] | None = None
 
 
 @dataclass
@@ -338,9 +346,10 @@ def decode_step(
     depths = policy.decide(seqs, [min(drafter.gamma, s.remaining - 1) for s in seqs])
     # 1. draft: the drafting sequences propose; the policy trims what each one verifies
     proposed = max(depths, default=0) if lockstep is None else lockstep.plan.draft_tokens
-    drafts = _draft_step(drafter, seqs, depths, policy, proposed, target.device)
-    if any(s.constraint is not None for s in seqs):  # structured output: xspec.spec.constrained
-        drafts = _constrain(seqs, drafts, drafter.gamma)
+    guides = _guides(drafter, seqs)  # structured output: xspec.spec.constrained
+    drafts = _draft_step(drafter, seqs, depths, policy, proposed, target.device, guides)
+    if any(s.constraint is not None for s in seqs):
+        drafts = _constrain(seqs, drafts, drafter, guides)
     # 2. verify: the target scores [anchor, d_1 .. d_n] (n + 1 rows) per sequence at once
     # 3. accept: the accepted prefix + one correction (on rejection) or bonus token
     verified = _verify(target, seqs, capture, drafts)
@@ -353,12 +362,8 @@ def decode_step(
     if drafts.forced is None:
         policy.observe(seqs, drafts.verified, accepted)
     else:  # the policy judges its drafter: forced tokens are neither drafted nor its hits
-        forced = drafts.forced
-        policy.observe(
-            seqs,
-            [n - f for n, f in zip(drafts.verified, forced)],
-            [max(a - f, 0) for a, f in zip(accepted, forced)],
-        )
+        own = [[not f for f in fs] for fs in drafts.forced]  # [B][verified]: its drafts
+        policy.observe(seqs, [sum(o) for o in own], [sum(o[:a]) for o, a in zip(own, accepted)])
     metrics.observe_step(
         verified.output,
         torch.tensor(drafts.verified, dtype=torch.long),
@@ -377,6 +382,7 @@ def _draft_step(
     policy: DepthPolicy,
     proposed: int,
     device: torch.device,
+    guides: list[DraftGuide | None] | None = None,
 ) -> _Drafts:
     """Phase 1: ``proposed`` drafts for the sequences the policy names (none when it is
     0: a plain step, whose sequences verify nothing), the first ``max(depths)`` of them
@@ -387,7 +393,9 @@ def _draft_step(
     probs = confidence = None
     verified = depths
     if proposed > 0 and drafting:
-        proposal = _draft(drafter, seqs, drafting, [s.remaining - 1 for s in seqs], proposed)
+        proposal = _draft(
+            drafter, seqs, drafting, [s.remaining - 1 for s in seqs], proposed, guides
+        )
         if width > 0:  # (under lockstep a rank may propose for others' widths only)
             tokens = proposal.tokens[:, :width]
             probs = None if proposal.probs is None else proposal.probs[:, :width]
@@ -400,17 +408,38 @@ def _draft_step(
     return _Drafts(tokens, probs, confidence, verified)
 
 
-def _constrain(seqs: list[RunningSeq], drafts: _Drafts, gamma: int) -> _Drafts:
+def _guides(drafter: Drafter, seqs: list[RunningSeq]) -> list[DraftGuide | None] | None:
+    """Each constrained sequence's grammar for a drafter that masks its own drafts
+    (``masks_inside`` and ``spec.mask_drafts``), capped at gamma and what it can still
+    commit; None when the drafter is not to be given them or no sequence has a grammar."""
+    if not (drafter.masks_inside and drafter.mask_drafts):
+        return None
+    if all(s.constraint is None for s in seqs):
+        return None
+    return [
+        None
+        if s.constraint is None
+        else DraftGuide(s.constraint, min(drafter.gamma, s.remaining - 1))
+        for s in seqs
+    ]
+
+
+def _constrain(
+    seqs: list[RunningSeq],
+    drafts: _Drafts,
+    drafter: Drafter,
+    guides: list[DraftGuide | None] | None,
+) -> _Drafts:
     """The drafts of the constrained sequences walked through their grammars
-    (:func:`~xspec.spec.constrained.constrain_drafts`: forced tokens first, then the
-    drafter's, each allowed; at most ``gamma`` and what the request can still commit),
-    with every verify row's mask; the other sequences' drafts unchanged."""
+    (:mod:`xspec.spec.constrained`: the drafter's guided drafts and the forced tokens
+    after them, or the drafter's drafts walked afterwards), with every verify row's mask;
+    the other sequences' drafts unchanged."""
     host = drafts.tokens.tolist()  # [B, width]: drafts are small; the walk is on the host
     tokens: list[list[int]] = []
     probs: list[torch.Tensor | None] = []
     masks: list[torch.Tensor | None] = []
     verified: list[int] = []
-    forced: list[int] = []
+    forced: list[list[bool]] = []
     for b, s in enumerate(seqs):
         n = drafts.verified[b]
         q = None if drafts.probs is None else drafts.probs[b, :n]
@@ -418,15 +447,23 @@ def _constrain(seqs: list[RunningSeq], drafts: _Drafts, gamma: int) -> _Drafts:
             tokens.append(host[b][:n])
             probs.append(q)
             masks.append(None)
-            forced.append(0)
+            forced.append([False] * n)
+            verified.append(n)
+            continue
+        if guides is not None:
+            guide = guides[b]
+            assert guide is not None
+            walked = guide.finish(n, q)
         else:
-            cap = min(gamma, s.remaining - 1)
-            walked = constrain_drafts(s.constraint, host[b][:n], q, cap, s.generator)
-            tokens.append(walked.tokens)
-            probs.append(walked.probs)
-            masks.append(walked.masks)
-            forced.append(walked.forced)
-        verified.append(len(tokens[-1]))
+            cap = min(drafter.gamma, s.remaining - 1)
+            walked = constrain_drafts(
+                s.constraint, host[b][:n], q, cap, s.generator, redraw=drafter.mask_drafts
+            )
+        tokens.append(walked.tokens)
+        probs.append(walked.probs)
+        masks.append(walked.masks)
+        forced.append(walked.forced_at)
+        verified.append(len(walked.tokens))
     width, device = max(verified, default=0), drafts.tokens.device
     padded = torch.zeros(len(seqs), width, dtype=torch.long)
     for b, t in enumerate(tokens):
