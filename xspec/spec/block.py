@@ -21,7 +21,9 @@ layers. With the anchor ``a`` (last committed token) at position ``p``:
   ``logits_k = base_k + W2 @ W1[prev_k]`` (``prev_0 = a``, then the sampled draft), and
   then the request's own temperature / top-k / top-p, so the full q the rejection
   sampler needs is exactly what each draft was drawn from. DFlash samples each row on
-  its own. The confidence head, where the checkpoint has one, scores every position
+  its own. Under a grammar (``DraftRequest.guide``) each position's logits are masked to
+  what the grammar allows after the drafts before it (one token where it forces one), so
+  a block never holds a forbidden token and the Markov head conditions on allowed ones. The confidence head, where the checkpoint has one, scores every position
   after the loop, in one batched call; a calibration file (per-position temperatures,
   :mod:`xspec.spec.adaptive.calibration`, the fit of each request's sampling regime) divides its
   logits before the sigmoid.
@@ -42,6 +44,7 @@ from xspec.models.block_draft import BlockDraftModel, BlockLayout
 from xspec.models.draft_heads import MarkovHead
 from xspec.sampling import SamplingParams, draw_uniforms, logits_to_probs, sample
 from xspec.spec.adaptive.calibration import ConfidenceCalibration
+from xspec.spec.constrained import DraftGuide, advance, guided_logits
 from xspec.spec.drafter import CommittedRows, Drafter, DraftProposal, DraftRequest
 
 
@@ -51,17 +54,21 @@ def sample_block(
     markov: MarkovHead | None,
     params: list[SamplingParams],
     generators: list[torch.Generator | None],
+    guides: list[DraftGuide | None] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Draw a block left to right: ``logits [B, G, V]`` raw base logits of the rows that
     predict positions ``p+1 .. p+G``, ``anchors [B]``.
 
     Returns ``tokens [B, G]``, ``probs [B, G, V]`` (the processed q each token was drawn
     from) and ``prev [B, G]`` (the token before each position: the anchor, then drafts).
-    With ``markov`` each position's raw logits get ``bias(prev)`` before processing.
+    With ``markov`` each position's raw logits get ``bias(prev)`` before processing; with
+    ``guides`` (structured output) they are then masked by each request's grammar at the
+    path so far, and each draft is pushed (:mod:`xspec.spec.constrained`).
     """
     positions = logits.shape[1]
+    guides = guides or [None] * len(params)
     if all(g is None for g in generators) and all(p.greedy and p.valid for p in params):
-        return _greedy_block(logits, anchors, markov)
+        return _greedy_block(logits, anchors, markov, guides)
     # every position's uniform at once, position k in column k: what drawing them one
     # position at a time takes from each request's own generator, in one call a request
     counts = [0 if g is None else positions for g in generators]
@@ -69,16 +76,21 @@ def sample_block(
     prev, tokens, probs, prevs = anchors, [], [], []
     for k in range(positions):
         raw = logits[:, k] if markov is None else logits[:, k] + markov.bias(prev)  # [B, V]
+        raw = guided_logits(guides, raw)  # the grammar's allowed set at the path so far
         q = logits_to_probs(raw, params)  # [B, V]: the request's temperature/top-k/top-p
         prevs.append(prev)
         prev = sample(q, generators, check_greedy=False, uniforms=u[:, k] if u.shape[1] else None)
+        advance(guides, prev)
         tokens.append(prev)
         probs.append(q)
     return torch.stack(tokens, 1), torch.stack(probs, 1), torch.stack(prevs, 1)
 
 
 def _greedy_block(
-    logits: torch.Tensor, anchors: torch.Tensor, markov: MarkovHead | None
+    logits: torch.Tensor,
+    anchors: torch.Tensor,
+    markov: MarkovHead | None,
+    guides: list[DraftGuide | None],
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """:func:`sample_block` when every request is greedy: each draft is the argmax of its
     biased logits (ties to the lowest index, as ``logits_to_probs``), q the one-hot
@@ -87,8 +99,10 @@ def _greedy_block(
     prev, tokens, prevs = anchors, [], []
     for k in range(logits.shape[1]):
         raw = logits[:, k] if markov is None else logits[:, k] + markov.bias(prev)  # [B, V]
+        raw = guided_logits(guides, raw)
         prevs.append(prev)
         prev = raw.float().argmax(dim=-1)  # [B]
+        advance(guides, prev)
         tokens.append(prev)
     drafts = torch.stack(tokens, 1)  # [B, G]
     probs = torch.zeros(logits.shape, dtype=torch.float32, device=logits.device)
@@ -140,6 +154,7 @@ class BlockDrafter(Drafter):
 
     # expert parallelism (xspec/parallel/lockstep.py): observe only writes context K/V
     # (no MoE); propose runs one block forward
+    masks_inside = True  # sample_block masks each position with the request's grammar
     supports_expert_parallel = True
     observe_forwards = 0
 
@@ -192,9 +207,8 @@ class BlockDrafter(Drafter):
         hidden, logits = hidden[:, rows], logits[:, rows]  # [B, num_tokens, ...]
         params = [r.params for r in requests]
         markov = self.model.markov if self.layout is BlockLayout.DSPARK else None
-        drafts, probs, prev = sample_block(
-            logits, anchors, markov, params, [r.generator for r in requests]
-        )
+        generators, guides = [r.generator for r in requests], [r.guide for r in requests]
+        drafts, probs, prev = sample_block(logits, anchors, markov, params, generators, guides)
         confidence = None
         if self.model.confidence is not None:
             embed = self.model.markov.embed(prev) if self.model.confidence.with_markov else None  # type: ignore[union-attr]

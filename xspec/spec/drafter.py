@@ -17,6 +17,13 @@ A drafter keeps its own per-sequence state. The step talks to it twice per decod
   sequences at once as one flat ragged batch (:class:`CommittedRows`): the step gathers
   the kept rows of the target's forward with one index, the drafter consumes them flat.
 
+Structured output: a drafter with ``masks_inside`` gets, for each request under a
+grammar (while ``spec.mask_drafts`` is on), a :class:`~xspec.spec.constrained.DraftGuide`
+in ``DraftRequest.guide``: at each draft position it masks the logits with
+:func:`~xspec.spec.constrained.guided_logits` before the request's sampling and pushes
+the draft with :func:`~xspec.spec.constrained.advance`, so the next position conditions
+on an allowed token. Other drafters propose freely; the step masks afterwards.
+
 Memory: ``kv_bytes()`` gives the analytic per-sequence bytes of ``new_state`` (fixed +
 per token; the engine's planner adds them to the target's) and ``new_state(max_tokens)``
 caps a state's growing buffers at the engine's reservation, so the bytes a state

@@ -75,6 +75,7 @@ class DSparkDrafter(BlockDrafter):
             calibration=calibration,
         )
         self.draft_dir = loaded.path  # where the weights (and a calibration file) are
+        self.mask_drafts = bool(cfg.mask_drafts)  # structured output: xspec.spec.constrained
         self.calibration_file = path if calibration is not None else None
 
     @classmethod
