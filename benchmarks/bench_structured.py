@@ -1,15 +1,18 @@
-"""Structured output under speculation: what forced tokens are worth.
+"""Structured output under speculation: what draft masking and forced tokens are worth.
 
-    python benchmarks/bench_structured.py [--prompts 6] [--max-new 64] [--concurrency 1 4] [--reps 3]
+    python benchmarks/bench_structured.py [--prompts 6] [--max-new 48] [--concurrency 1]
+        [--temperatures 0 0.8] [--reps 3] [--mtp-gamma 3]
 
 Held-out code prompts, each asked for JSON matching a small schema (an object with a
-string, an integer and an array of enums), greedy, on the trained ``dsv4_tiny``. Side by
-side, round-robin over ``--reps`` repeats (medians): ``spec=none``, and MTP and DSpark each
-with ``spec.forced_tokens`` off (only the drafter's drafts, masked) and on (the tokens the
-grammar forces are proposed first, without the drafter). Printed per configuration:
-committed tokens per step, TPOT and its speed-up over ``spec=none``, and whether every
-output equals ``spec=none``'s (it must); and the share of output tokens at which the
-grammar admitted exactly one token.
+string, an integer, an enum and an array of enums), on the trained ``dsv4_tiny``. Side by
+side in one process, configurations interleaved round-robin over ``--reps`` repeats
+(medians): ``spec=none``, and MTP (gamma ``--mtp-gamma``) and DSpark (its trained block)
+each with the drafts proposed unmasked (``spec.mask_drafts=false``, forced tokens off),
+masked inside the drafter (forced tokens off), and masked with forced tokens. Printed per
+configuration and temperature: committed tokens per step, TPOT and its speed-up over
+``spec=none``, the grammar work per decode step (host time in masks, walks and commits,
+:data:`xspec.spec.constrained.GRAMMAR_CLOCK`) in ms and as a share of the run's wall
+time, and (greedy) whether every output equals ``spec=none``'s (it must).
 
 Nothing here is asserted by the test suite.
 """
@@ -24,6 +27,7 @@ import xspec
 from xspec.engine.engine import Engine, Request
 from xspec.grammar import GrammarSpec
 from xspec.sampling import SamplingParams
+from xspec.spec.constrained import GRAMMAR_CLOCK
 from xspec.train import corpus
 
 SCHEMA = {
@@ -37,43 +41,38 @@ SCHEMA = {
     "required": ["name", "line", "kind", "tags"],
     "additionalProperties": False,
 }
-CONFIGS = {  # name: (spec, forced_tokens)
-    "none": ("none", True),
-    "mtp": ("mtp", False),
-    "mtp+forced": ("mtp", True),
-    "dspark": ("dspark", False),
-    "dspark+forced": ("dspark", True),
+CONFIGS = {  # name: (spec, mask_drafts, forced_tokens)
+    "none": ("none", True, True),
+    "mtp unmasked": ("mtp", False, False),
+    "mtp masked": ("mtp", True, False),
+    "mtp masked+forced": ("mtp", True, True),
+    "dspark unmasked": ("dspark", False, False),
+    "dspark masked": ("dspark", True, False),
+    "dspark masked+forced": ("dspark", True, True),
 }
 
 
-def run_once(built, prompts, max_new: int, concurrency: int) -> dict:
+def run_once(built, prompts, max_new: int, concurrency: int, temperature: float) -> dict:
     engine = Engine(built.target, built.drafter, built.capture, stop_ids=built.tokenizer.stop_ids)
     grammar = built.grammars.compile(GrammarSpec.json_schema(SCHEMA))
-    reqs = [Request(p, max_new, SamplingParams(), grammar=grammar) for p in prompts]
+    reqs = [
+        Request(p, max_new, SamplingParams(temperature=temperature, seed=i), grammar=grammar)
+        for i, p in enumerate(prompts)
+    ]
+    GRAMMAR_CLOCK.seconds = 0.0
     t = time.perf_counter()
     gens = engine.run(reqs, concurrency)
     wall = time.perf_counter() - t
+    steps = engine.metrics.report().num_steps
     tokens = sum(len(g.token_ids) for g in gens)
     tpots = [g.tpot_s for g in gens if g.tpot_s is not None]
     return {
         "tokens_per_step": tokens / max(1, sum(g.num_steps for g in gens)),
         "tpot": statistics.mean(tpots),
-        "throughput": tokens / wall,
+        "grammar_ms_per_step": GRAMMAR_CLOCK.seconds / max(1, steps) * 1e3,
+        "grammar_share": GRAMMAR_CLOCK.seconds / wall,
         "outputs": [g.token_ids for g in gens],
     }
-
-
-def forced_share(built, outputs: list[list[int]]) -> float:
-    """The share of output tokens at which the grammar admitted exactly one token."""
-    grammar = built.grammars.compile(GrammarSpec.json_schema(SCHEMA))
-    one = total = 0
-    for ids in outputs:
-        c = grammar.constraint()
-        for t in ids:
-            one += int(c.allowed().sum()) == 1
-            total += 1
-            c.commit([t])
-    return one / max(1, total)
 
 
 def main() -> None:
@@ -81,37 +80,51 @@ def main() -> None:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     ap.add_argument("--prompts", type=int, default=6)
-    ap.add_argument("--max-new", type=int, default=64)
-    ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 4])
+    ap.add_argument("--max-new", type=int, default=48)
+    ap.add_argument("--concurrency", type=int, nargs="+", default=[1])
+    ap.add_argument("--temperatures", type=float, nargs="+", default=[0.0, 0.8])
     ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--mtp-gamma", type=int, default=3)
     a = ap.parse_args()
-    built = {
-        name: xspec.LLM(
-            model="dsv4_tiny", spec=spec, platform="cpu",
-            overrides=[f"spec.forced_tokens={str(forced).lower()}"],
+    built = {}
+    for name, (spec, mask, forced) in CONFIGS.items():
+        overrides = {"spec.mask_drafts": mask, "spec.forced_tokens": forced}
+        if spec == "mtp":
+            overrides["spec.num_speculative_tokens"] = a.mtp_gamma
+        built[name] = xspec.LLM(
+            model="dsv4_tiny", spec=spec, platform="cpu", overrides=overrides
         ).built
-        for name, (spec, forced) in CONFIGS.items()
-    }  # fmt: skip
     tok = built["none"].tokenizer
     texts = corpus.prompts(corpus.source_files(split="heldout"), a.prompts, seed=123)
     prompts = [tok.encode(t[-200:] + "\n# as JSON: ") for t in texts]
     for c in a.concurrency:
-        runs: dict[str, list[dict]] = {n: [] for n in CONFIGS}
-        for _ in range(a.reps):
-            for name in CONFIGS:
-                runs[name].append(run_once(built[name], prompts, a.max_new, c))
-        base = statistics.median(r["tpot"] for r in runs["none"])
-        print(
-            f"\nconcurrency {c}, greedy, {len(prompts)} prompts x {a.max_new} tokens max, {a.reps} reps"
-        )
-        share = forced_share(built["none"], runs["none"][0]["outputs"])
-        print(f"tokens the grammar forced (one allowed token): {share:.0%} of the output")
-        print(f"{'config':<15}{'tokens/step':>12}{'TPOT ms':>10}{'speed-up':>10}  same as none")
-        for name, rs in runs.items():
-            tps = statistics.median(r["tokens_per_step"] for r in rs)
-            tpot = statistics.median(r["tpot"] for r in rs)
-            same = all(r["outputs"] == runs["none"][0]["outputs"] for r in rs)
-            print(f"{name:<15}{tps:>12.2f}{tpot * 1e3:>10.1f}{base / tpot:>9.2f}x  {same}")
+        for temp in a.temperatures:
+            runs: dict[str, list[dict]] = {n: [] for n in CONFIGS}
+            for _ in range(a.reps):  # round-robin: every configuration sees the same load
+                for name in CONFIGS:
+                    runs[name].append(run_once(built[name], prompts, a.max_new, c, temp))
+            base = statistics.median(r["tpot"] for r in runs["none"])
+            regime = "greedy" if temp == 0 else f"T={temp}"
+            print(
+                f"\nconcurrency {c}, {regime}, {len(prompts)} prompts x {a.max_new} tokens max, "
+                f"{a.reps} reps (medians)"
+            )
+            print(
+                f"{'config':<22}{'tokens/step':>12}{'TPOT ms':>9}{'speed-up':>9}"
+                f"{'grammar ms/step':>16}{'% of time':>10}  same as none"
+            )
+            for name, rs in runs.items():
+                med = {k: statistics.median(r[k] for r in rs) for k in rs[0] if k != "outputs"}
+                same = (
+                    str(all(r["outputs"] == runs["none"][0]["outputs"] for r in rs))
+                    if temp == 0
+                    else "-"
+                )
+                print(
+                    f"{name:<22}{med['tokens_per_step']:>12.2f}{med['tpot'] * 1e3:>9.1f}"
+                    f"{base / med['tpot']:>8.2f}x{med['grammar_ms_per_step']:>16.2f}"
+                    f"{med['grammar_share']:>10.1%}  {same}"
+                )
 
 
 if __name__ == "__main__":

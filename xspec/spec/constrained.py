@@ -39,8 +39,9 @@ depth policy left plain, up to the drafter's gamma and the request's remaining b
 the depth policy observes only the drafter's own drafts (``forced_at``). A stop token
 ends a walk (the request ends there if it is accepted).
 
-:data:`GRAMMAR_CLOCK` adds up the host time spent in this module's grammar work (masks,
-pushes, rollbacks), for benchmarks.
+:data:`GRAMMAR_CLOCK` adds up the host time a process spends on grammar work under
+speculation (the walks here, the drafters' masking, the step's verify-row masks and
+commits), for benchmarks.
 """
 
 from __future__ import annotations
@@ -180,7 +181,7 @@ def guided_logits(guides: Sequence[DraftGuide | None], logits: torch.Tensor) -> 
         for b, g in rows:
             allowed[b] = g.mask()
         allowed = allowed.to(logits.device)
-    return logits.masked_fill(~allowed, float("-inf"))
+        return logits.masked_fill(~allowed, float("-inf"))
 
 
 def advance(guides: Sequence[DraftGuide | None], tokens: torch.Tensor) -> None:

@@ -36,7 +36,7 @@ from xspec.sampling import (
     regime_of,
     sample,
 )
-from xspec.spec.constrained import DraftGuide, constrain_drafts
+from xspec.spec.constrained import GRAMMAR_CLOCK, DraftGuide, constrain_drafts
 from xspec.spec.drafter import CommittedRows, Drafter, DraftProposal, DraftRequest
 from xspec.spec.logprobs import SampledRows, committed_logprobs, prompt_token_logprobs
 from xspec.spec.policy import DepthPolicy, FixedDepth
@@ -488,10 +488,14 @@ def _grammar_rows(
     if all(m is None for m in masks):
         return logits
     vocab = logits.shape[1]
-    allowed = torch.cat(
-        [torch.ones(n, vocab, dtype=torch.bool) if m is None else m for m, n in zip(masks, lens)]
-    ).to(logits.device)
-    return logits.masked_fill(~allowed, float("-inf"))
+    with GRAMMAR_CLOCK.timing():
+        allowed = torch.cat(
+            [
+                torch.ones(n, vocab, dtype=torch.bool) if m is None else m
+                for m, n in zip(masks, lens)
+            ]
+        ).to(logits.device)
+        return logits.masked_fill(~allowed, float("-inf"))
 
 
 def _verify(
@@ -554,7 +558,8 @@ def _commit(
         new_tokens.append(verified.output[b, :k].tolist())
         s.token_ids += new_tokens[-1]
         if s.constraint is not None:
-            s.constraint.commit(new_tokens[-1])
+            with GRAMMAR_CLOCK.timing():
+                s.constraint.commit(new_tokens[-1])
     return new_tokens
 
 

@@ -33,6 +33,8 @@ class OracleDrafter(Drafter):
         self.target = target
         self.gamma = int(cfg.num_speculative_tokens)  # resolved by build
         self.capture_layer_ids: list[int] = []
+        # structured output: the step masks these drafts afterwards (spec.mask_drafts)
+        self.mask_drafts = bool(cfg.mask_drafts)
 
     @classmethod
     def draft_depth(cls, spec_cfg: Any, model_cfg: Any) -> DraftDepth:
