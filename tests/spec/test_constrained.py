@@ -138,6 +138,41 @@ def test_forced_tokens_come_first_and_the_grammar_ends_where_it_was() -> None:
     assert short.tokens == tok.encode("x") and short.masks.shape == (2, V)
 
 
+def _guided(c: Constraint, cap: int, steps: int) -> DraftGuide:
+    """A greedy drafter that prefers "z", then "7", everywhere: ``steps`` positions under
+    a guide of ``c`` capped at ``cap``."""
+    tok = ByteTokenizer(V, None, [V - 1])
+    guide = DraftGuide(c, cap)
+    logits = torch.zeros(1, V)
+    logits[0, tok.encode("z")] = 5.0
+    logits[0, tok.encode("7")] = 1.0
+    for _ in range(steps):
+        advance([guide], guided_logits([guide], logits).argmax(-1))
+    return guide
+
+
+def test_a_guide_masks_each_position_and_appends_forced_tokens() -> None:
+    tok = ByteTokenizer(V, None, [V - 1])
+    c = GrammarCompiler(tok, V).compile(GrammarSpec.regex("ab[0-9]cd")).constraint()
+    start = c.allowed()
+    guide = _guided(c, cap=5, steps=4)
+    assert guide.tokens == tok.encode("ab7c")  # the forced run, then the allowed 7, then c
+    walked = guide.finish(3, None)  # the policy verifies 3: the forced tail follows
+    assert walked.tokens == tok.encode("ab7cd") and walked.forced_at == [
+        True,
+        True,
+        False,
+        True,
+        True,
+    ]
+    assert walked.probs is None and walked.masks.shape == (6, V)
+    assert torch.equal(c.allowed(), start) and c.forced(5) == tok.encode("ab")  # rolled back
+    short = _guided(c, cap=5, steps=1).finish(1, None)
+    assert short.tokens == tok.encode("ab") and short.forced == 2  # stops where digits start
+    capped = _guided(c, cap=2, steps=4).finish(4, None)
+    assert capped.tokens == tok.encode("ab") and torch.equal(c.allowed(), start)
+
+
 # ---- through the engine: greedy output equals spec=none's with the same grammar ----------
 
 PROMPTS = ("def parse(", "import os\n", "Person:")
