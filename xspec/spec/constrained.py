@@ -58,18 +58,27 @@ from xspec.sampling import draw_uniforms, inverse_cdf
 
 
 class GrammarClock:
-    """Host seconds spent walking grammars and building masks (read and reset by benchmarks)."""
+    """Host time spent walking grammars and building masks: wall ``seconds`` and the
+    process's ``cpu_seconds`` (read and reset by benchmarks)."""
 
     def __init__(self) -> None:
-        self.seconds = 0.0
+        self.seconds = self.cpu_seconds = 0.0
+        self._depth = 0  # nested timings count once, in the outermost
+
+    def reset(self) -> None:
+        self.seconds = self.cpu_seconds = 0.0
 
     @contextmanager
     def timing(self) -> Iterator[None]:
-        t = time.perf_counter()
+        self._depth += 1
+        t, c = time.perf_counter(), time.process_time()
         try:
             yield
         finally:
-            self.seconds += time.perf_counter() - t
+            self._depth -= 1
+            if not self._depth:
+                self.seconds += time.perf_counter() - t
+                self.cpu_seconds += time.process_time() - c
 
 
 GRAMMAR_CLOCK = GrammarClock()
