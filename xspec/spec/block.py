@@ -23,7 +23,8 @@ layers. With the anchor ``a`` (last committed token) at position ``p``:
   sampler needs is exactly what each draft was drawn from. DFlash samples each row on
   its own. Under a grammar (``DraftRequest.guide``) each position's logits are masked to
   what the grammar allows after the drafts before it (one token where it forces one), so
-  a block never holds a forbidden token and the Markov head conditions on allowed ones. The confidence head, where the checkpoint has one, scores every position
+  a block never holds a forbidden token and the Markov head conditions on allowed ones.
+  The confidence head, where the checkpoint has one, scores every position
   after the loop, in one batched call; a calibration file (per-position temperatures,
   :mod:`xspec.spec.adaptive.calibration`, the fit of each request's sampling regime) divides its
   logits before the sigmoid.
