@@ -233,12 +233,19 @@ class Engine:
         self.run_s = 0.0  # last run: seconds of the whole run
         self.iterations = 0  # prefill + decode_step calls since reset_clock
         self.prefills = 0  # ... of them prefill
+        # prompt tokens the prefills ran through the target (those the prefix cache
+        # restored and the other choices of a prompt prefilled once not counted)
+        self.prompt_tokens_computed = 0
         self.done = False  # under lockstep: no rank had work in the last iteration
         self._requests: dict[Hashable, Request] = {}
         self._gens: dict[Hashable, Generation] = {}
         self._waiting: deque[Hashable] = deque()
         self._running: dict[Hashable, RunningSeq] = {}
         self._stops: dict[Hashable, StopMatcher] = {}  # the requests with stop strings
+        # the choices of one prompt (add's ``group``) until admitted: rid -> its group key
+        self._group_of: dict[Hashable, Hashable] = {}
+        # admitted, not yet prefilled: a choice -> the one of its group whose prefill it shares
+        self._leader_of: dict[Hashable, Hashable] = {}
         self._ended: list[Delta] = []  # ended outside a step (rejected, aborted): next step's
         self._t0 = time.perf_counter()
 
@@ -249,7 +256,7 @@ class Engine:
         if self.busy:
             raise RuntimeError("reset_clock while requests are in flight")
         self.pool, self.peak_allocated, self.step_s, self.iterations = self._new_pool(), 0, 0.0, 0
-        self.prefill_s, self.prefills = 0.0, 0
+        self.prefill_s, self.prefills, self.prompt_tokens_computed = 0.0, 0, 0
         self.done = False
         self._t0 = time.perf_counter()
 
@@ -284,15 +291,26 @@ class Engine:
         req: Request,
         where: str | None = None,
         arrived_at: float | None = None,  # None: now, on the engine's clock
+        group: Hashable | None = None,
     ) -> Generation:
         """Queue ``req`` under the id ``rid`` (unique among requests in flight) and return
         its live :class:`Generation`. A malformed request raises
         :class:`~xspec.errors.RequestError`; one that can never fit ends at once with
-        ``error`` set (reported by the next :meth:`step`)."""
+        ``error`` set (reported by the next :meth:`step`).
+
+        ``group``: the choices of one prompt (``n > 1``) share a key. They are admitted
+        together (all of them or, while they do not all fit, none; a group larger than
+        ``concurrency`` or the memory pool in pieces as large as fit) and the prompt is
+        prefilled once: the others take copies of its states before the drafter observes
+        the last rows, and each samples its first token from the shared last row with its
+        own generator (:func:`~xspec.spec.step.fork`). Every choice reserves its own
+        memory and ends (or is aborted) on its own."""
         where = where or f"request {rid}"
         if rid in self._gens:
             raise RequestError(f"{where}: the id {rid!r} is already in flight")
         self.check(req, where)
+        if group is not None:
+            self._check_group(group, req, where)
         now = time.perf_counter() - self._t0 if arrived_at is None else arrived_at
         gen = Generation(req.prompt_ids, [], now, now, 0, admitted_at=now, arrived_at=now)
         self._gens[rid] = gen
@@ -304,8 +322,26 @@ class Engine:
         if req.stop:
             assert self.decode is not None  # check() refuses stop strings without a decoder
             self._stops[rid] = StopMatcher(req.stop, self.decode, req.include_stop_str)
+        if group is not None:
+            self._group_of[rid] = group
         self._waiting.append(rid)  # admitted in this order
         return gen
+
+    def _check_group(self, group: Hashable, req: Request, where: str) -> None:
+        """The choices of a group share one prompt (and what its prefill computes)."""
+        other = next((r for r, g in self._group_of.items() if g == group), None)
+        if other is None:
+            return
+        first = self._requests[other]
+        if req.prompt_ids != first.prompt_ids:
+            raise RequestError(
+                f"{where}: group {group!r} holds the choices of another prompt; a group's "
+                "requests share one prompt"
+            )
+        if req.params.prompt_logprobs != first.params.prompt_logprobs:
+            raise RequestError(
+                f"{where}: the choices of group {group!r} must ask the same prompt_logprobs"
+            )
 
     def abort(self, rid: Hashable) -> bool:
         """End ``rid`` now (``finish_reason="abort"``; its memory is freed at once, its
@@ -318,9 +354,11 @@ class Engine:
         else:
             if rid in self._waiting:
                 self._waiting.remove(rid)
+                self._group_of.pop(rid, None)
             else:  # admitted, but an exception (KeyboardInterrupt) cut its prefill short
                 self.pool.release(rid)
                 self._unpin([rid])
+                self._leader_of.pop(rid, None)
             self._requests.pop(rid)
         gen.finish_reason = "abort"
         gen.finished_at = time.perf_counter() - self._t0
@@ -397,12 +435,21 @@ class Engine:
         lock, running = self.lockstep, self._running
         if admitted:
             try:
-                seqs = [self._start(self._requests[i], self._hits.get(i)) for i in admitted]
-                for i, s in zip(admitted, seqs):
+                at = {rid: k for k, rid in enumerate(admitted)}
+                shares = [at.get(self._leader_of.get(i)) for i in admitted]
+                seqs = [
+                    self._start(self._requests[i], None if j is not None else self._hits.get(i))
+                    for i, j in zip(admitted, shares)
+                ]
+                for i, s, j in zip(admitted, seqs, shares):
                     self._gens[i].cached_tokens = s.target_state.num_tokens
-                result = self._prefill(admitted, seqs)
+                    if j is None:
+                        self.prompt_tokens_computed += len(s.token_ids) - s.target_state.num_tokens
+                result = self._prefill(admitted, seqs, shares)
             finally:
                 self._unpin(admitted)
+                for i in admitted:
+                    self._leader_of.pop(i, None)
             if lock is not None:
                 lock.idle_decode()
             now = self.now()
@@ -488,14 +535,24 @@ class Engine:
 
     # ---- the batch run --------------------------------------------------------------------
 
-    def run(self, requests: Sequence[Request], concurrency: int) -> list[Generation]:
-        """Every request arrives at once (the clock starts); their generations in order."""
+    def run(
+        self,
+        requests: Sequence[Request],
+        concurrency: int,
+        groups: Sequence[Hashable | None] | None = None,
+    ) -> list[Generation]:
+        """Every request arrives at once (the clock starts); their generations in order.
+        ``groups[i]``: request ``i``'s group (:meth:`add`: the choices of one prompt)."""
+        groups = groups or [None] * len(requests)
         for i, r in enumerate(requests):
             self.check(r, f"request {i}")
         self.reset_clock()
         self.concurrency = concurrency
         try:
-            gens = [self.add(i, r, arrived_at=0.0) for i, r in enumerate(requests)]
+            gens = [
+                self.add(i, r, arrived_at=0.0, group=g)
+                for i, (r, g) in enumerate(zip(requests, groups, strict=True))
+            ]
             for _ in self.drain():
                 pass
         except BaseException:  # a KeyboardInterrupt mid-step, an unusable engine: idle again
@@ -592,10 +649,17 @@ class Engine:
             req = self._requests[waiting[0]]
             if budget is not None and admitted and tokens + len(req.prompt_ids) > budget:
                 break
-            if not self._reserve(waiting[0], req):
+            group = self._group_of.get(waiting[0])
+            if group is not None:  # the choices of one prompt: one prefill
+                members = self._admit_group(group, slots - len(admitted))
+                if not members:
+                    break
+                admitted += members
+            elif self._reserve(waiting[0], req):
+                admitted.append(waiting.popleft())
+            else:
                 break
             tokens += len(req.prompt_ids)
-            admitted.append(waiting.popleft())
         if waiting and not admitted and not self._running:  # an empty pool holds any checked one
             raise RuntimeError(
                 f"{self._where(waiting[0])} does not fit an empty memory pool "
@@ -603,16 +667,42 @@ class Engine:
             )
         return admitted
 
+    def _admit_group(self, group: Hashable, slots: int) -> list[Hashable]:
+        """Admit the waiting choices of ``group`` (the first of them at the head of the
+        queue), reserved, pulled out of the queue: all of them, or none while they do not
+        all fit. A group that could never fit whole (more choices than ``concurrency``,
+        or than an empty pool holds) is admitted in pieces as large as fit now."""
+        members = [r for r in self._waiting if self._group_of.get(r) == group]
+        reservations = sum(self._reservation(self._requests[r]) for r in members)
+        whole = len(members) <= self.concurrency and reservations <= self.pool.capacity
+        taken: list[Hashable] = []
+        for rid in members[:slots]:
+            if not self._reserve(rid, self._requests[rid], lookup=not taken):
+                break
+            taken.append(rid)
+        if whole and len(taken) < len(members):  # the rest waits with it
+            for rid in taken:
+                self.pool.release(rid)
+            self._unpin(taken)
+            return []
+        for rid in taken:
+            self._waiting.remove(rid)
+            del self._group_of[rid]
+            if rid != taken[0]:
+                self._leader_of[rid] = taken[0]
+        return taken
+
     # ---- the prefix cache -------------------------------------------------------------
 
-    def _reserve(self, rid: Hashable, req: Request) -> bool:
+    def _reserve(self, rid: Hashable, req: Request, lookup: bool = True) -> bool:
         """Reserve ``req``'s worst case, the prefix cache giving way (its least recently
-        used entries evicted, its hit for this prompt too if need be), and pin its hit."""
+        used entries evicted, its hit for this prompt too if need be), and pin its hit
+        (``lookup``; the other choices of a prompt take its first one's states)."""
         nbytes, cache = self._reservation(req), self.prefix_cache
         if cache is None:
             return self.pool.try_reserve(rid, nbytes)
         # prompt logprobs score every prompt row: such a request prefills all of it
-        scored = req.params.prompt_logprobs is not None
+        scored = req.params.prompt_logprobs is not None or not lookup
         hit = Hit() if scored else cache.match(req.prompt_ids)
         if not self._room_for(nbytes):
             cache.release(hit.entries)  # its own prefix gives way too
@@ -634,13 +724,22 @@ class Engine:
             cache.evict(over)
         return self.pool.reserved + nbytes + cache.nbytes <= self.pool.capacity
 
-    def _prefill(self, rids: list[Hashable], seqs: list[RunningSeq]) -> StepResult:
+    def _prefill(
+        self, rids: list[Hashable], seqs: list[RunningSeq], shares: list[int | None]
+    ) -> StepResult:
         """Prefill the newcomers: whole (no cache) or in cache blocks, caching each
-        boundary a sequence reaches while every entry before it is its own lineage."""
+        boundary a sequence reaches while every entry before it is its own lineage.
+        ``shares[k] = j``: ``seqs[k]`` takes ``seqs[j]``'s prefill (a choice of its prompt)."""
         cache = self.prefix_cache
         if cache is None:
             return prefill(
-                self.target, self.drafter, seqs, self.capture, self.prefill_chunk, self.lockstep
+                self.target,
+                self.drafter,
+                seqs,
+                self.capture,
+                self.prefill_chunk,
+                self.lockstep,
+                shares=shares,
             )
         pinned = [self._hits[i].entries for i in rids]  # each lineage: its last is the parent
         active = [True] * len(seqs)
@@ -670,7 +769,7 @@ class Engine:
 
         held = [p[-1].held if p else None for p in pinned]  # the restored ones'
         return prefill_blocks(
-            self.target, self.drafter, seqs, self.capture, cache.block, held, on_boundary
+            self.target, self.drafter, seqs, self.capture, cache.block, held, on_boundary, shares
         )
 
     def _unpin(self, rids: list[Hashable]) -> None:
@@ -705,6 +804,7 @@ class Engine:
 
     def _forget(self, rid: Hashable) -> None:
         """An ended request leaves the engine (its id may be used again)."""
+        self._group_of.pop(rid, None)
         self._gens.pop(rid, None)
         self._requests.pop(rid, None)
         self._stops.pop(rid, None)

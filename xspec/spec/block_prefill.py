@@ -17,8 +17,9 @@ any forward, a row's arithmetic may depend on the rows it is batched with).
 
 from __future__ import annotations
 
+import dataclasses
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -26,7 +27,7 @@ import torch
 from xspec.models.base import CapturePoint, ForwardBatch, TargetModel
 from xspec.spec.drafter import CommittedRows, Drafter
 from xspec.spec.logprobs import prompt_token_logprobs
-from xspec.spec.step import RunningSeq, StepResult, commit_first, first_tokens
+from xspec.spec.step import RunningSeq, StepResult, commit_first, first_tokens, fork
 
 
 def block_forwards(prompt_lens: list[int], starts: list[int], block: int) -> int:
@@ -96,14 +97,20 @@ def prefill_blocks(
     block: int,
     held: list[HeldRow | None],
     on_boundary: Callable[[int, HeldRow], None],
+    shares: Sequence[int | None] | None = None,
 ) -> StepResult:
     """Prefill ``seqs`` from their states' positions in blocks (module docstring).
     ``held[i]``: the row a restored sequence ``i`` holds back (None: it starts at 0).
     ``on_boundary(i, row)`` runs when sequence ``i`` holds a boundary short of its
-    prompt's end, the drafter having observed every row but the boundary's last, ``row``."""
+    prompt's end, the drafter having observed every row but the boundary's last, ``row``.
+    ``shares[i] = j``: ``seqs[i]`` is another choice of ``seqs[j]``'s prompt; it runs no
+    forward, and takes ``j``'s states before its last block's rows are observed
+    (:func:`~xspec.spec.step.fork`), then those rows with its own first token."""
     device = target.device
     prompts = [torch.tensor(s.token_ids, dtype=torch.long, device=device) for s in seqs]
     starts = [s.target_state.num_tokens for s in seqs]
+    shares = shares or [None] * len(seqs)
+    runs = [i for i in range(len(seqs)) if shares[i] is None]  # the sequences that forward
     waiting: list[_Rows | None] = [
         None if h is None else _Rows(i, p[b - 1 : b], p[b : b + 1], h.hidden, h.aux, b - 1)
         for i, (h, p, b) in enumerate(zip(held, prompts, starts))
@@ -114,9 +121,9 @@ def prefill_blocks(
     # gives them no hit), [n_c, V] per forward
     scored = [s.params.prompt_logprobs is not None for s in seqs]
     prompt_rows: list[list[torch.Tensor]] = [[] for _ in seqs]
-    rounds = block_forwards([len(p) for p in prompts], starts, block)
+    rounds = block_forwards([len(prompts[i]) for i in runs], [starts[i] for i in runs], block)
     for r in range(rounds):
-        live = [i for i in range(len(seqs)) if starts[i] + r * block < len(prompts[i])]
+        live = [i for i in runs if starts[i] + r * block < len(prompts[i])]
         los = [starts[i] + r * block for i in live]
         chunks = [prompts[i][lo : lo + block] for i, lo in zip(live, los)]
         ends = [0]
@@ -158,6 +165,14 @@ def prefill_blocks(
                 row = waiting[rows.seq]
                 assert row is not None
                 on_boundary(rows.seq, HeldRow(row.hidden, row.aux))
+    for i, src in enumerate(shares):  # the other choices: the same rows, their own first token
+        if src is None:
+            continue
+        shared = last_rows[src]
+        assert shared is not None, "a shared prompt's own sequence ran its last block"
+        fork(target, drafter, seqs[src], seqs[i])
+        last_rows[i] = dataclasses.replace(shared, seq=i)
+        last_logits[i], prompt_rows[i] = last_logits[src], prompt_rows[src]
     first, bad, sampled = first_tokens(seqs, last_logits)  # [B], [B] on the device
     tails = [rows for rows in last_rows if rows is not None]
     for rows, token in zip(tails, first.split(1)):

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import itertools
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import cached_property
 from typing import TYPE_CHECKING, Any
@@ -119,8 +120,11 @@ def _flag(seqs: list[RunningSeq], bad: list[bool]) -> None:
 
 def _cat_rows(parts: list[torch.Tensor], index: torch.Tensor) -> torch.Tensor:
     """The rows ``index [N]`` of the chunk outputs ``parts`` (each ``[T_c, ...]``); a lone
-    chunk holds every prompt whole, in sequence order already."""
-    return parts[0] if len(parts) == 1 else torch.cat(parts)[index]
+    chunk of N rows holds every prompt whole, in sequence order already (no prompt
+    shared by another choice)."""
+    if len(parts) == 1 and len(parts[0]) == len(index):
+        return parts[0]
+    return torch.cat(parts)[index]
 
 
 def prefill_forwards(prompt_lens: list[int], chunk_tokens: int) -> int:
@@ -142,19 +146,23 @@ def prefill(
     capture: list[CapturePoint],
     chunk_tokens: int,
     lockstep: Lockstep | None = None,
+    shares: Sequence[int | None] | None = None,
 ) -> StepResult:
     """Run the prompts (in chunks of at most ``chunk_tokens`` rows per sequence) and
-    sample each sequence's first token; the drafter observes the whole prompt."""
+    sample each sequence's first token; the drafter observes the whole prompt.
+    ``shares[i] = j``: ``seqs[i]`` is another choice of ``seqs[j]``'s prompt, prefilled
+    once (:func:`fork`)."""
     device = target.device
     starts = [s.target_state.num_tokens for s in seqs]
     prompts = [torch.tensor(s.token_ids, dtype=torch.long, device=device) for s in seqs]
+    shares = shares or [None] * len(seqs)
     hidden: list[torch.Tensor] = []  # [T_c, ...] per chunk forward, rows in `live` order
     aux: list[torch.Tensor] = []  # [T_c, K*d] per chunk forward (none: nothing captured)
     rows_of: list[list[int]] = [[] for _ in seqs]  # each prompt's rows in the chunks' rows
     last_logits: list[torch.Tensor] = [torch.empty(0)] * len(seqs)
     prompt_rows: list[list[torch.Tensor]] = [[] for _ in seqs]  # prompt_logprobs: [T_c, V] each
     for lo in range(0, max(len(p) for p in prompts), chunk_tokens):
-        live = [i for i, p in enumerate(prompts) if len(p) > lo]
+        live = [i for i, p in enumerate(prompts) if len(p) > lo and shares[i] is None]
         chunks = [prompts[i][lo : lo + chunk_tokens] for i in live]
         ends = list(itertools.accumulate(len(c) for c in chunks))  # each chunk's end row + 1
         last = [j for j, i in enumerate(live) if len(prompts[i]) <= lo + chunk_tokens]
@@ -188,6 +196,11 @@ def prefill(
             lockstep.plan.prefill_forwards
             - prefill_forwards([len(p) for p in prompts], chunk_tokens)
         )
+    for i, src in enumerate(shares):  # the other choices: the same rows, their own first token
+        if src is not None:
+            fork(target, drafter, seqs[src], seqs[i])
+            rows_of[i], last_logits[i] = rows_of[src], last_logits[src]
+            prompt_rows[i] = prompt_rows[src]
     # the first generated token comes from the last prompt row
     first, bad, sampled = first_tokens(seqs, last_logits)  # [B], [B] on the device
     # the drafter observes every prompt: the chunks' rows, gathered sequence by sequence
@@ -207,6 +220,18 @@ def prefill(
     drafter.observe([s.draft_state for s in seqs], rows)
     prompt_logprobs = prompt_token_logprobs(seqs, prompts, prompt_rows)
     return commit_first(seqs, first, bad, sampled, prompt_logprobs)
+
+
+def fork(target: TargetModel, drafter: Drafter, source: RunningSeq, into: RunningSeq) -> None:
+    """Copy ``source``'s target and drafter states into ``into``'s empty ones: another
+    choice of the same prompt (``n > 1``), whose prompt ``source``'s forwards prefilled.
+    Taken after the last target forward and before the drafter observes the last rows
+    (their next token is each choice's own first token). A copy through the models'
+    ``snapshot`` / ``restore`` (from position 0: the whole state, rings and partial
+    compressor rows included), so the two never share memory."""
+    target.restore(into.target_state, [target.snapshot(source.target_state, 0)])
+    draft = drafter.snapshot(source.draft_state, 0)
+    into.draft_state = drafter.restore(into.draft_state, [draft])
 
 
 def first_tokens(
