@@ -302,3 +302,21 @@ def test_generate_with_structured_output(base: xspec.LLM) -> None:
         base.generate("x", ignore_eos=True, structured_outputs={"choice": ["a"]})
     with pytest.raises(RequestError, match="min_tokens cannot go with structured output"):
         base.generate("x", min_tokens=2, structured_outputs={"choice": ["a"]})
+
+
+def test_n_choices_share_one_prefill(base: xspec.LLM) -> None:
+    """``n=3``: three generations per prompt (prompt-major), the prompts prefilled once
+    each, request k seeded seed + k; greedy choices all equal the single request."""
+    outs = base.generate(
+        PROMPTS[:2], max_new_tokens=6, temperature=0.9, seed=4, ignore_eos=True, n=3
+    )
+    assert [o.prompt_ids for o in outs] == [PROMPTS[0]] * 3 + [PROMPTS[1]] * 3
+    assert base.engine.prompt_tokens_computed == len(PROMPTS[0]) + len(PROMPTS[1])
+    assert len({tuple(o.token_ids) for o in outs[:3]}) == 3
+    greedy = base.generate(PROMPTS[1], max_new_tokens=6, ignore_eos=True, n=3)
+    single = base.generate(PROMPTS[1], max_new_tokens=6, ignore_eos=True)[0]
+    assert all(g.token_ids == single.token_ids for g in greedy)
+    rids = {d.rid for d in base.generate(PROMPTS[:2], 3, ignore_eos=True, n=2, stream=True)}
+    assert rids == {0, 1, 2, 3}
+    with pytest.raises(RequestError, match="n must be an integer >= 1"):
+        base.generate("x", n=0)

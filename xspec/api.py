@@ -113,6 +113,7 @@ class LLM:
         logprobs: int | None = ...,
         prompt_logprobs: int | None = ...,
         logprobs_mode: str = ...,
+        n: int = ...,
     ) -> list[Generation]: ...
 
     @overload
@@ -139,6 +140,7 @@ class LLM:
         logprobs: int | None = ...,
         prompt_logprobs: int | None = ...,
         logprobs_mode: str = ...,
+        n: int = ...,
     ) -> Iterator[Delta]: ...
 
     def generate(
@@ -164,15 +166,19 @@ class LLM:
         logprobs: int | None = None,
         prompt_logprobs: int | None = None,
         logprobs_mode: str = "raw",
+        n: int = 1,
     ) -> list[Generation] | Iterator[Delta]:
-        """One :class:`Generation` per prompt, in order. Request ``i`` samples with
-        seed ``seed + i`` (reproducible; ``seed=None`` for fresh randomness). ``stop``:
+        """One :class:`Generation` per prompt, in order; with ``n > 1``, ``n`` per prompt
+        (prompt ``i``'s choices at ``i * n .. i * n + n - 1``), its prompt prefilled once
+        and its states copied to the other choices (docs/sampling.md). Request ``k`` of
+        that list samples with seed ``seed + k`` (reproducible; ``seed=None`` for fresh
+        randomness). ``stop``:
         strings that end an output (``text`` stops before the first one). A request
         that can never fit (model context, memory plan) comes back with ``error`` set
         and no tokens; the others run.
 
         ``stream=True``: an iterator of :class:`~xspec.engine.engine.Delta` instead, as
-        the engine commits tokens (``delta.rid`` is the prompt's index; the last delta
+        the engine commits tokens (``delta.rid`` is the request's index in that list; the last delta
         of each prompt has ``finished`` set and its final ``generation``, text
         included). The arguments are checked before the first delta; leaving the loop
         early aborts what is still running, and so does the next ``generate`` call (the
@@ -207,7 +213,9 @@ class LLM:
             prompt_logprobs=prompt_logprobs,
             logprobs_mode=logprobs_mode,
         )
-        requests = self._requests(prompts, max_new_tokens, params, ignore_eos, stop)
+        n = _integer("n", n, minimum=1)
+        requests = self._requests(prompts, max_new_tokens, params, ignore_eos, stop, n)
+        groups = [k // n if n > 1 else None for k in range(len(requests))]  # a prompt's choices
         spec = request_spec(response_format, structured_outputs)
         if spec is not None:
             grammars = self._built.grammars
@@ -222,22 +230,24 @@ class LLM:
         if stream:
             for i, r in enumerate(requests):
                 engine.check(r, f"request {i}")
-            return self._stream(requests, concurrency or len(requests))
+            return self._stream(requests, concurrency or len(requests), groups)
         self._end_open_stream()
-        outs = engine.run(requests, concurrency or len(requests))
+        outs = engine.run(requests, concurrency or len(requests), groups)
         for g, r in zip(outs, requests):
             self._set_text(r, g)
         return outs
 
-    def _stream(self, requests: list[Request], concurrency: int) -> Iterator[Delta]:
+    def _stream(
+        self, requests: list[Request], concurrency: int, groups: list[int | None]
+    ) -> Iterator[Delta]:
         engine = self._built.engine
         self._end_open_stream()
         engine.reset_clock()
         engine.concurrency = concurrency
         self._open_stream = token = object()
         try:
-            for i, r in enumerate(requests):
-                engine.add(i, r, arrived_at=0.0)
+            for i, (r, g) in enumerate(zip(requests, groups)):
+                engine.add(i, r, arrived_at=0.0, group=g)
             for delta in engine.drain():
                 if delta.finished:
                     self._set_text(requests[int(cast(int, delta.rid))], delta.generation)
@@ -270,8 +280,10 @@ class LLM:
         params: SamplingParams,
         ignore_eos: bool,
         stop: Sequence[str] | None,
+        n: int = 1,
     ) -> list[Request]:
-        """The checked requests of one ``generate`` call (every bad argument raises)."""
+        """The checked requests of one ``generate`` call (every bad argument raises):
+        ``n`` per prompt, request ``k`` seeded ``seed + k``."""
         items = _as_prompt_list(prompts)
         max_new_tokens = _integer("max_new_tokens", max_new_tokens, minimum=1)
         if not isinstance(ignore_eos, bool):
@@ -284,9 +296,10 @@ class LLM:
         ):
             raise RequestError(f"stop must be a list of non-empty strings (got {stop!r})")
         stops = list(stop or [])
+        ids = [self._ids(p, i) for i, p in enumerate(items)]
         return [
-            Request(self._ids(p, i), max_new_tokens, seeded(params, i), ignore_eos, stop=stops)
-            for i, p in enumerate(items)
+            Request(ids[k // n], max_new_tokens, seeded(params, k), ignore_eos, stop=stops)
+            for k in range(len(items) * n)
         ]
 
     def score(self, token_ids: Prompt) -> torch.Tensor:

@@ -43,7 +43,7 @@ from __future__ import annotations
 import itertools
 import logging
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Hashable
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -68,7 +68,7 @@ class LoopStopped(Exception):
 class Inbox:
     """What rank 0 hands every rank before one iteration."""
 
-    adds: list[tuple[int, Request]] = field(default_factory=list)
+    adds: list[tuple[int, Request, Hashable | None]] = field(default_factory=list)
     aborts: list[int] = field(default_factory=list)
     stop: bool = False
 
@@ -95,6 +95,7 @@ class EngineLoop:
         engine.concurrency = topo.concurrency_of_replica(concurrency)
         self.failure: str | None = None  # why the loop stopped by itself
         self._ids = itertools.count()
+        self._groups = itertools.count()
         self._cond = threading.Condition()
         self._inbox = Inbox()
         self._callbacks: dict[int, OnDelta] = {}  # rank 0: requests not yet ended
@@ -140,9 +141,10 @@ class EngineLoop:
         with self._cond:
             return len(self._callbacks)
 
-    def submit(self, req: Request, on_delta: OnDelta) -> int:
+    def submit(self, req: Request, on_delta: OnDelta, group: Hashable | None = None) -> int:
         """Queue ``req``; its deltas go to ``on_delta`` (from the loop thread). Returns
-        its id. Raises :class:`~xspec.errors.RequestError` for a malformed request or one
+        its id. ``group``: the choices of one prompt share a key (``Engine.add``: one
+        prefill; a key the loop's callers never reuse, e.g. from :meth:`new_group`). Raises :class:`~xspec.errors.RequestError` for a malformed request or one
         that can never fit, :class:`QueueFull` when the queue is full and
         :class:`LoopStopped` when the loop does not run."""
         self.engine.check(req, "request")
@@ -158,9 +160,13 @@ class EngineLoop:
                 )
             rid = next(self._ids)
             self._callbacks[rid] = on_delta
-            self._inbox.adds.append((rid, req))
+            self._inbox.adds.append((rid, req, group))
             self._cond.notify()
         return rid
+
+    def new_group(self) -> int:
+        """A fresh ``group`` key for :meth:`submit` (the choices of one prompt)."""
+        return next(self._groups)
 
     def abort(self, rid: int) -> None:
         """End ``rid`` at the next iteration (no-op when it already ended)."""
@@ -221,9 +227,9 @@ class EngineLoop:
             if self.parallel.distributed:
                 inbox = self.parallel.broadcast(inbox)
             assert inbox is not None
-            for rid, req in inbox.adds:
+            for rid, req, group in inbox.adds:
                 if rid % topo.dp == topo.replica:
-                    engine.add(rid, req)
+                    engine.add(rid, req, group=group)
             for rid in inbox.aborts:
                 if rid % topo.dp == topo.replica:
                     engine.abort(rid)

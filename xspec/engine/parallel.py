@@ -17,7 +17,7 @@ over the DP replicas and results gathered back:
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Hashable, Sequence
 from typing import Any
 
 from xspec.engine.engine import Engine, Generation, Request
@@ -30,17 +30,27 @@ class ParallelEngine(Engine):
         super().__init__(*args, **kwargs)
         self.parallel = parallel
 
-    def run(self, requests: Sequence[Request], concurrency: int) -> list[Generation]:
+    def run(
+        self,
+        requests: Sequence[Request],
+        concurrency: int,
+        groups: Sequence[Hashable | None] | None = None,
+    ) -> list[Generation]:
         topo = self.parallel.topology
-        everything: list[Request] = self.parallel.broadcast(
-            list(requests) if topo.is_main else None
+        everything: list[Request]
+        everything, every_group = self.parallel.broadcast(
+            (list(requests), groups) if topo.is_main else None
         )
         for i, r in enumerate(everything):
             self.check(r, f"request {i}")
         mine = topo.requests_of_replica(len(everything))
         if not topo.is_main:  # ship only this run's counters
             self.metrics = SpecDecodeMetrics()
-        gens = super().run([everything[i] for i in mine], topo.concurrency_of_replica(concurrency))
+        gens = super().run(
+            [everything[i] for i in mine],
+            topo.concurrency_of_replica(concurrency),
+            None if every_group is None else [every_group[i] for i in mine],
+        )
         ship = topo.replica_leader and not topo.is_main
         gathered = self.parallel.gather((mine, gens, self.metrics.totals()) if ship else None)
         if gathered is None:

@@ -604,8 +604,8 @@ async def _serve(
     thinking: bool = False,  # chat with a thinking mode on: the reasoning is split off
 ) -> Response:
     """Submit one engine request per choice (prompt ``i``'s ``n`` choices are ``i * n ..
-    i * n + n - 1``, submitted together: each prefills its own state) and answer with
-    their choices, streamed or in one body."""
+    i * n + n - 1``, submitted as one engine group: the prompt is prefilled once) and
+    answer with their choices, streamed or in one body."""
     n = body.n
     reqs = [_engine_request(ctx, body, ids, grammar, j) for ids in prompts for j in range(n)]
     echoes = None if echo is None else [e for e in echo for _ in range(n)]
@@ -620,9 +620,10 @@ async def _serve(
         return on_delta
 
     rids: list[int] = []
+    groups = [ctx.loop.new_group() if n > 1 else None for _ in prompts]
     try:
         for i, req in enumerate(reqs):
-            rids.append(ctx.loop.submit(req, poster(i)))
+            rids.append(ctx.loop.submit(req, poster(i), groups[i // n]))
     except (RequestError, QueueFull, LoopStopped) as e:
         for rid in rids:  # all the choices or none
             ctx.loop.abort(rid)
@@ -810,6 +811,7 @@ class _Reply:
         thinking: bool = False,  # chat in a thinking mode: reasoning split off each reply
     ):
         self.ctx, self.reqs, self.chat, self.rids = ctx, reqs, chat, rids
+        self.n = body.n  # choices per prompt: reqs[i * n : i * n + n] share prompt i
         self.tools, self.thinking = tools, thinking
         self._tool_streams: dict[int, ToolCallStream] = {}
         self._reasoning: dict[int, ReasoningStream] = {}
@@ -840,19 +842,28 @@ class _Reply:
             return "length"
         return gen.finish_reason if gen.finish_reason in ("length", "abort") else "stop"
 
-    def usage(self, gens: list[Generation]) -> dict:
-        """Summed over the choices, as OpenAI and vLLM sum them."""
-        prompt = sum(len(g.prompt_ids) for g in gens)
-        completion = 0 if self.score_only else sum(len(g.token_ids) for g in gens)
+    def usage(self, gens: list[Generation] | dict[int, Generation]) -> dict:
+        """``gens``: every choice's, or (streamed) those that moved by choice index. The
+        completion tokens summed over the choices, the prompt counted once per prompt
+        (as OpenAI and vLLM count it for ``n`` choices: it is prefilled once)."""
+        live = dict(enumerate(gens)) if isinstance(gens, list) else gens
+        n = self.n
+        prompt = sum(len(r.prompt_ids) for r in self.reqs[::n])
+        completion = 0 if self.score_only else sum(len(g.token_ids) for g in live.values())
+        # a prompt's cached tokens: its first choice's lookup (the others copy its states)
+        cached = sum(
+            max((live[i].cached_tokens for i in range(p, p + n) if i in live), default=0)
+            for p in range(0, len(self.reqs), n)
+        )
         return {
             "prompt_tokens": prompt,
             "completion_tokens": completion,
             "total_tokens": prompt + completion,
             # prompt tokens restored from the prefix cache (OpenAI's field)
-            "prompt_tokens_details": {"cached_tokens": sum(g.cached_tokens for g in gens)},
+            "prompt_tokens_details": {"cached_tokens": cached},
             # per request, as vLLM's --per-request-spec-decode-metrics; counted as the
             # Prometheus counters count (xspec.acceptance)
-            "spec_decode": sum((g.spec for g in gens), SpecCounts()).usage(),
+            "spec_decode": sum((g.spec for g in live.values()), SpecCounts()).usage(),
         }
 
     def _head(self) -> dict:
@@ -945,7 +956,7 @@ class _Reply:
         else:
             choice = {"index": i, "text": piece, "logprobs": lps, "finish_reason": reason}
         if self.continuous_usage and self.live:
-            return {**head, "choices": [choice], "usage": self.usage(list(self.live.values()))}
+            return {**head, "choices": [choice], "usage": self.usage(self.live)}
         return {**head, "choices": [choice]}
 
     def text_chunks(self, i: int, piece: str, reason: str | None, lps: dict | None) -> list[dict]:
