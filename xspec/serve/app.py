@@ -338,6 +338,20 @@ def make_app(ctx: ServeContext) -> FastAPI:
             ids = await _chat_ids(ctx, body.messages or [], body.chat_template_kwargs)
         return {"count": len(ids), "max_model_len": ctx.max_context, "tokens": ids}
 
+    @app.get("/tokenizer_info")
+    async def tokenizer_info() -> dict:
+        """vLLM's shape, what lm-evaluation-harness's remote tokenizer
+        (``tokenizer_backend=remote``) reads before it tokenizes through /tokenize and
+        /detokenize. The special tokens have no text here (they are ids: the stop ids
+        end an output server-side), so they are null."""
+        return {
+            "tokenizer_class": "xspec",
+            "eos_token": None,
+            "bos_token": None,
+            "pad_token": None,
+            "model_max_length": ctx.max_context,
+        }
+
     @app.post("/detokenize")
     async def detokenize(body: DetokenizeRequest) -> dict:
         if body.model is not None:
