@@ -90,7 +90,8 @@ def test_each_choice_is_its_own_request(model: str, spec: str, cache: bool) -> N
     + i among n separate requests that each prefill the prompt alone and then decode
     together (the same decode batches: only the prefill is shared); the target ran the
     prompt once instead of n times. Greedy, each also equals its request run alone (at
-    T > 0 a decode batch of n may round otherwise than a batch of one, grouped or not)."""
+    T > 0 a decode batch of n may round otherwise than a batch of one, grouped or not:
+    see the batch-invariant test below)."""
     llm = llm_of(model, spec)
     for prompt in (ids(BLOCK + 45, 1), ids(37, 2)):
         for params in REGIMES:
@@ -108,6 +109,26 @@ def test_each_choice_is_its_own_request(model: str, spec: str, cache: bool) -> N
             if params.temperature == 0:
                 alone = run_alone(engine(llm, cache), prompt, params)
                 assert all(g.token_ids == alone.token_ids for g in gens)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("spec", ["none", "mtp", "dspark"])
+@pytest.mark.parametrize("cache", [False, True], ids=["cache-off", "cache-on"])
+def test_each_choice_is_its_request_alone_when_batch_invariant(spec: str, cache: bool) -> None:
+    """With ``platform.batch_invariant=true`` (the target's rows do not depend on their
+    batch) each choice equals its request run alone, bit for bit: greedy for every
+    drafter, and seeded at T > 0 for ``spec=none`` (a drafter's own forwards still
+    depend on their batch: its q, hence which drafts a sampled request accepts)."""
+    llm = xspec.LLM(
+        model="dsv4_tiny", spec=spec, platform="cpu",
+        overrides={**FP32, "platform.batch_invariant": True},
+    )  # fmt: skip
+    prompt = ids(BLOCK + 45, 1)
+    for params in REGIMES if spec == "none" else REGIMES[:1]:
+        gens = run_group(engine(llm, cache), prompt, params, N)
+        for i, gen in enumerate(gens):
+            alone = run_alone(engine(llm, cache), prompt, choice(params, i))
+            assert same(gen, alone), (params.seed, i)
 
 
 def test_the_prompt_is_prefilled_once_and_choices_differ() -> None:
