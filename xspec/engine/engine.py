@@ -22,6 +22,10 @@ Times are seconds on the engine's clock (:meth:`Engine.reset_clock`; a batch run
 it, and every request of a batch arrives at 0); TTFT and latency count from admission,
 the wait before it is the queue time (:class:`Generation`).
 
+The ``n`` choices of one prompt (:meth:`Engine.add`'s ``group``) are admitted together
+and the prompt is prefilled once; the others take copies of its states
+(:func:`xspec.spec.step.fork`).
+
 With a prefix cache (:mod:`xspec.engine.prefix_cache`) admission looks each prompt up
 and a newcomer's states are restored from its longest cached prefix; every prefill then
 runs in cache blocks (:mod:`xspec.spec.block_prefill`), snapshotting each boundary. The
