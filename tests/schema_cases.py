@@ -137,3 +137,20 @@ def check(name: str, text: str) -> Any:
     except jsonschema.ValidationError as e:
         raise AssertionError(f"{name}: output does not validate ({e.message}): {text!r}") from None
     return value
+
+
+# a small reference schema as a response_format (the server tests that need one)
+REF_SCHEMA = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string", "pattern": "^[a-z_]{1,10}$"},
+        "kind": {"enum": ["function", "class"]},
+        "line": {"type": "integer", "minimum": 0, "maximum": 999},
+    },
+    "required": ["name", "kind", "line"],
+    "additionalProperties": False,
+}
+REF_FORMAT = {
+    "type": "json_schema",
+    "json_schema": {"name": "ref", "schema": REF_SCHEMA, "strict": True},
+}

@@ -11,20 +11,10 @@ import re
 import httpx
 import pytest
 
+from tests.schema_cases import REF_FORMAT as FORMAT
 from tests.serve.conftest import LiveServer
 
 SERVERS = [("dsv4_tiny", "dspark", {"model.dtype": "float32"})]
-SCHEMA = {
-    "type": "object",
-    "properties": {
-        "name": {"type": "string", "pattern": "^[a-z_]{1,10}$"},
-        "kind": {"enum": ["function", "class"]},
-        "line": {"type": "integer", "minimum": 0, "maximum": 999},
-    },
-    "required": ["name", "kind", "line"],
-    "additionalProperties": False,
-}
-FORMAT = {"type": "json_schema", "json_schema": {"name": "ref", "schema": SCHEMA, "strict": True}}
 
 
 @pytest.mark.parametrize("served", SERVERS, indirect=True, ids=lambda s: s[1])

@@ -13,23 +13,14 @@ import httpx
 import jsonschema
 import pytest
 
+from tests.schema_cases import REF_FORMAT as FORMAT
+from tests.schema_cases import REF_SCHEMA as SCHEMA
 from tests.serve.conftest import LiveServer
 
 SERVERS = [
     ("dsv4_tiny", "dspark", {"model.dtype": "float32"}),  # the prompt opens <think>
     ("qwen3_tiny", "none", None),  # the model writes <think>
 ]
-SCHEMA = {
-    "type": "object",
-    "properties": {
-        "name": {"type": "string", "pattern": "^[a-z_]{1,10}$"},
-        "kind": {"enum": ["function", "class"]},
-        "line": {"type": "integer", "minimum": 0, "maximum": 999},
-    },
-    "required": ["name", "kind", "line"],
-    "additionalProperties": False,
-}
-FORMAT = {"type": "json_schema", "json_schema": {"name": "ref", "schema": SCHEMA, "strict": True}}
 MESSAGES = [{"role": "user", "content": "def parse_record(line):\n"}]
 THINKING = {"chat_template_kwargs": {"thinking": True}}
 TOOLS = [
