@@ -24,7 +24,7 @@ from tests.spec.test_verify_stats import CHI2_CRIT_0001, N, assert_follows, chi_
 from xspec.engine.engine import Request
 from xspec.errors import RequestError
 from xspec.sampling import SamplingParams, logits_to_probs
-from xspec.spec.processors import Processors, process_rows
+from xspec.spec.processors import DraftProcessors, Processors, process_rows
 from xspec.spec.verify import rejection_sample
 
 VOCAB = 5
@@ -267,3 +267,61 @@ def test_seeded_keeps_every_field() -> None:
 
     params = dataclasses.replace(PROCESSORS["bias_min_tokens"], seed=5, logprobs=3)
     assert seeded(params, 2) == dataclasses.replace(params, seed=7)
+
+
+# -- the drafter proposes under the processors ------------------------------------------------
+
+PENALTIES: dict[str, Any] = dict(
+    presence_penalty=0.5, frequency_penalty=0.5, repetition_penalty=1.1
+)
+
+
+@pytest.mark.parametrize("spec", ["mtp", "dspark"])
+def test_drafts_under_the_processors_are_accepted_more(spec: str) -> None:
+    """Greedy, with penalties: drafts proposed under the request's processors are accepted
+    more often than drafts proposed without them, and the outputs are the same."""
+    llm = trained(spec)
+    drafter = llm.engine.drafter
+    assert drafter.process_drafts
+
+    def run() -> tuple[list[list[int]], int]:
+        gens = llm.generate(E2E_PROMPTS, 48, **PENALTIES)
+        return [g.token_ids for g in gens], sum(g.spec.num_accepted_tokens for g in gens)
+
+    tokens, accepted = run()
+    drafter.process_drafts = False
+    try:
+        tokens_off, accepted_off = run()
+    finally:
+        drafter.process_drafts = True
+    assert tokens == tokens_off
+    assert accepted > accepted_off, (accepted, accepted_off)  # mtp 27 vs 22, dspark 58 vs 40
+
+
+def test_draft_processors_count_the_drafts_before_each_position() -> None:
+    """Position k of a proposal is processed as the verify row k of the same drafts (bit
+    for bit); requests without processors keep their raw logits."""
+    params = SamplingParams(
+        presence_penalty=0.5,
+        frequency_penalty=0.25,
+        repetition_penalty=1.7,
+        logit_bias=((3, -2.0),),
+        min_tokens=3,
+    )
+    raw = torch.randn(4, 2, VOCAB, generator=torch.Generator().manual_seed(4))  # [G, B, V]
+    drafts = torch.tensor([[2, 0], [2, 1], [4, 4], [1, 1]])  # [G, B]
+    history = [*PROMPT, ANCHOR]
+    proc = Processors(params, PROMPT, STOP, VOCAB, torch.device("cpu"))
+    proc.catch_up(history)
+    draft = DraftProcessors.of([proc, None])
+    assert draft is not None and DraftProcessors.of([None, None]) is None
+    rows = []
+    for k in range(4):
+        out = draft.logits(raw[k])
+        assert torch.equal(out[1], raw[k, 1])
+        rows.append(out[0])
+        draft.push(drafts[k])
+    verify = Processors(params, PROMPT, STOP, VOCAB, torch.device("cpu"))
+    block = process_rows(raw[:, 0], [verify], [4], drafts[None, :3, 0], [history])
+    assert torch.equal(torch.stack(rows), block)
+    assert torch.equal(proc.counts, verify.counts)  # the request's own counts untouched

@@ -24,6 +24,9 @@ layers. With the anchor ``a`` (last committed token) at position ``p``:
   its own. Under a grammar (``DraftRequest.guide``) each position's logits are masked to
   what the grammar allows after the drafts before it (one token where it forces one), so
   a block never holds a forbidden token and the Markov head conditions on allowed ones.
+  Before that mask the request's penalties, ``logit_bias`` and ``min_tokens`` process
+  each position with the drafts before it counted, as its verify row will be
+  (:class:`~xspec.spec.processors.DraftProcessors`).
   The confidence head, where the checkpoint has one, scores every position
   after the loop, in one batched call; a calibration file (per-position temperatures,
   :mod:`xspec.spec.adaptive.calibration`, the fit of each request's sampling regime) divides its
@@ -47,6 +50,7 @@ from xspec.sampling import SamplingParams, draw_uniforms, logits_to_probs, sampl
 from xspec.spec.adaptive.calibration import ConfidenceCalibration
 from xspec.spec.constrained import DraftGuide, advance, guided_logits
 from xspec.spec.drafter import CommittedRows, Drafter, DraftProposal, DraftRequest
+from xspec.spec.processors import DraftProcessors
 
 
 def sample_block(
@@ -56,6 +60,7 @@ def sample_block(
     params: list[SamplingParams],
     generators: list[torch.Generator | None],
     guides: list[DraftGuide | None] | None = None,
+    processors: DraftProcessors | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Draw a block left to right: ``logits [B, G, V]`` raw base logits of the rows that
     predict positions ``p+1 .. p+G``, ``anchors [B]``.
@@ -63,13 +68,15 @@ def sample_block(
     Returns ``tokens [B, G]``, ``probs [B, G, V]`` (the processed q each token was drawn
     from) and ``prev [B, G]`` (the token before each position: the anchor, then drafts).
     With ``markov`` each position's raw logits get ``bias(prev)`` before processing; with
-    ``guides`` (structured output) they are then masked by each request's grammar at the
-    path so far, and each draft is pushed (:mod:`xspec.spec.constrained`).
+    ``processors`` they then get each request's penalties and biases with the drafts
+    before the position counted (:mod:`xspec.spec.processors`); with ``guides``
+    (structured output) they are then masked by each request's grammar at the path so
+    far, and each draft is pushed (:mod:`xspec.spec.constrained`).
     """
     positions = logits.shape[1]
     guides = guides or [None] * len(params)
     if all(g is None for g in generators) and all(p.greedy and p.valid for p in params):
-        return _greedy_block(logits, anchors, markov, guides)
+        return _greedy_block(logits, anchors, markov, guides, processors)
     # every position's uniform at once, position k in column k: what drawing them one
     # position at a time takes from each request's own generator, in one call a request
     counts = [0 if g is None else positions for g in generators]
@@ -77,11 +84,14 @@ def sample_block(
     prev, tokens, probs, prevs = anchors, [], [], []
     for k in range(positions):
         raw = logits[:, k] if markov is None else logits[:, k] + markov.bias(prev)  # [B, V]
+        raw = raw if processors is None else processors.logits(raw)  # penalties, biases
         raw = guided_logits(guides, raw)  # the grammar's allowed set at the path so far
         q = logits_to_probs(raw, params)  # [B, V]: the request's temperature/top-k/top-p
         prevs.append(prev)
         prev = sample(q, generators, check_greedy=False, uniforms=u[:, k] if u.shape[1] else None)
         advance(guides, prev)
+        if processors is not None:
+            processors.push(prev)
         tokens.append(prev)
         probs.append(q)
     return torch.stack(tokens, 1), torch.stack(probs, 1), torch.stack(prevs, 1)
@@ -92,6 +102,7 @@ def _greedy_block(
     anchors: torch.Tensor,
     markov: MarkovHead | None,
     guides: list[DraftGuide | None],
+    processors: DraftProcessors | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """:func:`sample_block` when every request is greedy: each draft is the argmax of its
     biased logits (ties to the lowest index, as ``logits_to_probs``), q the one-hot
@@ -100,10 +111,13 @@ def _greedy_block(
     prev, tokens, prevs = anchors, [], []
     for k in range(logits.shape[1]):
         raw = logits[:, k] if markov is None else logits[:, k] + markov.bias(prev)  # [B, V]
+        raw = raw if processors is None else processors.logits(raw)
         raw = guided_logits(guides, raw)
         prevs.append(prev)
         prev = raw.float().argmax(dim=-1)  # [B]
         advance(guides, prev)
+        if processors is not None:
+            processors.push(prev)
         tokens.append(prev)
     drafts = torch.stack(tokens, 1)  # [B, G]
     probs = torch.zeros(logits.shape, dtype=torch.float32, device=logits.device)
@@ -209,7 +223,10 @@ class BlockDrafter(Drafter):
         params = [r.params for r in requests]
         markov = self.model.markov if self.layout is BlockLayout.DSPARK else None
         generators, guides = [r.generator for r in requests], [r.guide for r in requests]
-        drafts, probs, prev = sample_block(logits, anchors, markov, params, generators, guides)
+        procs = DraftProcessors.of([r.processors for r in requests])
+        drafts, probs, prev = sample_block(
+            logits, anchors, markov, params, generators, guides, procs
+        )
         confidence = None
         if self.model.confidence is not None:
             embed = self.model.markov.embed(prev) if self.model.confidence.with_markov else None  # type: ignore[union-attr]

@@ -24,6 +24,11 @@ in ``DraftRequest.guide``: at each draft position it masks the logits with
 the draft with :func:`~xspec.spec.constrained.advance`, so the next position conditions
 on an allowed token. Other drafters propose freely; the step masks afterwards.
 
+Penalties, ``logit_bias`` and ``min_tokens``: ``DraftRequest.processors`` (while
+``process_drafts``) carries the request's :class:`~xspec.spec.processors.Processors`; a
+drafter that proposes under them passes each position's logits through
+:class:`~xspec.spec.processors.DraftProcessors` before the grammar mask and sampling.
+
 Memory: ``kv_bytes()`` gives the analytic per-sequence bytes of ``new_state`` (fixed +
 per token; the engine's planner adds them to the target's) and ``new_state(max_tokens)``
 caps a state's growing buffers at the engine's reservation, so the bytes a state
@@ -81,6 +86,7 @@ if TYPE_CHECKING:
     from xspec.platforms.base import Platform
     from xspec.spec.adaptive.calibration import ConfidenceCalibration
     from xspec.spec.constrained import DraftGuide
+    from xspec.spec.processors import Processors
 
 
 @dataclass(frozen=True)
@@ -154,6 +160,9 @@ class DraftRequest:
     # structured output, to a drafter that ``masks_inside``: the request's grammar along
     # the drafts (mask each position's logits with it, push each draft); None: free text
     guide: DraftGuide | None = None
+    # penalties / logit_bias / min_tokens, caught up with the committed tokens: a drafter
+    # that reads them proposes under them (:class:`~xspec.spec.processors.DraftProcessors`)
+    processors: Processors | None = None
 
 
 class Drafter(abc.ABC):
@@ -169,6 +178,9 @@ class Drafter(abc.ABC):
     # spec.mask_drafts: drafts follow the grammar (false: proposed unmasked; the verify
     # rows stay masked, outputs are the same). A drafter sets it from its spec section.
     mask_drafts: bool = True
+    # drafts proposed under the request's processors (``DraftRequest.processors``); false:
+    # without them, as before (outputs are the same; tests and benchmarks compare)
+    process_drafts: bool = True
     calibration: ConfidenceCalibration | None = None  # its confidence calibration, if any
     calibration_file: Path | None = None  # where ``calibration`` was read from
 

@@ -21,7 +21,9 @@ generator, so the full q the rejection sampler needs is exactly what was sampled
 Under a grammar (``DraftRequest.guide``, ``spec.mask_drafts``) each position's logits are
 first masked to what the grammar allows after the drafts before it (one token where it
 forces one), and the next MTP step runs on that draft
-(:mod:`xspec.spec.constrained`).
+(:mod:`xspec.spec.constrained`). Before that mask, the request's penalties, ``logit_bias``
+and ``min_tokens`` process each position with the drafts before it counted
+(:class:`~xspec.spec.processors.DraftProcessors`), as its verify row will be.
 The MTP consumes ``CommittedRows.hidden``, not aux captures: ``capture_layer_ids`` is empty.
 """
 
@@ -40,6 +42,7 @@ from xspec.registry import families_where, family_named
 from xspec.sampling import logits_to_probs, sample
 from xspec.spec.constrained import advance, guided_logits
 from xspec.spec.drafter import CommittedRows, DraftDepth, Drafter, DraftProposal, DraftRequest
+from xspec.spec.processors import DraftProcessors
 
 if TYPE_CHECKING:
     from xspec.models.deepseek_v4.mtp import MtpBlock
@@ -192,6 +195,7 @@ class MtpDrafter(Drafter):
         params = [r.params for r in requests]
         generators = [r.generator for r in requests]
         guides = [r.guide for r in requests]  # structured output: xspec.spec.constrained
+        procs = DraftProcessors.of([r.processors for r in requests])  # penalties and biases
         start = [s.num_tokens for s in states]  # the anchors' positions
         logits = torch.stack([s.logits for s in states])  # type: ignore[misc]  # [B, V]
         hidden = torch.stack([s.hidden for s in states])  # type: ignore[misc]  # [B, hc, d]
@@ -201,10 +205,13 @@ class MtpDrafter(Drafter):
             if k:  # d_{k+1} from (own hidden, d_k) at the next position
                 hidden = self._run(states, hidden, tokens[-1], [1] * len(states), own=True)
                 logits = self.module.draft_logits(hidden)
-            q = logits_to_probs(guided_logits(guides, logits), params)  # [B, V]
+            raw = logits if procs is None else procs.logits(logits)  # as the verify rows
+            q = logits_to_probs(guided_logits(guides, raw), params)  # [B, V]
             tokens.append(sample(q, generators, check_greedy=False))  # [B], no device read
             probs.append(q)
             advance(guides, tokens[-1])  # the grammar's next mask (with a guide: a host read)
+            if procs is not None:
+                procs.push(tokens[-1])  # counted by the next position's penalties
         for state, n in zip(states, start):
             state.cache.truncate(n)  # drop the speculative rows (exact)
         greedy = all(p.greedy for p in params)

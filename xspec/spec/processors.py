@@ -7,9 +7,15 @@ generated tokens so far plus the drafts ``d_1 .. d_(j-1)``, and the bonus row ev
 draft. The processed rows then go through ``logits_to_probs`` and the rejection sampler
 as usual, so the output follows the penalised target distribution exactly.
 
-The drafter proposes without them: its q is the distribution its drafts were drawn
-from (temperature / top-k / top-p only), which the rejection sampler needs and nothing
-more; exactness never depends on q matching p, only acceptance does.
+The drafter proposes under them too (:class:`DraftProcessors`, where the drafter passes
+each position through it: MTP, DSpark, DFlash), position by position: the draft at
+position k (predicting the token after ``d_k``) counts the generated tokens plus the
+drafts ``d_1 .. d_k`` it sampled before, so it is processed with the history its verify
+row will have. Its q is still exactly the distribution each draft was drawn from (the
+processed, grammar-masked, tempered one), which is all the rejection sampler needs:
+exactness holds by construction and does not depend on q matching p; acceptance does,
+and without the processors in the drafter a penalty's repeated tokens are drafted and
+rejected (``Drafter.process_drafts`` off proposes that way, for comparison).
 
 Order, as vLLM's sampler: ``logit_bias`` is added, the stop ids are masked while fewer
 than ``min_tokens`` tokens were generated, then vLLM's ``repetition_penalty`` (a seen
@@ -21,12 +27,14 @@ subtracted (output tokens only). Temperature, top-k and top-p come after, in
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 
 from xspec.errors import RequestError
 from xspec.sampling import SamplingParams
 
-__all__ = ["Processors", "process_rows"]
+__all__ = ["DraftProcessors", "Processors", "process_rows"]
 
 
 class Processors:
@@ -78,26 +86,69 @@ class Processors:
         """``logits [n+1, V]`` of one sequence's verify rows (row j after the drafts
         ``drafts[:j]``, ``drafts [n]``), ``generated`` tokens before row 0's -> processed
         ``[n+1, V]`` float32."""
+        rows = logits.shape[0]
+        counts = self.counts.expand(rows, -1)  # [n+1, V]
+        if rows > 1:  # row j counts d_1 .. d_j too (strictly lower triangle of drafts)
+            seen = torch.ones(rows, rows - 1, device=logits.device).tril(-1)  # [n+1, n]
+            counts = counts.clone().scatter_add_(1, drafts[None, :].expand(rows, -1), seen)
+        return self.process(logits, counts, generated)
+
+    def process(self, logits: torch.Tensor, counts: torch.Tensor, generated: int) -> torch.Tensor:
+        """``logits [R, V]`` with the output token ``counts [R, V]`` of each row's history;
+        row r follows ``generated + r`` generated tokens -> processed ``[R, V]`` float32."""
         p, rows = self.params, logits.shape[0]
         out = logits.float()
         if self.bias is not None:
             out = out + self.bias
         if p.min_tokens and self.stop.numel():
-            masked = torch.arange(rows, device=out.device) + generated < p.min_tokens  # [n+1]
+            masked = torch.arange(rows, device=out.device) + generated < p.min_tokens  # [R]
             out = out.clone() if out is logits else out
             out[masked[:, None] & _in(self.stop, out.shape[1])] = float("-inf")
-        counts = self.counts.expand(rows, -1)  # [n+1, V]
-        if rows > 1:  # row j counts d_1 .. d_j too (strictly lower triangle of drafts)
-            seen = torch.ones(rows, rows - 1, device=out.device).tril(-1)  # [n+1, n]
-            counts = counts.clone().scatter_add_(1, drafts[None, :].expand(rows, -1), seen)
         if p.repetition_penalty != 1.0:
             assert self.prompt_seen is not None
-            rep = self.prompt_seen | (counts > 0)  # [n+1, V]
+            rep = self.prompt_seen | (counts > 0)  # [R, V]
             penalised = torch.where(out > 0, out / p.repetition_penalty, out * p.repetition_penalty)
             out = torch.where(rep, penalised, out)
         if p.frequency_penalty or p.presence_penalty:
             out = out - p.frequency_penalty * counts - p.presence_penalty * (counts > 0).float()
         return out
+
+
+class DraftProcessors:
+    """The processors of a batch of draft requests along one proposal, position by
+    position: :meth:`logits` processes a position's raw logits (each row with its
+    request's history and the drafts before it), :meth:`push` counts the drafts sampled
+    there. ``processors [B]`` must have caught up with the committed tokens
+    (:meth:`Processors.catch_up`); their counts are copied, never changed."""
+
+    def __init__(self, processors: Sequence[Processors | None]) -> None:
+        self.rows = [b for b, p in enumerate(processors) if p is not None]
+        self.procs = [p for p in processors if p is not None]
+        self.counts = torch.stack([p.counts for p in self.procs])  # [R, V]: a copy
+        self.drafted = 0  # positions pushed so far
+        self._index = torch.tensor(self.rows, dtype=torch.long, device=self.counts.device)
+
+    @classmethod
+    def of(cls, processors: Sequence[Processors | None]) -> DraftProcessors | None:
+        """None when no request has processors: the drafter then pays nothing."""
+        return cls(processors) if any(p is not None for p in processors) else None
+
+    def logits(self, raw: torch.Tensor) -> torch.Tensor:
+        """``raw [B, V]`` of one draft position -> ``[B, V]`` float32, the rows of requests
+        with processors processed (a new tensor), the others as they were."""
+        out = raw.float().clone()
+        for i, (b, proc) in enumerate(zip(self.rows, self.procs)):
+            generated = proc.counted + self.drafted
+            out[b] = proc.process(raw[b : b + 1], self.counts[i : i + 1], generated)[0]
+        return out
+
+    def push(self, tokens: torch.Tensor) -> None:
+        """Count the drafts ``tokens [B]`` sampled at this position (on the device)."""
+        rows = torch.arange(len(self.rows), device=self.counts.device)
+        self.counts.index_put_(
+            (rows, tokens[self._index]), torch.ones_like(rows, dtype=torch.float32), accumulate=True
+        )
+        self.drafted += 1
 
 
 def _in(ids: torch.Tensor, vocab: int) -> torch.Tensor:

@@ -306,6 +306,7 @@ def _draft(
             seqs[b].generator,
             max_drafts=max_drafts[b],
             guide=None if guides is None else guides[b],
+            processors=_caught_up(seqs[b]) if drafter.process_drafts else None,
         )
         for b in drafting
     ]
@@ -320,6 +321,13 @@ def _draft(
         _scatter(proposal.probs, rows, len(seqs)),
         _scatter(proposal.confidence, rows, len(seqs)),
     )
+
+
+def _caught_up(seq: RunningSeq) -> Processors | None:
+    """The sequence's processors with its committed tokens counted (for the drafter)."""
+    if seq.processors is not None:
+        seq.processors.catch_up(seq.token_ids)
+    return seq.processors
 
 
 FIXED_DEPTH = FixedDepth()  # the default depth policy (it keeps no state: one for all)
