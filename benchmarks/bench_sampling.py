@@ -19,6 +19,8 @@ all threads: steadier than wall time on a loaded machine, since time the process
 for a core is not counted), and each as a ratio to the plain setting of the same method.
 Penalties and biases change the text, so they change acceptance: the tokens-per-step
 ratio is that effect, the TPOT and CPU ratios its sum with the processors' own time.
+``pen.undrafted`` runs the penalties with the drafter proposing without them
+(``Drafter.process_drafts`` off): what proposing under them gains.
 """
 
 from __future__ import annotations
@@ -45,6 +47,8 @@ SETTINGS: dict[str, dict[str, Any]] = {
     "logit_bias": {"logit_bias": {t: -2.0 for t in range(100, 116)}},
 }
 INVARIANT = "batch_inv."  # the plain workload on the platform.batch_invariant build
+# the penalties with the drafter proposing without them (Drafter.process_drafts off)
+UNDRAFTED = "pen.undrafted"
 Row = tuple[float, float, float]  # (TPOT s, tokens per step, CPU s per output token)
 
 
@@ -93,6 +97,7 @@ def main() -> None:
           f"requests={args.requests} max_new={args.max_new} reps={args.reps} "
           f"threads={args.threads}")  # fmt: skip
     settings = {name: (name, kw) for name, kw in SETTINGS.items()}
+    settings[UNDRAFTED] = (UNDRAFTED, SETTINGS["penalties"])
     variants = {"": cfg}
     if args.batch_invariant:
         variants[INVARIANT] = {**cfg, "platform.batch_invariant": True}
@@ -109,10 +114,12 @@ def main() -> None:
         for i, spec in enumerate(_rotated(args.spec, rep)):
             for name in _rotated(list(settings), rep + i):
                 variant = INVARIANT if name == INVARIANT else ""
-                row = run(llms[spec, variant], args, settings[name][1])
+                llm = llms[spec, variant]
+                llm.engine.drafter.process_drafts = name != UNDRAFTED
+                row = run(llm, args, settings[name][1])
                 results.setdefault((spec, name), []).append(row)
     print(
-        f"{'spec':7} {'setting':11} {'TPOT ms':>8} {'tok/step':>8} {'CPU ms/tok':>10} "
+        f"{'spec':7} {'setting':13} {'TPOT ms':>8} {'tok/step':>8} {'CPU ms/tok':>10} "
         f"{'TPOT x':>7} {'tok/step x':>10} {'CPU x':>6}"
     )
     for spec in args.spec:
@@ -120,7 +127,7 @@ def main() -> None:
         for name in settings:
             t, s, c = (statistics.median(r[k] for r in results[spec, name]) for k in range(3))
             print(
-                f"{spec:7} {name:11} {t * 1e3:8.2f} {s:8.2f} {c * 1e3:10.2f} "
+                f"{spec:7} {name:13} {t * 1e3:8.2f} {s:8.2f} {c * 1e3:10.2f} "
                 f"{t / base[0]:7.3f} {s / base[1]:10.3f} {c / base[2]:6.3f}"
             )
 
