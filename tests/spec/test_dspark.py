@@ -25,6 +25,7 @@ from xspec.platforms.base import SasMode
 from xspec.platforms.npu.emulated import NpuPolicyCpuPlatform
 from xspec.sampling import SamplingParams, logits_to_probs, sample
 from xspec.spec.block import sample_block
+from xspec.spec.processors import DraftProcessors, Processors, process_rows
 from xspec.spec.verify import rejection_sample
 
 
@@ -221,6 +222,42 @@ def test_markov_loop_follows_the_sampled_drafts() -> None:
     for k in range(g):
         want = logits_to_probs(base[:, k] + head.bias(prev[:, k]), params)
         torch.testing.assert_close(probs[:, k], want)
+
+
+@pytest.mark.parametrize("temperature", [0.8, 0.0])
+def test_block_drafts_under_the_processors(temperature: float) -> None:
+    """With a request's processors each position's biased logits are processed as its
+    verify row will be (the drafts before it counted), before temperature: q is what was
+    sampled from (greedy: the argmax); a request without processors is drafted as before."""
+    gen = torch.Generator().manual_seed(2)
+    vocab, g = 6, 4
+    head = random_head(vocab, 3, gen)
+    base = 3 * torch.randn(2, g, vocab, generator=gen)
+    penalties = dict(frequency_penalty=1.5, presence_penalty=1.0, repetition_penalty=2.0)
+    params = [
+        SamplingParams(temperature=temperature, seed=1, logit_bias=((3, 1.0),), **penalties),
+        SamplingParams(temperature=temperature, seed=2),
+    ]
+
+    def generators() -> list[torch.Generator | None]:
+        return [torch.Generator().manual_seed(s) for s in (1, 2)] if temperature else [None, None]
+
+    history = [0, 4, 1]  # prompt [0, 4], one token generated
+    proc = Processors(params[0], history[:2], frozenset({5}), vocab, torch.device("cpu"))
+    proc.catch_up(history)
+    drafts = DraftProcessors.of([proc, None])
+    anchors = torch.tensor([1, 5])
+    tokens, probs, prev = sample_block(base, anchors, head, params, generators(), None, drafts)
+    raw = torch.stack([base[:, k] + head.bias(prev[:, k]) for k in range(g)], 1)  # [2, g, V]
+    verify = Processors(params[0], history[:2], frozenset({5}), vocab, torch.device("cpu"))
+    rows = process_rows(raw[0], [verify], [g], tokens[:1, : g - 1], [history])  # [g, V]
+    torch.testing.assert_close(probs[0], logits_to_probs(rows, [params[0]] * g))
+    torch.testing.assert_close(probs[1], logits_to_probs(raw[1], [params[1]] * g))
+    free, _, _ = sample_block(base, anchors, head, params, generators())  # without them
+    assert torch.equal(free[1], tokens[1])
+    if not temperature:
+        assert torch.equal(tokens[0], rows.argmax(-1))
+        assert not torch.equal(free[0], tokens[0])  # the penalties changed the drafts
 
 
 def test_block_draws_each_request_s_uniforms_in_position_order() -> None:
