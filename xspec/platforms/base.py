@@ -245,9 +245,7 @@ class Platform(abc.ABC):
         if self._step_options is None:
             caps = self.capabilities
             ops, ops_line = REFERENCE_OPS, "reference torch ops"
-            compiling = caps.compile_backend is not None and (
-                self.compile == "on" or (self.compile == "auto" and caps.compile_by_default)
-            )
+            compiling = self._compiles()
             if self.kernels == "auto":
                 ops, ops_line = self.model_ops()
             # compiled MoE needs grouped GEMMs; padded rows need per-expert ones (a group's
@@ -301,6 +299,13 @@ class Platform(abc.ABC):
             )
         return problems
 
+    def _compiles(self) -> bool:
+        """The step functions are compiled (``platform.compile``, and a backend for it)."""
+        caps = self.capabilities
+        return caps.compile_backend is not None and (
+            self.compile == "on" or (self.compile == "auto" and caps.compile_by_default)
+        )
+
     def gemm_row_tile(self, dtype: torch.dtype) -> int | None:
         """The row count whose multiples make this platform's ``dtype`` GEMMs
         row-invariant (:mod:`xspec.models.invariant`; 1: they are as they come), or None
@@ -311,11 +316,8 @@ class Platform(abc.ABC):
     def _batch_invariance(self, dtype: str) -> list[str]:
         """``platform.batch_invariant``'s problems for a model in ``dtype``."""
         key = "platform.batch_invariant=true"
-        compiling = self.compile == "on" or (
-            self.compile == "auto" and self.capabilities.compile_by_default
-        )
         problems = []
-        if compiling:
+        if self._compiles() or self.compile == "on":  # (on without a backend: refused above)
             problems.append(f"{key} runs eager steps: set platform.compile=off")
         # what it is shown for: the reference sparse attention (kernels=reference, or
         # where a kernel declines a dtype) attends each query over its batch's widest
