@@ -450,11 +450,14 @@ def _guides(drafter: Drafter, seqs: list[RunningSeq]) -> list[DraftGuide | None]
     if all(s.constraint is None for s in seqs):
         return None
     return [
-        None
-        if s.constraint is None
-        else DraftGuide(s.constraint, min(drafter.gamma, s.remaining - 1))
+        None if s.constraint is None else DraftGuide(s.constraint, _grammar_cap(drafter, s))
         for s in seqs
     ]
+
+
+def _grammar_cap(drafter: Drafter, seq: RunningSeq) -> int:
+    """The most drafts a constrained sequence verifies: gamma, within what it can commit."""
+    return min(drafter.gamma, seq.remaining - 1)
 
 
 def _constrain(
@@ -488,9 +491,13 @@ def _constrain(
             assert guide is not None
             walked = guide.finish(n, q)
         else:
-            cap = min(drafter.gamma, s.remaining - 1)
             walked = constrain_drafts(
-                s.constraint, host[b][:n], q, cap, s.generator, redraw=drafter.mask_drafts
+                s.constraint,
+                host[b][:n],
+                q,
+                _grammar_cap(drafter, s),
+                s.generator,
+                redraw=drafter.mask_drafts,
             )
         tokens.append(walked.tokens)
         probs.append(walked.probs)
