@@ -10,6 +10,7 @@ import torch
 from tests.platforms.conformance import NativeSas, PlatformCfg, PlatformConformance
 from xspec.errors import ConfigError, PlatformError
 from xspec.models.base import CapturePoint, CaptureSite
+from xspec.models.ops import REFERENCE_OPS, ModelOps
 from xspec.platforms import get_platform
 from xspec.platforms.auto import AutoPlatform
 from xspec.platforms.base import Capabilities, Platform
@@ -103,6 +104,18 @@ def test_batch_invariant_where_it_is_not_shown_is_refused(
     assert (
         CpuPlatform(PlatformCfg(name="cpu", batch_invariant=True)).validate(dtype="float32") == []
     )
+
+
+def test_batch_invariant_without_the_kernels_loaded_is_refused() -> None:
+    """kernels=auto where the native kernels did not load (no C compiler): the reference
+    attention runs, which is not batch-invariant."""
+
+    class NoKernels(CpuPlatform):
+        def model_ops(self) -> tuple[ModelOps, str]:
+            return REFERENCE_OPS, "no C compiler (set $CC); using the reference torch ops"
+
+    problems = NoKernels(PlatformCfg(name="cpu", batch_invariant=True)).validate(dtype="float32")
+    assert any("needs the platform's attention kernel" in p for p in problems), problems
 
 
 def test_batch_invariant_needs_the_platform_to_promise_row_invariant_gemms() -> None:

@@ -334,6 +334,12 @@ class Platform(abc.ABC):
                 "(no row padding gives each row the same result in calls of different "
                 "sizes); set platform.batch_invariant=false"
             )
+        elif self.step_options().ops.sparse_attention is None:  # kernels=auto, none loaded
+            problems.append(
+                f"{key} needs the platform's attention kernel, and {self.name} runs the "
+                f"reference ops ({self.step_options().describe}); set "
+                "platform.batch_invariant=false"
+            )
         return problems
 
     def _row_tile(self) -> int:
